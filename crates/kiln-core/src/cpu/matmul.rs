@@ -1,0 +1,117 @@
+//! Batched matmul [B,M,K] x [B,K,N] on the `gemm` crate, which reads strided operands directly, so
+//! transposed views cost no copy. Many small matrices run in parallel over the batch; large ones let
+//! gemm parallelise inside.
+
+use gemm::{gemm, Parallelism};
+use rayon::prelude::*;
+
+use super::num::Num;
+use super::{as_f32, from_f32_like, typed};
+use crate::shape::Layout;
+use crate::storage::CpuStorage;
+use crate::{DType, Tensor};
+
+/// `dst[b] = a[b] @ b[b]` for strided f32/f64 operands. Safety rests on the layouts addressing only
+/// inside their buffers, which `Layout` guarantees for every tensor.
+fn gemm_batched<T: Num + 'static>(a: &[T], la: &Layout, b: &[T], lb: &Layout) -> Vec<T> {
+    let (bs, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
+    let mut out = vec![T::ZERO; bs * m * n];
+    if m * n == 0 {
+        return out;
+    }
+    let flops = m * n * k;
+    let run = |dst: &mut [T], i: usize, par: Parallelism| unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr().add(la.offset + i * la.strides[0]),
+            la.strides[2] as isize,
+            la.strides[1] as isize,
+            b.as_ptr().add(lb.offset + i * lb.strides[0]),
+            lb.strides[2] as isize,
+            lb.strides[1] as isize,
+            T::ZERO,
+            T::ONE,
+            false,
+            false,
+            false,
+            par,
+        )
+    };
+    if k == 0 {
+        return out;
+    }
+    if bs > 1 && flops < (1 << 21) {
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(i, dst)| run(dst, i, Parallelism::None));
+    } else {
+        let par = if flops >= (1 << 15) {
+            Parallelism::Rayon(rayon::current_num_threads())
+        } else {
+            Parallelism::None
+        };
+        for (i, dst) in out.chunks_mut(m * n).enumerate() {
+            run(dst, i, par);
+        }
+    }
+    out
+}
+
+/// Integer matmul: rare, so a plain loop over contiguous copies.
+fn naive<T: Num>(a: &[T], b: &[T], bs: usize, m: usize, k: usize, n: usize) -> Vec<T> {
+    let mut out = vec![T::ZERO; bs * m * n];
+    for i in 0..bs {
+        for r in 0..m {
+            for p in 0..k {
+                let av = a[i * m * k + r * k + p];
+                for c in 0..n {
+                    let o = &mut out[i * m * n + r * n + c];
+                    *o = o.add(av.mul(b[i * k * n + p * n + c]));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Strides of 0 (broadcast views) inside a matrix are materialized; gemm wants real strides there.
+fn gemm_ready(l: &Layout) -> bool {
+    l.strides[1] != 0 && l.strides[2] != 0
+}
+
+pub(super) fn matmul(a: &Tensor, b: &Tensor) -> CpuStorage {
+    let (bs, m, k, n) = (a.shape()[0], a.shape()[1], a.shape()[2], b.shape()[2]);
+    let (sa, sb) = (a.storage(), b.storage());
+    let (la, lb) = (a.layout().clone(), b.layout().clone());
+    let direct = gemm_ready(&la) && gemm_ready(&lb);
+    let (ca, cb) = (Layout::contiguous(&la.shape), Layout::contiguous(&lb.shape));
+    match (a.dtype(), &*sa, &*sb) {
+        (DType::F32, CpuStorage::F32(va), CpuStorage::F32(vb)) if direct => {
+            CpuStorage::F32(gemm_batched(va, &la, vb, &lb))
+        }
+        (DType::F64, CpuStorage::F64(va), CpuStorage::F64(vb)) if direct => {
+            CpuStorage::F64(gemm_batched(va, &la, vb, &lb))
+        }
+        (DType::F32 | DType::F16 | DType::BF16, _, _) => {
+            let out = gemm_batched(&as_f32(&sa, &la), &ca, &as_f32(&sb, &lb), &cb);
+            from_f32_like(a.dtype(), out)
+        }
+        (DType::F64, _, _) => {
+            CpuStorage::F64(gemm_batched(&typed(&sa, &la), &ca, &typed(&sb, &lb), &cb))
+        }
+        (DType::I32, _, _) => {
+            CpuStorage::I32(naive(&typed(&sa, &la), &typed(&sb, &lb), bs, m, k, n))
+        }
+        (DType::I64, _, _) => {
+            CpuStorage::I64(naive(&typed(&sa, &la), &typed(&sb, &lb), bs, m, k, n))
+        }
+        (DType::U8, _, _) => CpuStorage::U8(naive(&typed(&sa, &la), &typed(&sb, &lb), bs, m, k, n)),
+        (DType::Bool, _, _) => CpuStorage::Bool(Vec::new()), // rejected by Prim::infer
+    }
+}

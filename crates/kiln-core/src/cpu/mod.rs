@@ -1,0 +1,175 @@
+//! Eager CPU execution of the primitive ops. One file per prim family; this file dispatches and holds
+//! the strided-memory helpers they share. Half-precision values are computed in f32 and rounded back,
+//! as PyTorch's CPU kernels do.
+
+mod conv;
+mod elementwise;
+mod index;
+mod matmul;
+mod movement;
+mod num;
+mod random;
+mod reduce;
+
+use std::borrow::Cow;
+use std::sync::{Arc, RwLock};
+
+use crate::prim::{OutMeta, Prim};
+use crate::shape::Layout;
+use crate::storage::{CpuStorage, StorageElement};
+use crate::{with_storage, Result, Tensor};
+
+pub use random::{normal_sample, uniform_sample};
+
+/// Below this many elements a kernel runs on the calling thread: rayon's fork costs more.
+pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
+
+pub(crate) type Shared = Arc<RwLock<CpuStorage>>;
+
+fn owned(s: CpuStorage, shape: &[usize]) -> (Shared, Layout) {
+    (Arc::new(RwLock::new(s)), Layout::contiguous(shape))
+}
+
+pub(crate) fn execute(prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Result<(Shared, Layout)> {
+    let shape = &meta.shape;
+    Ok(match prim {
+        Prim::Permute(p) => (inputs[0].0.storage.clone(), inputs[0].layout().permute(p)),
+        Prim::Expand(s) => (inputs[0].0.storage.clone(), inputs[0].layout().expand(s)),
+        Prim::Slice {
+            dim,
+            start,
+            end,
+            step,
+        } => (
+            inputs[0].0.storage.clone(),
+            inputs[0].layout().slice(*dim, *start, *end, *step),
+        ),
+        Prim::Reshape(s) => match inputs[0].layout().reshape_view(s) {
+            Some(l) => (inputs[0].0.storage.clone(), l),
+            None => owned(materialize(inputs[0]), s),
+        },
+        Prim::Contiguous => owned(materialize(inputs[0]), shape),
+        Prim::Unary(op) => owned(elementwise::unary(*op, inputs[0]), shape),
+        Prim::Binary(op) => owned(elementwise::binary(*op, inputs[0], inputs[1]), shape),
+        Prim::Where => owned(elementwise::where_(inputs[0], inputs[1], inputs[2]), shape),
+        Prim::Cast(d) => owned(elementwise::cast(inputs[0], *d), shape),
+        Prim::Reduce { op, dims } => owned(reduce::reduce(*op, dims, inputs[0]), shape),
+        Prim::ArgReduce { op, dim } => owned(reduce::arg_reduce(*op, *dim, inputs[0]), shape),
+        Prim::Pad { pads, value } => owned(movement::pad(inputs[0], pads, *value, shape), shape),
+        Prim::Cat { dim } => owned(movement::cat(inputs, *dim, meta), shape),
+        Prim::Full { value, dtype, .. } => {
+            owned(CpuStorage::full(*dtype, meta_numel(meta), *value), shape)
+        }
+        Prim::Iota { n, dtype } => owned(
+            CpuStorage::from_f64s(*dtype, (0..*n).map(|i| i as f64)),
+            shape,
+        ),
+        Prim::Rand {
+            dtype,
+            dist,
+            seed,
+            offset,
+            ..
+        } => owned(
+            random::rand(*dtype, *dist, *seed, *offset, meta_numel(meta)),
+            shape,
+        ),
+        Prim::Gather { dim } => owned(index::gather(inputs[0], inputs[1], *dim)?, shape),
+        Prim::ScatterAdd { dim } => owned(
+            index::scatter_add(inputs[0], inputs[1], inputs[2], *dim)?,
+            shape,
+        ),
+        Prim::Matmul => owned(matmul::matmul(inputs[0], inputs[1]), shape),
+        Prim::Conv2d(p) => owned(conv::conv2d(inputs[0], inputs[1], p, shape), shape),
+        Prim::Conv2dGradInput {
+            params,
+            input_shape,
+        } => owned(
+            conv::conv2d_grad_input(inputs[0], inputs[1], params, input_shape),
+            shape,
+        ),
+        Prim::Conv2dGradWeight {
+            params,
+            weight_shape,
+        } => owned(
+            conv::conv2d_grad_weight(inputs[0], inputs[1], params, weight_shape),
+            shape,
+        ),
+    })
+}
+
+fn meta_numel(m: &OutMeta) -> usize {
+    m.shape.iter().product()
+}
+
+/// The elements of a strided view of `data`, contiguous. Borrows when the view already is.
+pub(crate) fn contig<'a, T: Copy + Send + Sync>(data: &'a [T], layout: &Layout) -> Cow<'a, [T]> {
+    let n = layout.numel();
+    if layout.is_contiguous() {
+        return Cow::Borrowed(&data[layout.offset..layout.offset + n]);
+    }
+    let mut out = Vec::with_capacity(n);
+    layout.for_each_offset(|o| out.push(data[o]));
+    Cow::Owned(out)
+}
+
+/// A tensor's elements as a contiguous slice of `T` (the storage must hold `T`).
+pub(crate) fn typed<'a, T: StorageElement>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [T]> {
+    match T::view(s) {
+        Some(v) => contig(v, layout),
+        None => Cow::Owned(Vec::new()), // unreachable: Prim::infer checked the dtype
+    }
+}
+
+/// A tensor's elements as contiguous f32, converting f16/bf16 (and borrowing f32).
+pub(crate) fn as_f32<'a>(s: &'a CpuStorage, layout: &Layout) -> Cow<'a, [f32]> {
+    match s {
+        CpuStorage::F32(v) => contig(v, layout),
+        CpuStorage::F16(v) => Cow::Owned(contig(v, layout).iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::BF16(v) => Cow::Owned(contig(v, layout).iter().map(|x| x.to_f32()).collect()),
+        other => Cow::Owned(
+            contig_f64(other, layout)
+                .iter()
+                .map(|&x| x as f32)
+                .collect(),
+        ),
+    }
+}
+
+fn contig_f64(s: &CpuStorage, layout: &Layout) -> Vec<f64> {
+    let mut out = Vec::with_capacity(layout.numel());
+    layout.for_each_offset(|o| out.push(s.get_f64(o)));
+    out
+}
+
+/// Rounds f32 results back to the half type `like` holds.
+pub(crate) fn from_f32_like(like: crate::DType, v: Vec<f32>) -> CpuStorage {
+    match like {
+        crate::DType::F16 => CpuStorage::F16(v.into_iter().map(half::f16::from_f32).collect()),
+        crate::DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()),
+        _ => CpuStorage::F32(v),
+    }
+}
+
+/// A contiguous copy of a tensor's elements.
+pub fn materialize(t: &Tensor) -> CpuStorage {
+    let s = t.storage();
+    with_storage!(&*s, v => StorageElement::wrap(contig(v, t.layout()).into_owned()))
+}
+
+/// Writes contiguous `values` into the positions `layout` addresses in `dst` (same dtype).
+pub(crate) fn write_strided(dst: &mut CpuStorage, layout: &Layout, values: &CpuStorage) {
+    fn go<T: StorageElement>(dst: &mut CpuStorage, layout: &Layout, values: &CpuStorage) {
+        if let (Some(d), Some(v)) = (T::view_mut(dst), T::view(values)) {
+            let mut i = 0;
+            layout.for_each_offset(|o| {
+                d[o] = v[i];
+                i += 1;
+            });
+        }
+    }
+    with_storage!(values, v => {
+        fn tag<T: StorageElement>(_: &[T]) -> fn(&mut CpuStorage, &Layout, &CpuStorage) { go::<T> }
+        tag(v)(dst, layout, values)
+    })
+}

@@ -1,0 +1,33 @@
+//! Pad and cat: the movement prims that write new buffers (views never reach a kernel).
+
+use super::{materialize, write_strided};
+use crate::prim::OutMeta;
+use crate::shape::Layout;
+use crate::storage::CpuStorage;
+use crate::Tensor;
+
+pub(super) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, shape: &[usize]) -> CpuStorage {
+    let mut out = CpuStorage::full(x.dtype(), shape.iter().product(), value);
+    let mut interior = Layout::contiguous(shape);
+    for (d, &(before, _)) in pads.iter().enumerate() {
+        interior = interior.slice(d, before, before + x.shape()[d], 1);
+    }
+    if x.numel() > 0 {
+        write_strided(&mut out, &interior, &materialize(x));
+    }
+    out
+}
+
+pub(super) fn cat(xs: &[&Tensor], dim: usize, meta: &OutMeta) -> CpuStorage {
+    let mut out = CpuStorage::full(meta.dtype, meta.shape.iter().product(), 0.0);
+    let full = Layout::contiguous(&meta.shape);
+    let mut at = 0;
+    for x in xs {
+        let len = x.shape()[dim];
+        if x.numel() > 0 {
+            write_strided(&mut out, &full.slice(dim, at, at + len, 1), &materialize(x));
+        }
+        at += len;
+    }
+    out
+}

@@ -1,0 +1,44 @@
+//! The single chokepoint every primitive op passes through: check the operands (`Prim::infer`),
+//! execute, and record an autograd node when gradients are wanted. High-level ops never execute
+//! anything themselves; they only call `apply`.
+
+use std::sync::Arc;
+
+use crate::autograd::{self, Node};
+use crate::prim::Prim;
+use crate::{Error, Result, Tensor};
+
+pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
+    if let Some(first) = inputs.first() {
+        if let Some(other) = inputs.iter().find(|t| t.device() != first.device()) {
+            return Err(Error::Device {
+                op: prim.name(),
+                lhs: first.device(),
+                rhs: other.device(),
+                msg: "all operands must be on one device".into(),
+            });
+        }
+    }
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
+    let dtypes: Vec<_> = inputs.iter().map(|t| t.dtype()).collect();
+    let meta = prim.infer(&shapes, &dtypes)?;
+    let (storage, layout) = crate::cpu::execute(&prim, inputs, &meta)?;
+    let needs_grad = autograd::is_grad_enabled()
+        && autograd::is_differentiable(&prim)
+        && inputs.iter().any(|t| t.requires_grad());
+    let out = Tensor::from_parts(storage, layout, meta.dtype, None);
+    if !needs_grad {
+        return Ok(out);
+    }
+    let node = Arc::new(Node {
+        prim,
+        inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+        output: out.clone(),
+    });
+    Ok(Tensor::from_parts(
+        out.0.storage.clone(),
+        out.0.layout.clone(),
+        meta.dtype,
+        Some(node),
+    ))
+}

@@ -1,0 +1,182 @@
+//! conv2d (an extern prim plus a broadcast bias add) and pooling as compositions of strided slices.
+
+use crate::dispatch::apply;
+use crate::prim::{ConvParams, Prim};
+use crate::{Error, Result, Tensor};
+
+fn check_nchw(op: &'static str, x: &Tensor) -> Result<()> {
+    if x.rank() != 4 {
+        return Err(Error::shape(
+            op,
+            format!("expects a 4-D [N, C, H, W] input, got {:?}", x.shape()),
+        ));
+    }
+    Ok(())
+}
+
+/// The kernel window positions of a pooling op: for each (ki, kj), the strided view of the padded
+/// input that the window's (ki, kj) element visits.
+fn windows(x: &Tensor, k: [usize; 2], s: [usize; 2], out: [usize; 2]) -> Result<Vec<Tensor>> {
+    let mut views = Vec::with_capacity(k[0] * k[1]);
+    for ki in 0..k[0] {
+        for kj in 0..k[1] {
+            let v = apply(
+                Prim::Slice {
+                    dim: 2,
+                    start: ki,
+                    end: ki + s[0] * (out[0].max(1) - 1) + 1,
+                    step: s[0],
+                },
+                &[x],
+            )?;
+            let v = apply(
+                Prim::Slice {
+                    dim: 3,
+                    start: kj,
+                    end: kj + s[1] * (out[1].max(1) - 1) + 1,
+                    step: s[1],
+                },
+                &[&v],
+            )?;
+            views.push(v);
+        }
+    }
+    Ok(views)
+}
+
+fn pool_geometry(
+    op: &'static str,
+    x: &Tensor,
+    k: [usize; 2],
+    s: [usize; 2],
+    p: [usize; 2],
+) -> Result<[usize; 2]> {
+    check_nchw(op, x)?;
+    if k.contains(&0) || s.contains(&0) {
+        return Err(Error::arg(
+            op,
+            format!("kernel {k:?} and stride {s:?} must be positive"),
+        ));
+    }
+    if p[0] * 2 > k[0] || p[1] * 2 > k[1] {
+        return Err(Error::arg(
+            op,
+            format!("padding {p:?} should be at most half of kernel {k:?}"),
+        ));
+    }
+    let (h, w) = (x.shape()[2] + 2 * p[0], x.shape()[3] + 2 * p[1]);
+    if h < k[0] || w < k[1] {
+        return Err(Error::shape(
+            op,
+            format!("kernel {k:?} larger than padded input {:?}", x.shape()),
+        ));
+    }
+    Ok([(h - k[0]) / s[0] + 1, (w - k[1]) / s[1] + 1])
+}
+
+impl Tensor {
+    /// `F.conv2d(x, w, b, stride, padding, dilation, groups)`.
+    pub fn conv2d(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        stride: [usize; 2],
+        padding: [usize; 2],
+        dilation: [usize; 2],
+        groups: usize,
+    ) -> Result<Tensor> {
+        check_nchw("conv2d", self)?;
+        let y = apply(
+            Prim::Conv2d(ConvParams {
+                stride,
+                padding,
+                dilation,
+                groups,
+            }),
+            &[self, weight],
+        )?;
+        match bias {
+            Some(b) => y.add(&b.reshape([1, b.numel(), 1, 1])?),
+            None => Ok(y),
+        }
+    }
+    /// `F.max_pool2d(x, kernel, stride, padding)`.
+    pub fn max_pool2d(
+        &self,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    ) -> Result<Tensor> {
+        let out = pool_geometry("max_pool2d", self, kernel, stride, padding)?;
+        let x = self.pad(
+            &[padding[1], padding[1], padding[0], padding[0]],
+            f64::NEG_INFINITY,
+        )?;
+        let views = windows(&x, kernel, stride, out)?;
+        let mut acc = views[0].clone();
+        for v in &views[1..] {
+            acc = acc.maximum(v)?;
+        }
+        Ok(acc)
+    }
+    /// `F.avg_pool2d(x, kernel, stride, padding, count_include_pad)`.
+    pub fn avg_pool2d(
+        &self,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+    ) -> Result<Tensor> {
+        let out = pool_geometry("avg_pool2d", self, kernel, stride, padding)?;
+        let pads = [padding[1], padding[1], padding[0], padding[0]];
+        let x = self.to_dtype(self.dtype().to_float())?.pad(&pads, 0.0)?;
+        let views = windows(&x, kernel, stride, out)?;
+        let mut acc = views[0].clone();
+        for v in &views[1..] {
+            acc = acc.add(v)?;
+        }
+        if count_include_pad || padding == [0, 0] {
+            return acc.div((kernel[0] * kernel[1]) as f64);
+        }
+        let ones =
+            Tensor::ones(&[1, 1, self.shape()[2], self.shape()[3]], x.dtype())?.pad(&pads, 0.0)?;
+        let counts = windows(&ones, kernel, stride, out)?;
+        let mut c = counts[0].clone();
+        for v in &counts[1..] {
+            c = c.add(v)?;
+        }
+        acc.div(&c)
+    }
+    /// `F.adaptive_avg_pool2d(x, (oh, ow))`: PyTorch's bins, start = floor(i*H/oh), end = ceil((i+1)*H/oh).
+    pub fn adaptive_avg_pool2d(&self, out: [usize; 2]) -> Result<Tensor> {
+        check_nchw("adaptive_avg_pool2d", self)?;
+        if out.contains(&0) {
+            return Err(Error::arg(
+                "adaptive_avg_pool2d",
+                format!("output size {out:?} must be positive"),
+            ));
+        }
+        let mut x = self.to_dtype(self.dtype().to_float())?;
+        for (axis, &o) in out.iter().enumerate() {
+            let dim = 2 + axis;
+            let n = x.shape()[dim];
+            if n % o == 0 {
+                // equal bins: a reshape and one mean
+                let mut s = x.shape().to_vec();
+                s[dim] = o;
+                s.insert(dim + 1, n / o);
+                x = x.reshape(s)?.mean(&[dim as isize + 1], false)?;
+                continue;
+            }
+            let bins = (0..o)
+                .map(|i| {
+                    let (a, b) = (i * n / o, ((i + 1) * n).div_ceil(o));
+                    x.narrow(dim as isize, a, b - a)?
+                        .mean(&[dim as isize], true)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            x = Tensor::cat(&bins.iter().collect::<Vec<_>>(), dim as isize)?;
+        }
+        Ok(x)
+    }
+}

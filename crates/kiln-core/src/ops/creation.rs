@@ -1,0 +1,148 @@
+//! Creation ops and the random generator.
+
+use std::sync::Mutex;
+
+use crate::dispatch::apply;
+use crate::prim::{Prim, RandDist};
+use crate::{DType, Error, Result, Tensor};
+
+/// A seedable source of (seed, offset) pairs for the counter-based `Rand` prim. Each draw advances
+/// the offset by the number of values drawn, so results depend only on the seed and the call order.
+#[derive(Clone, Debug)]
+pub struct Generator {
+    seed: u64,
+    offset: u64,
+}
+
+impl Generator {
+    pub fn new(seed: u64) -> Self {
+        Generator { seed, offset: 0 }
+    }
+    /// Reserves `n` values and returns (seed, first offset).
+    pub fn draw(&mut self, n: usize) -> (u64, u64) {
+        let at = self.offset;
+        self.offset += n as u64;
+        (self.seed, at)
+    }
+}
+
+static DEFAULT_GENERATOR: Mutex<Generator> = Mutex::new(Generator {
+    seed: 0x6b696c6e,
+    offset: 0,
+});
+
+/// `torch.manual_seed`: reseeds the default generator.
+pub fn manual_seed(seed: u64) {
+    *DEFAULT_GENERATOR.lock().unwrap_or_else(|e| e.into_inner()) = Generator::new(seed);
+}
+
+pub(crate) fn default_draw(n: usize) -> (u64, u64) {
+    DEFAULT_GENERATOR
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .draw(n)
+}
+
+impl Tensor {
+    pub fn full(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
+        apply(
+            Prim::Full {
+                shape: shape.to_vec(),
+                value,
+                dtype,
+            },
+            &[],
+        )
+    }
+    pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::full(shape, 0.0, dtype)
+    }
+    pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::full(shape, 1.0, dtype)
+    }
+    pub fn zeros_like(t: &Tensor) -> Result<Tensor> {
+        Tensor::full(t.shape(), 0.0, t.dtype())
+    }
+    pub fn ones_like(t: &Tensor) -> Result<Tensor> {
+        Tensor::full(t.shape(), 1.0, t.dtype())
+    }
+    pub fn full_like(t: &Tensor, value: f64) -> Result<Tensor> {
+        Tensor::full(t.shape(), value, t.dtype())
+    }
+    /// `torch.arange(start, end, step)`.
+    pub fn arange(start: f64, end: f64, step: f64, dtype: DType) -> Result<Tensor> {
+        if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
+            return Err(Error::arg(
+                "arange",
+                format!("invalid range start={start} end={end} step={step}"),
+            ));
+        }
+        let n = ((end - start) / step).ceil().max(0.0) as usize;
+        let compute = if dtype.is_float() { dtype } else { DType::F64 };
+        let i = apply(Prim::Iota { n, dtype: compute }, &[])?;
+        i.mul(step)?.add(start)?.to_dtype(dtype)
+    }
+    /// `torch.linspace(start, end, steps)`.
+    pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType) -> Result<Tensor> {
+        let i = apply(
+            Prim::Iota {
+                n: steps,
+                dtype: DType::F64,
+            },
+            &[],
+        )?;
+        let step = if steps > 1 {
+            (end - start) / (steps - 1) as f64
+        } else {
+            0.0
+        };
+        i.mul(step)?.add(start)?.to_dtype(dtype)
+    }
+    fn random(
+        shape: &[usize],
+        dtype: DType,
+        dist: RandDist,
+        gen: Option<&mut Generator>,
+    ) -> Result<Tensor> {
+        if !dtype.is_float() {
+            return Err(Error::dtype(
+                "rand",
+                dtype,
+                "random values need a floating-point dtype",
+            ));
+        }
+        let n = shape.iter().product();
+        let (seed, offset) = match gen {
+            Some(g) => g.draw(n),
+            None => default_draw(n),
+        };
+        apply(
+            Prim::Rand {
+                shape: shape.to_vec(),
+                dtype,
+                dist,
+                seed,
+                offset,
+            },
+            &[],
+        )
+    }
+    /// Uniform on [0, 1), from the default generator.
+    pub fn rand(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::random(shape, dtype, RandDist::Uniform, None)
+    }
+    /// Standard normal, from the default generator.
+    pub fn randn(shape: &[usize], dtype: DType) -> Result<Tensor> {
+        Tensor::random(shape, dtype, RandDist::Normal, None)
+    }
+    pub fn rand_with(shape: &[usize], dtype: DType, gen: &mut Generator) -> Result<Tensor> {
+        Tensor::random(shape, dtype, RandDist::Uniform, Some(gen))
+    }
+    pub fn randn_with(shape: &[usize], dtype: DType, gen: &mut Generator) -> Result<Tensor> {
+        Tensor::random(shape, dtype, RandDist::Normal, Some(gen))
+    }
+    /// Uniform on [low, high).
+    pub fn uniform(shape: &[usize], low: f64, high: f64, dtype: DType) -> Result<Tensor> {
+        Tensor::rand(shape, dtype)?.mul(high - low)?.add(low)
+    }
+}

@@ -1,0 +1,162 @@
+//! Reductions over any set of dims, with keepdim; softmax family.
+
+use crate::dispatch::apply;
+use crate::prim::{ArgReduceOp, Prim, ReduceOp};
+use crate::shape::norm_dim;
+use crate::{DType, Result, Tensor};
+
+/// Normalized, sorted, deduplicated dims; empty means every dim.
+fn reduce_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize>> {
+    if dims.is_empty() {
+        return Ok((0..x.rank()).collect());
+    }
+    let mut d = dims
+        .iter()
+        .map(|&i| norm_dim(op, i, x.rank()))
+        .collect::<Result<Vec<_>>>()?;
+    d.sort_unstable();
+    d.dedup();
+    if x.rank() == 0 {
+        d.clear();
+    }
+    Ok(d)
+}
+
+fn drop_dims(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+    if keepdim {
+        return Ok(x.clone());
+    }
+    let s: Vec<usize> = x
+        .shape()
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !dims.contains(i))
+        .map(|(_, &d)| d)
+        .collect();
+    x.reshape(s)
+}
+
+fn reduce(
+    x: &Tensor,
+    op: ReduceOp,
+    dims: &[isize],
+    keepdim: bool,
+    name: &'static str,
+) -> Result<Tensor> {
+    let d = reduce_dims(name, x, dims)?;
+    // sums and products of integers and bools accumulate in int64, as in PyTorch
+    let x = if matches!(op, ReduceOp::Sum | ReduceOp::Prod) && !x.dtype().is_float() {
+        x.to_dtype(DType::I64)?
+    } else if x.dtype() == DType::Bool {
+        x.to_dtype(DType::U8)?
+    } else {
+        x.clone()
+    };
+    let r = if d.is_empty() {
+        x.clone()
+    } else {
+        apply(
+            Prim::Reduce {
+                op,
+                dims: d.clone(),
+            },
+            &[&x],
+        )?
+    };
+    drop_dims(&r, &d, keepdim)
+}
+
+impl Tensor {
+    /// Sum over `dims` (all dims when empty).
+    pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        reduce(self, ReduceOp::Sum, dims, keepdim, "sum")
+    }
+    pub fn sum_all(&self) -> Result<Tensor> {
+        self.sum(&[], false)
+    }
+    pub fn prod(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        reduce(self, ReduceOp::Prod, dims, keepdim, "prod")
+    }
+    /// `amax`: the largest value over `dims`.
+    pub fn max(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        reduce(self, ReduceOp::Max, dims, keepdim, "max")
+    }
+    pub fn min(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        reduce(self, ReduceOp::Min, dims, keepdim, "min")
+    }
+    pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let d = reduce_dims("mean", &x, dims)?;
+        let count: usize = d.iter().map(|&i| x.shape()[i]).product();
+        x.sum(dims, keepdim)?.div(count as f64)
+    }
+    pub fn mean_all(&self) -> Result<Tensor> {
+        self.mean(&[], false)
+    }
+    /// Variance with Bessel's `correction` (1 = unbiased, PyTorch's default).
+    pub fn var(&self, dims: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let d = reduce_dims("var", &x, dims)?;
+        let count: usize = d.iter().map(|&i| x.shape()[i]).product();
+        let centered = x.sub(&x.mean(dims, true)?)?;
+        let denom = count as f64 - correction as f64;
+        centered.square()?.sum(dims, keepdim)?.div(denom.max(0.0))
+    }
+    pub fn std(&self, dims: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
+        self.var(dims, correction, keepdim)?.sqrt()
+    }
+    fn arg_reduce(
+        &self,
+        op: ArgReduceOp,
+        dim: Option<isize>,
+        keepdim: bool,
+        name: &'static str,
+    ) -> Result<Tensor> {
+        match dim {
+            None => {
+                let flat = self.reshape([self.numel()])?;
+                flat.arg_reduce(op, Some(0), false, name)
+            }
+            Some(dim) => {
+                let d = norm_dim(name, dim, self.rank())?;
+                let x = if self.rank() == 0 {
+                    self.reshape([1usize])?
+                } else {
+                    self.clone()
+                };
+                let r = apply(Prim::ArgReduce { op, dim: d }, &[&x])?;
+                if self.rank() == 0 {
+                    return r.reshape(Vec::<usize>::new());
+                }
+                drop_dims(&r, &[d], keepdim)
+            }
+        }
+    }
+    /// Index of the largest value along `dim` (of the flattened tensor when `None`).
+    pub fn argmax(&self, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
+        self.arg_reduce(ArgReduceOp::ArgMax, dim, keepdim, "argmax")
+    }
+    pub fn argmin(&self, dim: Option<isize>, keepdim: bool) -> Result<Tensor> {
+        self.arg_reduce(ArgReduceOp::ArgMin, dim, keepdim, "argmin")
+    }
+    /// `log(sum(exp(x)))` over `dims`, shifted by the (detached) max for stability.
+    pub fn logsumexp(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let m = x.max(dims, true)?.detach();
+        // an all -inf (or +inf) slice must not produce inf - inf
+        let m = Tensor::where_(&m.abs()?.eq(f64::INFINITY)?, 0.0, &m)?;
+        let s = x.sub(&m)?.exp()?.sum(dims, true)?.log()?.add(&m)?;
+        let d = reduce_dims("logsumexp", &x, dims)?;
+        drop_dims(&s, &d, keepdim)
+    }
+    pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        let m = x.max(&[dim], true)?.detach();
+        let e = x.sub(&m)?.exp()?;
+        e.div(&e.sum(&[dim], true)?)
+    }
+    pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        let x = self.to_dtype(self.dtype().to_float())?;
+        x.sub(&x.logsumexp(&[dim], true)?)
+    }
+}

@@ -1,0 +1,669 @@
+//! The primitive ops. Every high-level op in `ops/` is defined once as a composition of these; eager
+//! execution (`cpu/`), autograd (`autograd/vjp.rs`) and the compilers all work on this set alone.
+//! Matmul and the conv family are "extern" prims: they stay whole so vendor libraries can run them.
+//!
+//! Prims are strict so backends stay simple: elementwise prims take operands of one shape and one
+//! dtype (the high-level op broadcasts and promotes first), reductions keep their reduced dims.
+
+use crate::shape::numel;
+use crate::{DType, Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Log1p,
+    Sqrt,
+    Sin,
+    Cos,
+    Tanh,
+    Erf,
+    Floor,
+    Sign,
+    Recip,
+    Not,
+}
+
+impl UnaryOp {
+    /// Ops that only make sense on floating-point values.
+    pub fn float_only(self) -> bool {
+        !matches!(
+            self,
+            UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Sign | UnaryOp::Not | UnaryOp::Floor
+        )
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Max,
+    Min,
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    And,
+    Or,
+}
+
+impl BinaryOp {
+    pub fn is_comparison(self) -> bool {
+        matches!(
+            self,
+            BinaryOp::Eq | BinaryOp::Ne | BinaryOp::Lt | BinaryOp::Le | BinaryOp::Gt | BinaryOp::Ge
+        )
+    }
+    pub fn is_logical(self) -> bool {
+        matches!(self, BinaryOp::And | BinaryOp::Or)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Prod,
+    Max,
+    Min,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ArgReduceOp {
+    ArgMax,
+    ArgMin,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RandDist {
+    /// Uniform on [0, 1).
+    Uniform,
+    /// Standard normal.
+    Normal,
+}
+
+/// Geometry of a 2-D convolution (NCHW input, OIHW weight).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvParams {
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+}
+
+impl ConvParams {
+    /// Output spatial size for an input size and kernel size along one axis.
+    pub fn out_size(&self, axis: usize, input: usize, kernel: usize) -> Option<usize> {
+        let span = self.dilation[axis] * (kernel.max(1) - 1) + 1;
+        let padded = input + 2 * self.padding[axis];
+        if padded < span {
+            return None;
+        }
+        Some((padded - span) / self.stride[axis] + 1)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prim {
+    // elementwise
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// where(cond: bool, a, b)
+    Where,
+    Cast(DType),
+    // reductions (keepdim)
+    Reduce {
+        op: ReduceOp,
+        dims: Vec<usize>,
+    },
+    ArgReduce {
+        op: ArgReduceOp,
+        dim: usize,
+    },
+    // movement (views where the layout allows)
+    Reshape(Vec<usize>),
+    Permute(Vec<usize>),
+    /// Same-rank broadcast of size-1 dims.
+    Expand(Vec<usize>),
+    Slice {
+        dim: usize,
+        start: usize,
+        end: usize,
+        step: usize,
+    },
+    /// Constant padding, (before, after) per dim.
+    Pad {
+        pads: Vec<(usize, usize)>,
+        value: f64,
+    },
+    Cat {
+        dim: usize,
+    },
+    /// Materializes a contiguous copy.
+    Contiguous,
+    // creation
+    Full {
+        shape: Vec<usize>,
+        value: f64,
+        dtype: DType,
+    },
+    Iota {
+        n: usize,
+        dtype: DType,
+    },
+    /// Counter-based random numbers: element i is a pure function of (seed, offset + i).
+    Rand {
+        shape: Vec<usize>,
+        dtype: DType,
+        dist: RandDist,
+        seed: u64,
+        offset: u64,
+    },
+    // indexing
+    Gather {
+        dim: usize,
+    },
+    /// scatter_add(self, index, src) along dim, out of place.
+    ScatterAdd {
+        dim: usize,
+    },
+    // extern
+    /// [B, M, K] x [B, K, N] -> [B, M, N]
+    Matmul,
+    Conv2d(ConvParams),
+    /// (grad_out, weight) -> grad_input of the given input shape
+    Conv2dGradInput {
+        params: ConvParams,
+        input_shape: [usize; 4],
+    },
+    /// (grad_out, input) -> grad_weight of the given weight shape
+    Conv2dGradWeight {
+        params: ConvParams,
+        weight_shape: [usize; 4],
+    },
+}
+
+/// Shape and dtype of a prim's output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutMeta {
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+}
+
+fn same_shapes(op: &'static str, shapes: &[&[usize]]) -> Result<()> {
+    for s in &shapes[1..] {
+        if *s != shapes[0] {
+            return Err(Error::shape(
+                op,
+                format!("operands must have equal shapes, got {:?}", shapes),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn same_dtypes(op: &'static str, dtypes: &[DType]) -> Result<()> {
+    for d in &dtypes[1..] {
+        if *d != dtypes[0] {
+            return Err(Error::DTypeMismatch {
+                op,
+                lhs: dtypes[0],
+                rhs: *d,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn arity(op: &'static str, n: usize, want: usize) -> Result<()> {
+    if n != want {
+        return Err(Error::arg(op, format!("expects {want} operands, got {n}")));
+    }
+    Ok(())
+}
+
+impl Prim {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Prim::Unary(_) => "unary",
+            Prim::Binary(_) => "binary",
+            Prim::Where => "where",
+            Prim::Cast(_) => "cast",
+            Prim::Reduce { .. } => "reduce",
+            Prim::ArgReduce { .. } => "arg_reduce",
+            Prim::Reshape(_) => "reshape",
+            Prim::Permute(_) => "permute",
+            Prim::Expand(_) => "expand",
+            Prim::Slice { .. } => "slice",
+            Prim::Pad { .. } => "pad",
+            Prim::Cat { .. } => "cat",
+            Prim::Contiguous => "contiguous",
+            Prim::Full { .. } => "full",
+            Prim::Iota { .. } => "iota",
+            Prim::Rand { .. } => "rand",
+            Prim::Gather { .. } => "gather",
+            Prim::ScatterAdd { .. } => "scatter_add",
+            Prim::Matmul => "matmul",
+            Prim::Conv2d(_) => "conv2d",
+            Prim::Conv2dGradInput { .. } => "conv2d_grad_input",
+            Prim::Conv2dGradWeight { .. } => "conv2d_grad_weight",
+        }
+    }
+
+    /// True for prims that only reinterpret their input's layout (no data movement in eager).
+    pub fn is_view(&self) -> bool {
+        matches!(
+            self,
+            Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. }
+        )
+    }
+
+    /// Checks operands and computes the output shape and dtype. Eager and traced execution share this,
+    /// so a shape error reads the same whether or not the code is compiled.
+    pub fn infer(&self, shapes: &[&[usize]], dtypes: &[DType]) -> Result<OutMeta> {
+        let op = self.name();
+        let n = shapes.len();
+        Ok(match self {
+            Prim::Unary(u) => {
+                arity(op, n, 1)?;
+                let d = dtypes[0];
+                if u.float_only() && !d.is_float() {
+                    return Err(Error::dtype(
+                        op,
+                        d,
+                        format!("{u:?} needs a floating-point input"),
+                    ));
+                }
+                if *u == UnaryOp::Not && d != DType::Bool {
+                    return Err(Error::dtype(op, d, "logical not needs a bool input"));
+                }
+                if *u != UnaryOp::Not && d == DType::Bool {
+                    return Err(Error::dtype(op, d, format!("{u:?} is not defined on bool")));
+                }
+                OutMeta {
+                    shape: shapes[0].to_vec(),
+                    dtype: d,
+                }
+            }
+            Prim::Binary(b) => {
+                arity(op, n, 2)?;
+                same_shapes(op, shapes)?;
+                same_dtypes(op, dtypes)?;
+                let d = dtypes[0];
+                if b.is_logical() && d != DType::Bool {
+                    return Err(Error::dtype(op, d, format!("{b:?} needs bool operands")));
+                }
+                if !b.is_logical() && !b.is_comparison() && d == DType::Bool {
+                    return Err(Error::dtype(op, d, format!("{b:?} is not defined on bool")));
+                }
+                let dtype = if b.is_comparison() { DType::Bool } else { d };
+                OutMeta {
+                    shape: shapes[0].to_vec(),
+                    dtype,
+                }
+            }
+            Prim::Where => {
+                arity(op, n, 3)?;
+                same_shapes(op, shapes)?;
+                if dtypes[0] != DType::Bool {
+                    return Err(Error::dtype(op, dtypes[0], "condition must be bool"));
+                }
+                same_dtypes(op, &dtypes[1..])?;
+                OutMeta {
+                    shape: shapes[0].to_vec(),
+                    dtype: dtypes[1],
+                }
+            }
+            Prim::Cast(d) => {
+                arity(op, n, 1)?;
+                OutMeta {
+                    shape: shapes[0].to_vec(),
+                    dtype: *d,
+                }
+            }
+            Prim::Reduce { op: r, dims } => {
+                arity(op, n, 1)?;
+                let mut shape = shapes[0].to_vec();
+                for &d in dims {
+                    if d >= shape.len() {
+                        return Err(Error::index(
+                            op,
+                            format!("dim {d} out of range for shape {shape:?}"),
+                        ));
+                    }
+                    if matches!(r, ReduceOp::Max | ReduceOp::Min) && shape[d] == 0 {
+                        return Err(Error::shape(
+                            op,
+                            format!(
+                                "{r:?} over dim {d} of size 0 in shape {:?} has no identity",
+                                shapes[0]
+                            ),
+                        ));
+                    }
+                    shape[d] = 1;
+                }
+                if dtypes[0] == DType::Bool {
+                    return Err(Error::dtype(
+                        op,
+                        dtypes[0],
+                        "reductions need a numeric input",
+                    ));
+                }
+                OutMeta {
+                    shape,
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::ArgReduce { dim, .. } => {
+                arity(op, n, 1)?;
+                let mut shape = shapes[0].to_vec();
+                if *dim >= shape.len() {
+                    return Err(Error::index(
+                        op,
+                        format!("dim {dim} out of range for shape {shape:?}"),
+                    ));
+                }
+                if shape[*dim] == 0 {
+                    return Err(Error::shape(
+                        op,
+                        format!("argmax/argmin over an empty dim in {:?}", shapes[0]),
+                    ));
+                }
+                shape[*dim] = 1;
+                OutMeta {
+                    shape,
+                    dtype: DType::I64,
+                }
+            }
+            Prim::Reshape(s) => {
+                arity(op, n, 1)?;
+                if numel(s) != numel(shapes[0]) {
+                    return Err(Error::shape(
+                        op,
+                        format!(
+                            "cannot reshape {:?} ({} elements) into {s:?}",
+                            shapes[0],
+                            numel(shapes[0])
+                        ),
+                    ));
+                }
+                OutMeta {
+                    shape: s.clone(),
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Permute(p) => {
+                arity(op, n, 1)?;
+                let r = shapes[0].len();
+                let mut seen = vec![false; r];
+                if p.len() != r
+                    || p.iter()
+                        .any(|&i| i >= r || std::mem::replace(&mut seen[i], true))
+                {
+                    return Err(Error::arg(
+                        op,
+                        format!("{p:?} is not a permutation of the dims of {:?}", shapes[0]),
+                    ));
+                }
+                OutMeta {
+                    shape: p.iter().map(|&i| shapes[0][i]).collect(),
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Expand(s) => {
+                arity(op, n, 1)?;
+                let ok = s.len() == shapes[0].len()
+                    && shapes[0].iter().zip(s).all(|(&a, &b)| a == b || a == 1);
+                if !ok {
+                    return Err(Error::shape(
+                        op,
+                        format!("cannot expand {:?} to {s:?}", shapes[0]),
+                    ));
+                }
+                OutMeta {
+                    shape: s.clone(),
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Slice {
+                dim,
+                start,
+                end,
+                step,
+            } => {
+                arity(op, n, 1)?;
+                let s = shapes[0];
+                if *dim >= s.len() || start > end || *end > s[*dim] || *step == 0 {
+                    return Err(Error::index(
+                        op,
+                        format!("slice dim {dim} [{start}..{end} step {step}] out of range for shape {s:?}"),
+                    ));
+                }
+                let mut shape = s.to_vec();
+                shape[*dim] = (end - start).div_ceil(*step);
+                OutMeta {
+                    shape,
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Pad { pads, .. } => {
+                arity(op, n, 1)?;
+                if pads.len() != shapes[0].len() {
+                    return Err(Error::arg(
+                        op,
+                        format!(
+                            "{} pad pairs for rank-{} input",
+                            pads.len(),
+                            shapes[0].len()
+                        ),
+                    ));
+                }
+                let shape = shapes[0]
+                    .iter()
+                    .zip(pads)
+                    .map(|(&d, &(a, b))| d + a + b)
+                    .collect();
+                OutMeta {
+                    shape,
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Cat { dim } => {
+                if n == 0 {
+                    return Err(Error::arg(op, "needs at least one tensor"));
+                }
+                same_dtypes(op, dtypes)?;
+                let first = shapes[0];
+                if *dim >= first.len() {
+                    return Err(Error::index(
+                        op,
+                        format!("dim {dim} out of range for shape {first:?}"),
+                    ));
+                }
+                let mut shape = first.to_vec();
+                shape[*dim] = 0;
+                for s in shapes {
+                    let ok = s.len() == first.len()
+                        && s.iter()
+                            .zip(first)
+                            .enumerate()
+                            .all(|(i, (a, b))| i == *dim || a == b);
+                    if !ok {
+                        return Err(Error::shape(
+                            op,
+                            format!("shapes {shapes:?} differ outside dim {dim}"),
+                        ));
+                    }
+                    shape[*dim] += s[*dim];
+                }
+                OutMeta {
+                    shape,
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Contiguous => {
+                arity(op, n, 1)?;
+                OutMeta {
+                    shape: shapes[0].to_vec(),
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Full { shape, dtype, .. } | Prim::Rand { shape, dtype, .. } => {
+                arity(op, n, 0)?;
+                OutMeta {
+                    shape: shape.clone(),
+                    dtype: *dtype,
+                }
+            }
+            Prim::Iota { n: len, dtype } => {
+                arity(op, n, 0)?;
+                OutMeta {
+                    shape: vec![*len],
+                    dtype: *dtype,
+                }
+            }
+            Prim::Gather { dim } => {
+                arity(op, n, 2)?;
+                let (x, idx) = (shapes[0], shapes[1]);
+                if dtypes[1] != DType::I64 {
+                    return Err(Error::dtype(op, dtypes[1], "index must be int64"));
+                }
+                if x.len() != idx.len() || *dim >= x.len() {
+                    return Err(Error::shape(
+                        op,
+                        format!("input {x:?} and index {idx:?} must have equal rank > dim {dim}"),
+                    ));
+                }
+                if x.iter()
+                    .zip(idx)
+                    .enumerate()
+                    .any(|(i, (a, b))| i != *dim && b > a)
+                {
+                    return Err(Error::shape(
+                        op,
+                        format!("index {idx:?} larger than input {x:?} outside dim {dim}"),
+                    ));
+                }
+                OutMeta {
+                    shape: idx.to_vec(),
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::ScatterAdd { dim } => {
+                arity(op, n, 3)?;
+                let (x, idx, src) = (shapes[0], shapes[1], shapes[2]);
+                if dtypes[1] != DType::I64 {
+                    return Err(Error::dtype(op, dtypes[1], "index must be int64"));
+                }
+                if dtypes[0] != dtypes[2] {
+                    return Err(Error::DTypeMismatch {
+                        op,
+                        lhs: dtypes[0],
+                        rhs: dtypes[2],
+                    });
+                }
+                if idx != src || x.len() != idx.len() || *dim >= x.len() {
+                    return Err(Error::shape(op, format!("self {x:?}, index {idx:?}, src {src:?}: index and src must match, ranks equal")));
+                }
+                if x.iter()
+                    .zip(idx)
+                    .enumerate()
+                    .any(|(i, (a, b))| i != *dim && b > a)
+                {
+                    return Err(Error::shape(
+                        op,
+                        format!("index {idx:?} larger than self {x:?} outside dim {dim}"),
+                    ));
+                }
+                OutMeta {
+                    shape: x.to_vec(),
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Matmul => {
+                arity(op, n, 2)?;
+                same_dtypes(op, dtypes)?;
+                let (a, b) = (shapes[0], shapes[1]);
+                if a.len() != 3 || b.len() != 3 || a[0] != b[0] || a[2] != b[1] {
+                    return Err(Error::shape(
+                        op,
+                        format!("cannot multiply {a:?} by {b:?} (want [B,M,K] x [B,K,N])"),
+                    ));
+                }
+                if dtypes[0] == DType::Bool {
+                    return Err(Error::dtype(op, dtypes[0], "matmul needs numeric operands"));
+                }
+                OutMeta {
+                    shape: vec![a[0], a[1], b[2]],
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Conv2d(p) => {
+                arity(op, n, 2)?;
+                same_dtypes(op, dtypes)?;
+                if !dtypes[0].is_float() {
+                    return Err(Error::dtype(
+                        op,
+                        dtypes[0],
+                        "conv2d needs floating-point operands",
+                    ));
+                }
+                let (x, w) = (shapes[0], shapes[1]);
+                conv_out_shape(p, x, w)?
+                    .map(|shape| OutMeta {
+                        shape,
+                        dtype: dtypes[0],
+                    })
+                    .ok_or_else(|| {
+                        Error::shape(op, format!("kernel {w:?} larger than padded input {x:?}"))
+                    })?
+            }
+            Prim::Conv2dGradInput { input_shape, .. } => {
+                arity(op, n, 2)?;
+                OutMeta {
+                    shape: input_shape.to_vec(),
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::Conv2dGradWeight { weight_shape, .. } => {
+                arity(op, n, 2)?;
+                OutMeta {
+                    shape: weight_shape.to_vec(),
+                    dtype: dtypes[0],
+                }
+            }
+        })
+    }
+}
+
+/// Output shape of conv2d, checking ranks, channels and groups. `None` when the kernel does not fit.
+pub fn conv_out_shape(p: &ConvParams, x: &[usize], w: &[usize]) -> Result<Option<Vec<usize>>> {
+    let op = "conv2d";
+    if x.len() != 4 || w.len() != 4 {
+        return Err(Error::shape(
+            op,
+            format!("input {x:?} must be [N,C,H,W] and weight {w:?} [O,C/groups,KH,KW]"),
+        ));
+    }
+    let g = p.groups;
+    if g == 0 || x[1] % g != 0 || w[0] % g != 0 || w[1] * g != x[1] {
+        return Err(Error::shape(
+            op,
+            format!("input {x:?} and weight {w:?} do not match with groups={g}"),
+        ));
+    }
+    if p.stride.contains(&0) || p.dilation.contains(&0) {
+        return Err(Error::arg(op, "stride and dilation must be positive"));
+    }
+    let (Some(oh), Some(ow)) = (p.out_size(0, x[2], w[2]), p.out_size(1, x[3], w[3])) else {
+        return Ok(None);
+    };
+    Ok(Some(vec![x[0], w[0], oh, ow]))
+}

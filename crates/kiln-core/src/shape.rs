@@ -1,0 +1,182 @@
+//! Shapes, strides and the layout of a tensor over its storage.
+
+use crate::{Error, Result};
+
+/// Row-major strides of a contiguous tensor of this shape.
+pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1;
+    for i in (0..shape.len()).rev() {
+        strides[i] = acc;
+        acc *= shape[i].max(1);
+    }
+    strides
+}
+
+pub fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// Normalizes a possibly negative dim index against a rank, as PyTorch does.
+pub fn norm_dim(op: &'static str, dim: isize, rank: usize) -> Result<usize> {
+    let r = rank.max(1) as isize;
+    let d = if dim < 0 { dim + r } else { dim };
+    if d < 0 || d >= r {
+        return Err(Error::index(
+            op,
+            format!("dim {dim} out of range for a tensor of rank {rank}"),
+        ));
+    }
+    Ok(d as usize)
+}
+
+/// The broadcast shape of two shapes, by PyTorch's rules (align right; 1 stretches).
+pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0; n];
+    for i in 0..n {
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
+        out[i] = if da == db || db == 1 {
+            da
+        } else if da == 1 {
+            db
+        } else {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "shapes {a:?} and {b:?} cannot be broadcast together (dim {i}: {da} vs {db})"
+                ),
+            ));
+        };
+    }
+    Ok(out)
+}
+
+/// Shape, strides (in elements) and offset of a tensor into its storage.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub shape: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub offset: usize,
+}
+
+impl Layout {
+    pub fn contiguous(shape: &[usize]) -> Self {
+        Layout {
+            shape: shape.to_vec(),
+            strides: contiguous_strides(shape),
+            offset: 0,
+        }
+    }
+    pub fn numel(&self) -> usize {
+        numel(&self.shape)
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    /// True when the elements are laid out row-major with no gaps (size-1 dims may have any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let mut acc = 1;
+        for i in (0..self.shape.len()).rev() {
+            if self.shape[i] != 1 && self.strides[i] != acc {
+                return false;
+            }
+            acc *= self.shape[i];
+        }
+        true
+    }
+    pub fn permute(&self, perm: &[usize]) -> Layout {
+        Layout {
+            shape: perm.iter().map(|&p| self.shape[p]).collect(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+            offset: self.offset,
+        }
+    }
+    /// Same-rank broadcast: size-1 dims stretch with stride 0.
+    pub fn expand(&self, shape: &[usize]) -> Layout {
+        let strides = self
+            .shape
+            .iter()
+            .zip(shape)
+            .zip(&self.strides)
+            .map(|((&from, &to), &s)| if from == to { s } else { 0 })
+            .collect();
+        Layout {
+            shape: shape.to_vec(),
+            strides,
+            offset: self.offset,
+        }
+    }
+    pub fn slice(&self, dim: usize, start: usize, end: usize, step: usize) -> Layout {
+        let mut l = self.clone();
+        let len = if end > start {
+            (end - start).div_ceil(step)
+        } else {
+            0
+        };
+        l.shape[dim] = len;
+        if len > 0 {
+            l.offset += start * self.strides[dim];
+        }
+        l.strides[dim] *= step;
+        l
+    }
+    /// A view with a new shape over the same elements, when the strides allow it without a copy.
+    pub fn reshape_view(&self, shape: &[usize]) -> Option<Layout> {
+        if self.is_contiguous() {
+            return Some(Layout {
+                shape: shape.to_vec(),
+                strides: contiguous_strides(shape),
+                offset: self.offset,
+            });
+        }
+        None
+    }
+    /// Storage offsets of every element, row-major. Used by the strided copy kernel.
+    pub fn for_each_offset(&self, mut f: impl FnMut(usize)) {
+        let n = self.numel();
+        if n == 0 {
+            return;
+        }
+        let rank = self.rank();
+        if rank == 0 {
+            f(self.offset);
+            return;
+        }
+        let mut idx = vec![0usize; rank];
+        let mut off = self.offset;
+        let inner = rank - 1;
+        let (isize_, istride) = (self.shape[inner], self.strides[inner]);
+        loop {
+            let mut o = off;
+            for _ in 0..isize_ {
+                f(o);
+                o += istride;
+            }
+            // carry into the outer dims
+            let mut d = inner;
+            loop {
+                if d == 0 {
+                    return;
+                }
+                d -= 1;
+                idx[d] += 1;
+                off += self.strides[d];
+                if idx[d] < self.shape[d] {
+                    break;
+                }
+                off -= self.strides[d] * self.shape[d];
+                idx[d] = 0;
+            }
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! `Tensor`: a shared handle to a layout over a storage, plus autograd metadata.
+//! Cloning a `Tensor` clones the handle (like a Python reference), never the data.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+
+use crate::autograd::Node;
+use crate::shape::Layout;
+use crate::storage::{CpuStorage, StorageElement};
+use crate::{DType, Device, Error, Result};
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct TensorImpl {
+    pub(crate) id: u64,
+    pub(crate) layout: Layout,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    pub(crate) storage: Arc<RwLock<CpuStorage>>,
+    pub(crate) requires_grad: AtomicBool,
+    pub(crate) grad: Mutex<Option<Tensor>>,
+    pub(crate) grad_fn: Option<Arc<Node>>,
+}
+
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<TensorImpl>);
+
+impl Tensor {
+    pub(crate) fn from_parts(
+        storage: Arc<RwLock<CpuStorage>>,
+        layout: Layout,
+        dtype: DType,
+        grad_fn: Option<Arc<Node>>,
+    ) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            layout,
+            dtype,
+            device: Device::Cpu,
+            storage,
+            requires_grad: AtomicBool::new(grad_fn.is_some()),
+            grad: Mutex::new(None),
+            grad_fn,
+        }))
+    }
+
+    /// A contiguous tensor owning `storage`.
+    pub fn from_storage(storage: CpuStorage, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        if storage.len() != n {
+            return Err(Error::shape(
+                "from_storage",
+                format!(
+                    "{} elements cannot fill shape {shape:?} ({n} elements)",
+                    storage.len()
+                ),
+            ));
+        }
+        let dtype = storage.dtype();
+        Ok(Tensor::from_parts(
+            Arc::new(RwLock::new(storage)),
+            Layout::contiguous(shape),
+            dtype,
+            None,
+        ))
+    }
+
+    /// `torch.tensor(data).reshape(shape)`.
+    pub fn from_vec<T: StorageElement>(data: Vec<T>, shape: &[usize]) -> Result<Tensor> {
+        Tensor::from_storage(T::wrap(data), shape)
+    }
+
+    pub fn from_slice<T: StorageElement>(data: &[T], shape: &[usize]) -> Result<Tensor> {
+        Tensor::from_vec(data.to_vec(), shape)
+    }
+
+    /// A 0-dim tensor.
+    pub fn scalar<T: StorageElement>(v: T) -> Tensor {
+        Tensor::from_parts(
+            Arc::new(RwLock::new(T::wrap(vec![v]))),
+            Layout::contiguous(&[]),
+            T::DTYPE,
+            None,
+        )
+    }
+
+    /// A unique id for this handle's tensor (not its storage). Views get new ids.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+    pub fn shape(&self) -> &[usize] {
+        &self.0.layout.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.shape()
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.0.layout.strides
+    }
+    pub fn offset(&self) -> usize {
+        self.0.layout.offset
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub fn rank(&self) -> usize {
+        self.0.layout.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// Size of one dim, with negative indexing.
+    pub fn size(&self, dim: isize) -> Result<usize> {
+        let d = crate::shape::norm_dim("size", dim, self.rank())?;
+        Ok(self.shape().get(d).copied().unwrap_or(1))
+    }
+    /// True when both handles view the same storage buffer.
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+    pub(crate) fn storage(&self) -> RwLockReadGuard<'_, CpuStorage> {
+        // A poisoned lock means a kernel panicked mid-write; the data is still the best we have.
+        self.0.storage.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    // ---- autograd metadata ----
+
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+    /// `requires_grad_()`: marks a leaf as a parameter to differentiate against.
+    pub fn set_requires_grad(&self, on: bool) -> Result<&Tensor> {
+        if self.0.grad_fn.is_some() && !on {
+            return Err(Error::Autograd(
+                "requires_grad can only be turned off on leaf tensors; use detach()".into(),
+            ));
+        }
+        if on && !self.dtype().is_float() {
+            return Err(Error::Autograd(format!(
+                "only floating-point tensors can require gradients, got {}",
+                self.dtype()
+            )));
+        }
+        self.0.requires_grad.store(on, Ordering::Relaxed);
+        Ok(self)
+    }
+    /// Builder form of `set_requires_grad(true)`.
+    pub fn with_grad(self) -> Result<Tensor> {
+        self.set_requires_grad(true)?;
+        Ok(self)
+    }
+    pub fn is_leaf(&self) -> bool {
+        self.0.grad_fn.is_none()
+    }
+    pub(crate) fn grad_fn(&self) -> Option<&Arc<Node>> {
+        self.0.grad_fn.as_ref()
+    }
+    /// The accumulated gradient of a leaf, if `backward` has reached it.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0
+            .grad
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
+    }
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+    /// A handle to the same data, cut from the autograd graph.
+    pub fn detach(&self) -> Tensor {
+        Tensor::from_parts(
+            self.0.storage.clone(),
+            self.0.layout.clone(),
+            self.0.dtype,
+            None,
+        )
+    }
+
+    // ---- reading values ----
+
+    /// All elements in row-major order, converted to `T`.
+    pub fn to_vec<T: StorageElement>(&self) -> Result<Vec<T>> {
+        let t = if self.dtype() == T::DTYPE {
+            self.clone()
+        } else {
+            self.to_dtype(T::DTYPE)?
+        };
+        let s = t.storage();
+        let data = T::view(&s)
+            .ok_or_else(|| Error::dtype("to_vec", t.dtype(), "internal storage mismatch"))?;
+        let mut out = Vec::with_capacity(t.numel());
+        t.layout().for_each_offset(|o| out.push(data[o]));
+        Ok(out)
+    }
+    /// Elements as f64, whatever the dtype (for tests and printing).
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        let s = self.storage();
+        let mut out = Vec::with_capacity(self.numel());
+        self.layout().for_each_offset(|o| out.push(s.get_f64(o)));
+        Ok(out)
+    }
+    /// The value of a one-element tensor.
+    pub fn item<T: StorageElement>(&self) -> Result<T> {
+        if self.numel() != 1 {
+            return Err(Error::shape(
+                "item",
+                format!(
+                    "only one-element tensors can be converted to a scalar, got shape {:?}",
+                    self.shape()
+                ),
+            ));
+        }
+        Ok(self.to_vec::<T>()?[0])
+    }
+
+    /// Copies `src`'s values into this tensor's storage in place (PyTorch's `copy_` under `no_grad`).
+    /// The tensor keeps its identity, so compiled graphs that read it as an input see the new values.
+    pub fn assign(&self, src: &Tensor) -> Result<()> {
+        if src.shape() != self.shape() {
+            return Err(Error::shape(
+                "assign",
+                format!(
+                    "cannot copy a tensor of shape {:?} into one of shape {:?}",
+                    src.shape(),
+                    self.shape()
+                ),
+            ));
+        }
+        let src = if src.dtype() == self.dtype() {
+            src.clone()
+        } else {
+            src.to_dtype(self.dtype())?
+        };
+        let values = crate::cpu::materialize(&src);
+        let mut dst = self.0.storage.write().unwrap_or_else(|e| e.into_inner());
+        crate::cpu::write_strided(&mut dst, self.layout(), &values);
+        Ok(())
+    }
+
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        match device {
+            Device::Cpu => Ok(self.clone()),
+            Device::Cuda(_) => Err(Error::Device {
+                op: "to",
+                lhs: self.device(),
+                rhs: device,
+                msg: "this build of kiln has no CUDA runtime; tensors live on the CPU".into(),
+            }),
+        }
+    }
+}
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor(shape={:?}, dtype={}, device={})",
+            self.shape(),
+            self.dtype(),
+            self.device()
+        )
+    }
+}
