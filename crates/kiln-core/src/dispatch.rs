@@ -8,6 +8,7 @@ use crate::autograd::{self, Node};
 use crate::prim::Prim;
 use crate::{Error, Result, Tensor};
 
+#[track_caller]
 pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
     if let Some(first) = inputs.first() {
         if let Some(other) = inputs.iter().find(|t| t.device() != first.device()) {
@@ -22,6 +23,14 @@ pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let dtypes: Vec<_> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = prim.infer(&shapes, &dtypes)?;
+    if let Some(i) = crate::intercept::current() {
+        if let Some(r) = i.apply(&prim, inputs, &meta) {
+            return r;
+        }
+    }
+    for t in inputs {
+        t.ready(prim.name(), std::panic::Location::caller())?;
+    }
     let (storage, layout) = crate::cpu::execute(&prim, inputs, &meta)?;
     let needs_grad = autograd::is_grad_enabled()
         && autograd::is_differentiable(&prim)

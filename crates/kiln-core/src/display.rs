@@ -28,9 +28,11 @@ fn fmt_values(vals: &[f64], dtype: DType) -> Vec<String> {
         .filter(|v| **v != 0.0)
         .fold(f64::INFINITY, |a, v| a.min(v.abs()));
     let integral = finite.iter().all(|v| v.fract() == 0.0);
-    let sci = max >= 1e8
-        || (min_nz < 1e-4 && min_nz.is_finite())
-        || (min_nz.is_finite() && max / min_nz > 1000.0 && !integral);
+    // torch/_tensor_str.py: sci mode when max/min > 1000 or max > 1e8 (integral values included),
+    // or, for non-integral values, min < 1e-4
+    let sci = max > 1e8
+        || (min_nz < 1e-4 && min_nz.is_finite() && !integral)
+        || (min_nz.is_finite() && max / min_nz > 1000.0);
     vals.iter()
         .map(|&v| {
             if v.is_nan() {
@@ -77,6 +79,7 @@ fn shown(n: usize, summarize: bool) -> Vec<Option<usize>> {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // a recursive printer threads its context through
 fn render(
     out: &mut String,
     shape: &[usize],
@@ -122,9 +125,17 @@ fn render(
 
 impl std::fmt::Display for Tensor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // printing a traced tensor needs its values: a graph break, as print() is in torch.compile
         let vals = self.to_vec_f64().map_err(|_| std::fmt::Error)?;
         let cells = fmt_values(&vals, self.dtype());
-        let width = cells.iter().map(|c| c.len()).max().unwrap_or(0);
+        // PyTorch sizes the columns by the finite values only; nan/inf are never padded
+        let width = cells
+            .iter()
+            .zip(&vals)
+            .filter(|(_, v)| v.is_finite())
+            .map(|(c, _)| c.len())
+            .max()
+            .unwrap_or(0);
         let summarize = self.numel() > SUMMARIZE_ABOVE;
         let strides = crate::shape::contiguous_strides(self.shape());
         let mut body = String::new();
@@ -144,7 +155,8 @@ impl std::fmt::Display for Tensor {
         }
         write!(f, "tensor({body}")?;
         if self.numel() == 0 && self.rank() > 1 {
-            write!(f, ", size={:?}", self.shape())?;
+            let dims: Vec<String> = self.shape().iter().map(|d| d.to_string()).collect();
+            write!(f, ", size=({})", dims.join(", "))?;
         }
         if !matches!(self.dtype(), DType::F32 | DType::I64 | DType::Bool) {
             write!(f, ", dtype=torch.{}", self.dtype().torch_name())?;

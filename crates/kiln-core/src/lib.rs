@@ -11,7 +11,9 @@ pub mod dispatch;
 mod display;
 mod dtype;
 mod error;
+pub mod intercept;
 pub mod ops;
+mod owned;
 pub mod prim;
 pub mod shape;
 pub mod storage;
@@ -23,6 +25,7 @@ pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use ops::norm::RunningStats;
 pub use ops::{manual_seed, Generator, Operand, Reduction, ShapeArg};
+pub use owned::WeakTensor;
 pub use tensor::Tensor;
 
 impl Tensor {

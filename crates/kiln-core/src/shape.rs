@@ -132,14 +132,43 @@ impl Layout {
     }
     /// A view with a new shape over the same elements, when the strides allow it without a copy.
     pub fn reshape_view(&self, shape: &[usize]) -> Option<Layout> {
-        if self.is_contiguous() {
+        if self.is_contiguous() || self.numel() == 0 {
             return Some(Layout {
                 shape: shape.to_vec(),
                 strides: contiguous_strides(shape),
                 offset: self.offset,
             });
         }
-        None
+        // ATen's computeStride: split or merge only dims that are contiguous with each other, so
+        // e.g. squeezing a column of a matrix (`select`) stays a view.
+        let (old, old_strides) = (&self.shape, &self.strides);
+        let mut strides = vec![0; shape.len()];
+        let mut view_d = shape.len() as isize - 1;
+        let mut chunk_base = *old_strides.last()?;
+        let (mut tensor_numel, mut view_numel) = (1, 1);
+        for d in (0..old.len()).rev() {
+            tensor_numel *= old[d];
+            if d == 0 || (old[d - 1] != 1 && old_strides[d - 1] != tensor_numel * chunk_base) {
+                while view_d >= 0 && (view_numel < tensor_numel || shape[view_d as usize] == 1) {
+                    strides[view_d as usize] = view_numel * chunk_base;
+                    view_numel *= shape[view_d as usize];
+                    view_d -= 1;
+                }
+                if view_numel != tensor_numel {
+                    return None;
+                }
+                if d > 0 {
+                    chunk_base = old_strides[d - 1];
+                    tensor_numel = 1;
+                    view_numel = 1;
+                }
+            }
+        }
+        (view_d == -1).then(|| Layout {
+            shape: shape.to_vec(),
+            strides,
+            offset: self.offset,
+        })
     }
     /// Storage offsets of every element, row-major. Used by the strided copy kernel.
     pub fn for_each_offset(&self, mut f: impl FnMut(usize)) {

@@ -1,10 +1,12 @@
 //! `Tensor`: a shared handle to a layout over a storage, plus autograd metadata.
 //! Cloning a `Tensor` clones the handle (like a Python reference), never the data.
 
+use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
 
 use crate::autograd::Node;
+use crate::intercept::Deferred;
 use crate::shape::Layout;
 use crate::storage::{CpuStorage, StorageElement};
 use crate::{DType, Device, Error, Result};
@@ -19,7 +21,9 @@ pub(crate) struct TensorImpl {
     pub(crate) storage: Arc<RwLock<CpuStorage>>,
     pub(crate) requires_grad: AtomicBool,
     pub(crate) grad: Mutex<Option<Tensor>>,
-    pub(crate) grad_fn: Option<Arc<Node>>,
+    pub(crate) grad_fn: OnceLock<Arc<Node>>,
+    /// Set while the values are not computed yet (a traced tensor); see `intercept.rs`.
+    pub(crate) deferred: Mutex<Option<Arc<dyn Deferred>>>,
 }
 
 #[derive(Clone)]
@@ -40,7 +44,8 @@ impl Tensor {
             storage,
             requires_grad: AtomicBool::new(grad_fn.is_some()),
             grad: Mutex::new(None),
-            grad_fn,
+            grad_fn: grad_fn.map(OnceLock::from).unwrap_or_default(),
+            deferred: Mutex::new(None),
         }))
     }
 
@@ -139,7 +144,7 @@ impl Tensor {
     }
     /// `requires_grad_()`: marks a leaf as a parameter to differentiate against.
     pub fn set_requires_grad(&self, on: bool) -> Result<&Tensor> {
-        if self.0.grad_fn.is_some() && !on {
+        if self.0.grad_fn.get().is_some() && !on {
             return Err(Error::Autograd(
                 "requires_grad can only be turned off on leaf tensors; use detach()".into(),
             ));
@@ -159,10 +164,10 @@ impl Tensor {
         Ok(self)
     }
     pub fn is_leaf(&self) -> bool {
-        self.0.grad_fn.is_none()
+        self.0.grad_fn.get().is_none()
     }
     pub(crate) fn grad_fn(&self) -> Option<&Arc<Node>> {
-        self.0.grad_fn.as_ref()
+        self.0.grad_fn.get()
     }
     /// The accumulated gradient of a leaf, if `backward` has reached it.
     pub fn grad(&self) -> Option<Tensor> {
@@ -180,6 +185,15 @@ impl Tensor {
     }
     /// A handle to the same data, cut from the autograd graph.
     pub fn detach(&self) -> Tensor {
+        if self.is_deferred() {
+            // a traced value: record an identity under no_grad, so the graph carries the detach
+            let id = crate::no_grad(|| {
+                crate::dispatch::apply(crate::prim::Prim::Reshape(self.shape().to_vec()), &[self])
+            });
+            if let Ok(t) = id {
+                return t;
+            }
+        }
         Tensor::from_parts(
             self.0.storage.clone(),
             self.0.layout.clone(),
@@ -191,7 +205,9 @@ impl Tensor {
     // ---- reading values ----
 
     /// All elements in row-major order, converted to `T`.
+    #[track_caller]
     pub fn to_vec<T: StorageElement>(&self) -> Result<Vec<T>> {
+        self.ready("to_vec", Location::caller())?;
         let t = if self.dtype() == T::DTYPE {
             self.clone()
         } else {
@@ -205,13 +221,16 @@ impl Tensor {
         Ok(out)
     }
     /// Elements as f64, whatever the dtype (for tests and printing).
+    #[track_caller]
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.ready("to_vec", Location::caller())?;
         let s = self.storage();
         let mut out = Vec::with_capacity(self.numel());
         self.layout().for_each_offset(|o| out.push(s.get_f64(o)));
         Ok(out)
     }
     /// The value of a one-element tensor.
+    #[track_caller]
     pub fn item<T: StorageElement>(&self) -> Result<T> {
         if self.numel() != 1 {
             return Err(Error::shape(
@@ -222,6 +241,7 @@ impl Tensor {
                 ),
             ));
         }
+        self.ready("item", Location::caller())?;
         Ok(self.to_vec::<T>()?[0])
     }
 
@@ -246,6 +266,66 @@ impl Tensor {
         let values = crate::cpu::materialize(&src);
         let mut dst = self.0.storage.write().unwrap_or_else(|e| e.into_inner());
         crate::cpu::write_strided(&mut dst, self.layout(), &values);
+        Ok(())
+    }
+
+    // ---- deferred values (see intercept.rs) ----
+
+    /// A tensor whose values will be produced later by `source` (a traced tensor).
+    pub fn deferred(shape: &[usize], dtype: DType, source: Arc<dyn Deferred>) -> Tensor {
+        let t = Tensor::from_parts(
+            Arc::new(RwLock::new(CpuStorage::full(dtype, 0, 0.0))),
+            Layout::contiguous(shape),
+            dtype,
+            None,
+        );
+        *t.0.deferred.lock().unwrap_or_else(|e| e.into_inner()) = Some(source);
+        t
+    }
+    pub fn is_deferred(&self) -> bool {
+        self.0
+            .deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+    /// Forces a deferred tensor's values (a graph break while tracing); a no-op on ordinary tensors.
+    pub fn ready(&self, why: &'static str, at: &'static Location<'static>) -> Result<()> {
+        let source = self
+            .0
+            .deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        match source {
+            Some(s) => s.force(self, why, at),
+            None => Ok(()),
+        }
+    }
+    /// Gives a deferred tensor its values (and autograd history) from a computed `value` of the same
+    /// shape and dtype. Called by the `Deferred` producer.
+    pub fn fill_deferred(&self, value: &Tensor) -> Result<()> {
+        if value.shape() != self.shape() || value.dtype() != self.dtype() {
+            return Err(Error::shape(
+                "fill_deferred",
+                format!(
+                    "value {:?} {} does not match deferred tensor {:?} {}",
+                    value.shape(),
+                    value.dtype(),
+                    self.shape(),
+                    self.dtype()
+                ),
+            ));
+        }
+        let data = crate::cpu::materialize(value);
+        *self.0.storage.write().unwrap_or_else(|e| e.into_inner()) = data;
+        if let Some(f) = value.grad_fn() {
+            let _ = self.0.grad_fn.set(f.clone());
+            self.0.requires_grad.store(true, Ordering::Relaxed);
+        } else if value.requires_grad() {
+            self.0.requires_grad.store(true, Ordering::Relaxed);
+        }
+        *self.0.deferred.lock().unwrap_or_else(|e| e.into_inner()) = None;
         Ok(())
     }
 

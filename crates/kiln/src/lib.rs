@@ -1,1 +1,30 @@
-pub fn x() {}
+//! kiln: a deep-learning library for Rust whose heart is a just-in-time graph compiler.
+//!
+//! This facade re-exports the layers below it; see ARCHITECTURE.md for the map.
+
+mod compile;
+pub mod data;
+pub mod ndarray_interop;
+
+pub use kiln_core::{
+    self as core, autograd, manual_seed, no_grad, DType, Device, Error, Generator, Reduction,
+    Result, Tensor,
+};
+pub use kiln_nn as nn;
+
+pub use compile::{compile, CompiledModule};
+/// Graph IR, tracer and backend internals, for backend writers.
+pub use kiln_compile as compiler;
+pub use kiln_compile::{
+    cache_stats, compile_fn, compile_named, explain, list_backends, register_backend, reset,
+    Backend, BackendContext, CompileOptions, CompiledFn, CompiledGraph, ExplainOutput, FnStats,
+    Graph, Mode,
+};
+
+/// `use kiln::prelude::*;` brings in what a training script needs.
+pub mod prelude {
+    pub use crate::ndarray_interop::NdarrayExt;
+    pub use crate::{compile, compile_fn, CompileOptions, Mode};
+    pub use kiln_core::{manual_seed, no_grad, DType, Device, Reduction, Result, Tensor};
+    pub use kiln_nn::Module;
+}

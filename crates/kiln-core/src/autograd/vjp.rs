@@ -72,7 +72,12 @@ fn binary_vjp(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, g: &Tensor) ->
         BinaryOp::Mul => (g.mul(b)?, g.mul(a)?),
         BinaryOp::Div => (g.div(b)?, g.mul(out)?.div(b)?.neg()?),
         BinaryOp::Pow => {
-            let ga = g.mul(b)?.mul(&a.pow(&b.sub(1.0)?)?)?;
+            // b * a^(b-1), defined as 0 where b == 0 (0 * 0^-1 would be NaN), as PyTorch
+            let ga = Tensor::where_(
+                &b.eq(0.0)?,
+                &Tensor::zeros_like(g)?,
+                &g.mul(b)?.mul(&a.pow(&b.sub(1.0)?)?)?,
+            )?;
             // d/db a^b = a^b ln a, defined as 0 where a == 0 and b >= 0 (as PyTorch does)
             let zero_base = a.eq(0.0)?.logical_and(&b.ge(0.0)?)?;
             let gb = Tensor::where_(

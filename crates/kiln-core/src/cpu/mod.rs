@@ -105,6 +105,10 @@ fn meta_numel(m: &OutMeta) -> usize {
 /// The elements of a strided view of `data`, contiguous. Borrows when the view already is.
 pub(crate) fn contig<'a, T: Copy + Send + Sync>(data: &'a [T], layout: &Layout) -> Cow<'a, [T]> {
     let n = layout.numel();
+    if n == 0 {
+        // an empty view may carry an offset past the end of its (possibly empty) buffer
+        return Cow::Borrowed(&[]);
+    }
     if layout.is_contiguous() {
         return Cow::Borrowed(&data[layout.offset..layout.offset + n]);
     }

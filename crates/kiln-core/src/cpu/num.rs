@@ -57,12 +57,15 @@ macro_rules! num_float {
             }
             #[inline]
             fn sign(self) -> Self {
+                // (0 < x) - (x < 0), as PyTorch: sign(-0.0) is +0.0
                 if self > 0.0 {
                     1.0
                 } else if self < 0.0 {
                     -1.0
-                } else {
+                } else if self.is_nan() {
                     self
+                } else {
+                    0.0
                 }
             }
             #[inline]
@@ -131,7 +134,8 @@ macro_rules! num_int {
                 if self > 0 as $t {
                     1
                 } else if self < 0 as $t {
-                    self.neg().min(1).neg()
+                    // not `-(min(-x, 1))`: -MIN wraps to MIN
+                    (0 as $t).wrapping_sub(1)
                 } else {
                     0
                 }

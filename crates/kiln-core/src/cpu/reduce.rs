@@ -93,10 +93,9 @@ fn reduce_int<T: Num>(op: ReduceOp, x: &[T], row: usize, outer: usize) -> Vec<T>
 
 pub(super) fn reduce(op: ReduceOp, dims: &[usize], x: &Tensor) -> CpuStorage {
     let (l, row) = rows_layout(x.layout(), dims);
-    let outer = if row == 0 {
-        l.shape[..l.rank() - dims.len()].iter().product()
-    } else {
-        l.numel() / row
+    let outer = match l.numel().checked_div(row) {
+        Some(n) => n,
+        None => l.shape[..l.rank() - dims.len()].iter().product(), // empty rows
     };
     let s = x.storage();
     match x.dtype() {

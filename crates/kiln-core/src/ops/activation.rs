@@ -3,9 +3,9 @@
 use crate::{Result, Tensor};
 
 impl Tensor {
-    /// `max(x, 0)` with gradient 0 at 0, as PyTorch.
+    /// `max(x, 0)` with gradient 0 at 0, as PyTorch; NaN stays NaN.
     pub fn relu(&self) -> Result<Tensor> {
-        Tensor::where_(&self.gt(0.0)?, self, 0.0)
+        Tensor::where_(&self.le(0.0)?, 0.0, self)
     }
     /// `0.5 * tanh(x/2) + 0.5`: no overflow for large |x| in value or gradient.
     pub fn sigmoid(&self) -> Result<Tensor> {

@@ -36,11 +36,18 @@ pub fn manual_seed(seed: u64) {
     *DEFAULT_GENERATOR.lock().unwrap_or_else(|e| e.into_inner()) = Generator::new(seed);
 }
 
-pub(crate) fn default_draw(n: usize) -> (u64, u64) {
+/// Reserves `n` values of the default generator: (seed, first offset).
+pub fn default_draw(n: usize) -> (u64, u64) {
     DEFAULT_GENERATOR
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .draw(n)
+}
+
+/// Moves the default generator to (seed, offset); the tracer rewinds it so a graph's first run
+/// draws exactly what the traced eager code drew.
+pub fn set_default_generator_state(seed: u64, offset: u64) {
+    *DEFAULT_GENERATOR.lock().unwrap_or_else(|e| e.into_inner()) = Generator { seed, offset };
 }
 
 impl Tensor {

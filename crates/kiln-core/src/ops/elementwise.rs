@@ -106,8 +106,15 @@ impl Tensor {
     }
     /// `torch.where(cond, a, b)` with broadcasting and promotion of `a` and `b`.
     pub fn where_(cond: &Tensor, a: impl Operand, b: impl Operand) -> Result<Tensor> {
-        let a = a.to_operand(cond)?;
-        let b = b.to_operand(&a)?;
+        // a scalar branch takes the dtype of the tensor branch, not of the bool condition
+        let (a, b) = if a.is_scalar() && !b.is_scalar() {
+            let b = b.to_operand(cond)?;
+            (a.to_operand(&b)?, b)
+        } else {
+            let a = a.to_operand(cond)?;
+            let b = b.to_operand(&a)?;
+            (a, b)
+        };
         let dtype = DType::promote(a.dtype(), b.dtype());
         let c = cond.to_dtype(DType::Bool)?;
         let v = align("where", &[&c, &a, &b], None)?;

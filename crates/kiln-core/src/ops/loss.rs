@@ -126,10 +126,14 @@ impl Tensor {
             ));
         }
         let x = self;
-        let l = x
-            .relu()?
+        // max(x, 0) and |x| both take the x >= 0 branch at 0, so the gradient there is
+        // 1 - y - 0.5 = sigmoid(0) - y (relu and abs would each give 0 at the kink)
+        let pos = x.ge(0.0)?;
+        let max0 = Tensor::where_(&pos, x, 0.0)?;
+        let abs = Tensor::where_(&pos, x, &x.neg()?)?;
+        let l = max0
             .sub(&x.mul(target)?)?
-            .add(&x.abs()?.neg()?.exp()?.log1p()?)?;
+            .add(&abs.neg()?.exp()?.log1p()?)?;
         reduce(&l, reduction)
     }
 }

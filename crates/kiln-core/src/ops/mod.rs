@@ -12,7 +12,7 @@ pub mod norm;
 mod reduce;
 mod shape;
 
-pub use creation::{manual_seed, Generator};
+pub use creation::{default_draw, manual_seed, set_default_generator_state, Generator};
 pub use loss::Reduction;
 pub use shape::ShapeArg;
 
@@ -23,6 +23,10 @@ use crate::{DType, Result, Tensor};
 /// their value (a fractional number against an integer tensor gives float32).
 pub trait Operand {
     fn to_operand(self, like: &Tensor) -> Result<Tensor>;
+    /// True for Rust numbers (Python scalars), which take their dtype from the tensor they meet.
+    fn is_scalar(&self) -> bool {
+        false
+    }
 }
 
 impl Operand for &Tensor {
@@ -53,6 +57,9 @@ macro_rules! scalar_operand {
             fn to_operand(self, like: &Tensor) -> Result<Tensor> {
                 let v = self as f64;
                 Tensor::full(&[], v, scalar_dtype(v, like.dtype()))
+            }
+            fn is_scalar(&self) -> bool {
+                true
             }
         }
     )*};

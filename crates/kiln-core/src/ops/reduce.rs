@@ -44,6 +44,7 @@ fn reduce(
     name: &'static str,
 ) -> Result<Tensor> {
     let d = reduce_dims(name, x, dims)?;
+    let was_bool = x.dtype() == DType::Bool;
     // sums and products of integers and bools accumulate in int64, as in PyTorch
     let x = if matches!(op, ReduceOp::Sum | ReduceOp::Prod) && !x.dtype().is_float() {
         x.to_dtype(DType::I64)?
@@ -62,6 +63,12 @@ fn reduce(
             },
             &[&x],
         )?
+    };
+    // amax/amin of a bool tensor stay bool, as in PyTorch
+    let r = if was_bool && matches!(op, ReduceOp::Max | ReduceOp::Min) {
+        r.to_dtype(DType::Bool)?
+    } else {
+        r
     };
     drop_dims(&r, &d, keepdim)
 }
@@ -142,21 +149,33 @@ impl Tensor {
     /// `log(sum(exp(x)))` over `dims`, shifted by the (detached) max for stability.
     pub fn logsumexp(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
-        let m = x.max(dims, true)?.detach();
+        let d = reduce_dims("logsumexp", &x, dims)?;
+        let m = if d.iter().any(|&i| x.shape()[i] == 0) {
+            // an empty slice has no max; its logsumexp is log(0) = -inf
+            let mut keep = x.shape().to_vec();
+            d.iter().for_each(|&i| keep[i] = 1);
+            Tensor::zeros(&keep, x.dtype())?
+        } else {
+            x.max(dims, true)?.detach()
+        };
         // an all -inf (or +inf) slice must not produce inf - inf
         let m = Tensor::where_(&m.abs()?.eq(f64::INFINITY)?, 0.0, &m)?;
         let s = x.sub(&m)?.exp()?.sum(dims, true)?.log()?.add(&m)?;
-        let d = reduce_dims("logsumexp", &x, dims)?;
         drop_dims(&s, &d, keepdim)
     }
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
+        norm_dim("softmax", dim, x.rank())?;
+        if x.numel() == 0 {
+            return Ok(x);
+        }
         let m = x.max(&[dim], true)?.detach();
         let e = x.sub(&m)?.exp()?;
         e.div(&e.sum(&[dim], true)?)
     }
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
+        norm_dim("log_softmax", dim, x.rank())?;
         x.sub(&x.logsumexp(&[dim], true)?)
     }
 }

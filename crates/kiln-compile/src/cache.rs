@@ -1,0 +1,76 @@
+//! The process-wide cache of compiled graphs, keyed on structure (DESIGN.md invariant 4): a graph
+//! that was compiled once — by any function, any layer — is never compiled again in this process.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use kiln_core::Result;
+
+use crate::backends::{Backend, BackendContext, CompiledGraph};
+use crate::debug;
+use crate::graph::Graph;
+use crate::logs::{self, Channel};
+
+type Key = (String, String, String);
+
+fn cache() -> &'static Mutex<HashMap<Key, Arc<dyn CompiledGraph>>> {
+    static C: OnceLock<Mutex<HashMap<Key, Arc<dyn CompiledGraph>>>> = OnceLock::new();
+    C.get_or_init(Default::default)
+}
+
+static EPOCH: AtomicU64 = AtomicU64::new(0);
+static COMPILES: AtomicU64 = AtomicU64::new(0);
+static HITS: AtomicU64 = AtomicU64::new(0);
+
+/// Process-wide counters, for tests and `explain`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Graphs handed to a backend's `compile`.
+    pub backend_compiles: u64,
+    /// Graphs found already compiled.
+    pub cache_hits: u64,
+}
+
+pub fn stats() -> CacheStats {
+    CacheStats {
+        backend_compiles: COMPILES.load(Ordering::Relaxed),
+        cache_hits: HITS.load(Ordering::Relaxed),
+    }
+}
+
+/// Bumped by `reset()`: compiled functions drop entries from an older epoch.
+pub fn epoch() -> u64 {
+    EPOCH.load(Ordering::Relaxed)
+}
+
+/// `torch._dynamo.reset()`: forgets every compiled graph and every function's cache entries.
+pub fn reset() {
+    cache().lock().unwrap_or_else(|e| e.into_inner()).clear();
+    EPOCH.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn compile_cached(
+    backend: &dyn Backend,
+    ctx: &BackendContext,
+    graph: &Graph,
+    name: &str,
+) -> Result<Arc<dyn CompiledGraph>> {
+    let options = format!("{}|{:?}", ctx.mode, ctx.options);
+    let key = (backend.name().to_string(), options, graph.structure_key());
+    if let Some(c) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        HITS.fetch_add(1, Ordering::Relaxed);
+        return Ok(c.clone());
+    }
+    let n = COMPILES.fetch_add(1, Ordering::Relaxed);
+    logs::emit(Channel::GraphCode, || {
+        graph.to_code(&format!("{name}_graph{n}"))
+    });
+    debug::dump(&format!("{name}_graph{n}"), &graph.to_code(name));
+    let compiled = backend.compile(graph, ctx)?;
+    cache()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, compiled.clone());
+    Ok(compiled)
+}

@@ -1,0 +1,269 @@
+//! `compile_fn`: a function of tensors that traces on first call, replays its compiled graph while
+//! the guards hold, recompiles when they fail, and falls back to eager past the recompile limit.
+
+use std::sync::{Arc, Mutex};
+
+use kiln_core::intercept;
+use kiln_core::{no_grad, Error, Result, Tensor};
+
+use crate::backends::{lookup_backend, Backend, BackendContext, CompiledGraph};
+use crate::cache;
+use crate::guards::Guards;
+use crate::logs::{self, Channel};
+use crate::options::{BackendChoice, CompileOptions};
+use crate::trace::{SegmentRecord, Source, Tracer};
+
+type UserFn<'f> = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'f>;
+
+/// Where each returned tensor comes from on a replay.
+enum OutSlot {
+    Graph(usize),
+    Arg(usize),
+    Const(Tensor),
+}
+
+/// A single-graph trace, replayable without running the user's code.
+struct Entry {
+    guards: Guards,
+    compiled: Option<Arc<dyn CompiledGraph>>,
+    sources: Vec<Source>,
+    outputs: Vec<OutSlot>,
+    mutations: Vec<(Tensor, usize)>,
+}
+
+/// Per-function counters (what torch's `CompileCounter` and dynamo's stats report).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FnStats {
+    /// Calls that ran the user's code under the tracer.
+    pub traces: usize,
+    /// Cache entries created (first compile + recompiles).
+    pub compiles: usize,
+    /// Calls answered by replaying a cached graph.
+    pub replays: usize,
+    /// Graph breaks seen, over all traces.
+    pub graph_breaks: usize,
+    /// Calls run eagerly after the recompile limit.
+    pub eager_fallbacks: usize,
+    /// The warning printed when the recompile limit was hit.
+    pub fallback_warning: Option<String>,
+}
+
+#[derive(Default)]
+struct FnState {
+    epoch: u64,
+    entries: Vec<Arc<Entry>>,
+    has_breaks: bool,
+    stats: FnStats,
+}
+
+pub struct CompiledFn<'f> {
+    f: UserFn<'f>,
+    name: String,
+    opts: CompileOptions,
+    backend: Arc<dyn Backend>,
+    state: Mutex<FnState>,
+}
+
+/// `torch.compile(fn)`: wraps `f`; nothing is traced until the first call.
+pub fn compile_fn<'f, F>(f: F, opts: CompileOptions) -> Result<CompiledFn<'f>>
+where
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'f,
+{
+    compile_named("fn", f, opts)
+}
+
+/// `compile_fn` with a name for logs, debug dumps and `explain`.
+pub fn compile_named<'f, F>(name: &str, f: F, opts: CompileOptions) -> Result<CompiledFn<'f>>
+where
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'f,
+{
+    let backend = match &opts.backend {
+        BackendChoice::Named(n) => lookup_backend(n)?,
+        BackendChoice::Custom(b) => b.clone(),
+    };
+    if opts.recompile_limit == 0 {
+        return Err(Error::arg("compile", "recompile_limit must be at least 1"));
+    }
+    Ok(CompiledFn {
+        f: Box::new(f),
+        name: name.to_string(),
+        opts,
+        backend,
+        state: Mutex::new(FnState::default()),
+    })
+}
+
+impl<'f> CompiledFn<'f> {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn options(&self) -> &CompileOptions {
+        &self.opts
+    }
+    pub fn stats(&self) -> FnStats {
+        self.lock().stats.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, FnState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn call(&self, args: &[Tensor]) -> Result<Vec<Tensor>> {
+        self.call_keyed(args, 0)
+    }
+
+    /// `call`, guarding also on `extra`, a key for Rust state the traced code branches on.
+    pub fn call_keyed(&self, args: &[Tensor], extra: u64) -> Result<Vec<Tensor>> {
+        if self.opts.disable || intercept::current().is_some() {
+            // disabled, or called from code already being traced: run inline (torch inlines too)
+            return (self.f)(args);
+        }
+        let (entry, trace_each_call) = {
+            let mut st = self.lock();
+            if st.epoch != cache::epoch() {
+                let stats = std::mem::take(&mut st.stats);
+                *st = FnState {
+                    epoch: cache::epoch(),
+                    stats,
+                    ..FnState::default()
+                };
+            }
+            (
+                st.entries
+                    .iter()
+                    .find(|e| e.guards.hold(args, extra))
+                    .cloned(),
+                st.has_breaks,
+            )
+        };
+        if let Some(e) = entry {
+            self.lock().stats.replays += 1;
+            return replay(&e, args);
+        }
+        if !trace_each_call {
+            let mut st = self.lock();
+            if st.entries.len() >= self.opts.recompile_limit {
+                st.stats.eager_fallbacks += 1;
+                if st.stats.fallback_warning.is_none() {
+                    let why = st
+                        .entries
+                        .last()
+                        .and_then(|e| e.guards.why_not(args, extra))
+                        .unwrap_or_default();
+                    let w = format!(
+                        "kiln: {} hit recompile_limit ({}); running it eagerly from now on. Last recompile reason: {why}. \
+                         Mark the changing dimension dynamic or raise recompile_limit.",
+                        self.name, self.opts.recompile_limit
+                    );
+                    eprintln!("{w}");
+                    tracing::warn!(target: "kiln::recompiles", "{w}");
+                    st.stats.fallback_warning = Some(w);
+                }
+                drop(st);
+                return (self.f)(args);
+            }
+            if let Some(last) = st.entries.last() {
+                let why = last.guards.why_not(args, extra).unwrap_or_default();
+                logs::emit(Channel::Recompiles, || {
+                    format!("Recompiling function {}: {why}", self.name)
+                });
+            }
+        }
+        self.trace(args, extra)
+    }
+
+    fn trace(&self, args: &[Tensor], extra: u64) -> Result<Vec<Tensor>> {
+        let ctx = BackendContext {
+            mode: self.opts.mode.as_str().to_string(),
+            options: self.opts.options.clone(),
+        };
+        let tracer = Tracer::new(
+            &self.name,
+            args,
+            self.backend.clone(),
+            ctx,
+            self.opts.fullgraph,
+        );
+        let outs = {
+            let _on = intercept::install(Some(tracer.clone()));
+            (self.f)(args)
+        };
+        let records = tracer.finish();
+        let outs = outs?;
+        let records = records?;
+        let mut st = self.lock();
+        st.stats.traces += 1;
+        let breaks = records.iter().filter(|r| r.ended_by.is_some()).count();
+        st.stats.graph_breaks += breaks;
+        if breaks > 0 || st.has_breaks {
+            // the Rust code between graphs must run each call: trace every call, graphs come from cache
+            st.has_breaks = true;
+            return Ok(outs);
+        }
+        let entry = make_entry(args, extra, records.into_iter().next(), &outs);
+        logs::emit(Channel::Guards, || {
+            format!(
+                "guards for {}:\n  {}",
+                self.name,
+                entry.guards.describe().join("\n  ")
+            )
+        });
+        st.entries.push(Arc::new(entry));
+        st.stats.compiles += 1;
+        Ok(outs)
+    }
+}
+
+fn make_entry(args: &[Tensor], extra: u64, rec: Option<SegmentRecord>, outs: &[Tensor]) -> Entry {
+    let (compiled, sources, out_ids, mutations) = match rec {
+        Some(r) => (Some(r.compiled), r.sources, r.out_ids, r.mutations),
+        None => (None, Vec::new(), Vec::new(), Vec::new()),
+    };
+    let outputs = outs
+        .iter()
+        .map(|o| {
+            if let Some(k) = out_ids.iter().position(|&id| id == o.id()) {
+                OutSlot::Graph(k)
+            } else if let Some(i) = args.iter().position(|a| a.same_tensor(o)) {
+                OutSlot::Arg(i)
+            } else {
+                OutSlot::Const(o.clone())
+            }
+        })
+        .collect();
+    Entry {
+        guards: Guards::new(args, &sources, extra),
+        compiled,
+        sources,
+        outputs,
+        mutations,
+    }
+}
+
+fn replay(e: &Entry, args: &[Tensor]) -> Result<Vec<Tensor>> {
+    let results = match &e.compiled {
+        Some(c) => {
+            let inputs: Vec<Tensor> = e
+                .sources
+                .iter()
+                .map(|s| match s {
+                    Source::Arg(i) => args[*i].clone(),
+                    Source::Captured(t) => t.clone(),
+                })
+                .collect();
+            c.run(&inputs)?
+        }
+        None => Vec::new(),
+    };
+    for (dst, k) in &e.mutations {
+        no_grad(|| dst.assign(&results[*k]))?;
+    }
+    Ok(e.outputs
+        .iter()
+        .map(|s| match s {
+            OutSlot::Graph(k) => results[*k].clone(),
+            OutSlot::Arg(i) => args[*i].clone(),
+            OutSlot::Const(t) => t.clone(),
+        })
+        .collect())
+}

@@ -1,0 +1,180 @@
+//! The captured graph: prims over numbered values, free of tensor identities and values, so two
+//! captures of the same structure are equal (DESIGN.md invariants 3 and 4).
+
+use std::fmt::Write;
+
+use kiln_core::prim::Prim;
+use kiln_core::DType;
+
+pub type NodeId = usize;
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// The i-th graph input (a call argument or a captured tensor such as a parameter).
+    Input(usize),
+    Prim(Prim),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    pub op: Op,
+    pub args: Vec<NodeId>,
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    /// Grad mode when the op was traced (code under `no_grad` stays so on replay).
+    pub grad_enabled: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Graph {
+    pub nodes: Vec<Node>,
+    pub num_inputs: usize,
+    pub outputs: Vec<NodeId>,
+    /// Random values the graph draws per run. `Rand` offsets inside the graph are relative to a base
+    /// that each run reserves from the default generator (seeds too are per run), so replays draw
+    /// fresh numbers exactly as eager code would.
+    pub rng_span: u64,
+}
+
+impl Graph {
+    pub fn push(&mut self, node: Node) -> NodeId {
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
+    /// Number of prim nodes (inputs excluded).
+    pub fn num_ops(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Prim(_)))
+            .count()
+    }
+
+    /// The input node ids, in input order.
+    pub fn input_nodes(&self) -> Vec<NodeId> {
+        let mut v = vec![0; self.num_inputs];
+        for (id, n) in self.nodes.iter().enumerate() {
+            if let Op::Input(i) = n.op {
+                v[i] = id;
+            }
+        }
+        v
+    }
+
+    /// A key equal for structurally identical graphs: the ops with their attributes, the wiring, the
+    /// input and output metadata. Random seeds and offsets are excluded: they are runtime values.
+    pub fn structure_key(&self) -> String {
+        let mut k = String::with_capacity(self.nodes.len() * 48);
+        for n in &self.nodes {
+            match &n.op {
+                Op::Input(i) => {
+                    let _ = write!(k, "I{i}");
+                }
+                Op::Prim(Prim::Rand {
+                    shape,
+                    dtype,
+                    dist,
+                    offset,
+                    ..
+                }) => {
+                    let _ = write!(k, "Rand{shape:?}{dtype:?}{dist:?}@{offset}");
+                }
+                Op::Prim(Prim::Full {
+                    shape,
+                    value,
+                    dtype,
+                }) => {
+                    let _ = write!(k, "Full{shape:?}{:x}{dtype:?}", value.to_bits());
+                }
+                Op::Prim(Prim::Pad { pads, value }) => {
+                    let _ = write!(k, "Pad{pads:?}{:x}", value.to_bits());
+                }
+                Op::Prim(p) => {
+                    let _ = write!(k, "{p:?}");
+                }
+            }
+            let _ = write!(
+                k,
+                "{:?}{:?}{:?}{};",
+                n.args, n.shape, n.dtype, n.grad_enabled as u8
+            );
+        }
+        let _ = write!(k, "->{:?}rng{}", self.outputs, self.rng_span);
+        k
+    }
+
+    /// For each node, the last node that reads it (outputs live to the end).
+    pub fn last_uses(&self) -> Vec<usize> {
+        let mut last = vec![0; self.nodes.len()];
+        for (id, n) in self.nodes.iter().enumerate() {
+            for &a in &n.args {
+                last[a] = id;
+            }
+        }
+        for &o in &self.outputs {
+            last[o] = usize::MAX;
+        }
+        last
+    }
+
+    /// A readable listing, like torch.fx's `print_readable`.
+    pub fn to_code(&self, name: &str) -> String {
+        let mut s = String::new();
+        let ty = |n: &Node| format!("{}{:?}", short(n.dtype), n.shape);
+        let inputs: Vec<String> = self
+            .input_nodes()
+            .iter()
+            .map(|&id| format!("%{id}: {}", ty(&self.nodes[id])))
+            .collect();
+        let _ = writeln!(s, "def {name}({}):", inputs.join(", "));
+        for (id, n) in self.nodes.iter().enumerate() {
+            let Op::Prim(p) = &n.op else { continue };
+            let args: Vec<String> = n.args.iter().map(|a| format!("%{a}")).collect();
+            let grad = if n.grad_enabled { "" } else { "  # no_grad" };
+            let _ = writeln!(
+                s,
+                "    %{id}: {} = {}({}){grad}",
+                ty(n),
+                prim_text(p),
+                args.join(", ")
+            );
+        }
+        let outs: Vec<String> = self.outputs.iter().map(|o| format!("%{o}")).collect();
+        let _ = writeln!(s, "    return ({})", outs.join(", "));
+        s
+    }
+}
+
+fn short(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::U8 => "u8",
+        DType::Bool => "b8",
+    }
+}
+
+fn prim_text(p: &Prim) -> String {
+    match p {
+        Prim::Unary(u) => format!("{u:?}").to_lowercase(),
+        Prim::Binary(b) => format!("{b:?}").to_lowercase(),
+        Prim::Reduce { op, dims } => format!("{}[dims={dims:?}]", format!("{op:?}").to_lowercase()),
+        Prim::ArgReduce { op, dim } => format!("{}[dim={dim}]", format!("{op:?}").to_lowercase()),
+        Prim::Cast(d) => format!("cast[{}]", short(*d)),
+        other => {
+            let d = format!("{other:?}");
+            // `Reshape([2, 3])` -> `reshape[[2, 3]]`, `Slice { dim: 0, .. }` -> `slice[dim: 0, ..]`
+            match d.find(['(', '{']) {
+                Some(i) => {
+                    let inner = d[i + 1..d.len() - 1].trim();
+                    format!("{}[{inner}]", other.name())
+                }
+                None => other.name().to_string(),
+            }
+        }
+    }
+}

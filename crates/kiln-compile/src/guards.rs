@@ -1,0 +1,188 @@
+//! Guards: the facts about a call that a compiled graph was specialised to. A call whose guards all
+//! hold replays the graph without re-running the user's Rust code; any failure means a recompile.
+
+use kiln_core::autograd::is_grad_enabled;
+use kiln_core::{DType, Device, Tensor};
+
+use crate::trace::Source;
+
+/// Metadata a graph depends on for one tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorGuard {
+    pub shape: Vec<usize>,
+    pub dtype: DType,
+    pub device: Device,
+    pub contiguous: bool,
+    pub requires_grad: bool,
+}
+
+impl TensorGuard {
+    pub fn of(t: &Tensor) -> Self {
+        TensorGuard {
+            shape: t.shape().to_vec(),
+            dtype: t.dtype(),
+            device: t.device(),
+            contiguous: t.is_contiguous(),
+            requires_grad: t.requires_grad(),
+        }
+    }
+    #[inline]
+    pub fn holds(&self, t: &Tensor) -> bool {
+        t.shape() == self.shape.as_slice()
+            && t.dtype() == self.dtype
+            && t.device() == self.device
+            && t.requires_grad() == self.requires_grad
+            && t.is_contiguous() == self.contiguous
+    }
+    /// What differs, in words, or `None` when the guard holds.
+    pub fn mismatch(&self, t: &Tensor) -> Option<String> {
+        let now = TensorGuard::of(t);
+        if now.shape != self.shape {
+            return Some(format!(
+                "size mismatch: expected {:?}, actual {:?}",
+                self.shape, now.shape
+            ));
+        }
+        if now.dtype != self.dtype {
+            return Some(format!(
+                "dtype mismatch: expected {}, actual {}",
+                self.dtype, now.dtype
+            ));
+        }
+        if now.device != self.device {
+            return Some(format!(
+                "device mismatch: expected {}, actual {}",
+                self.device, now.device
+            ));
+        }
+        if now.requires_grad != self.requires_grad {
+            return Some(format!(
+                "requires_grad mismatch: expected {}, actual {}",
+                self.requires_grad, now.requires_grad
+            ));
+        }
+        if now.contiguous != self.contiguous {
+            return Some(format!(
+                "stride mismatch: expected contiguous={}, actual {}",
+                self.contiguous, now.contiguous
+            ));
+        }
+        None
+    }
+}
+
+impl std::fmt::Display for TensorGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}{:?} on {}, {}, requires_grad={}",
+            self.dtype,
+            self.shape,
+            self.device,
+            if self.contiguous {
+                "contiguous"
+            } else {
+                "strided"
+            },
+            self.requires_grad
+        )
+    }
+}
+
+/// All guards of one cache entry.
+#[derive(Clone, Debug)]
+pub struct Guards {
+    pub args: Vec<TensorGuard>,
+    /// Captured tensors (parameters, buffers) with their requires_grad at trace time; their shape,
+    /// dtype and device cannot change without changing the tensor itself.
+    pub captured: Vec<(Tensor, bool)>,
+    pub grad_mode: bool,
+    /// A caller-supplied key for Rust state the graph depends on (a module's training flag).
+    pub extra: u64,
+}
+
+impl Guards {
+    pub fn new(args: &[Tensor], sources: &[Source], extra: u64) -> Self {
+        Guards {
+            args: args.iter().map(TensorGuard::of).collect(),
+            captured: sources
+                .iter()
+                .filter_map(|s| match s {
+                    Source::Captured(t) => Some((t.clone(), t.requires_grad())),
+                    Source::Arg(_) => None,
+                })
+                .collect(),
+            grad_mode: is_grad_enabled(),
+            extra,
+        }
+    }
+
+    #[inline]
+    pub fn hold(&self, args: &[Tensor], extra: u64) -> bool {
+        self.extra == extra
+            && self.grad_mode == is_grad_enabled()
+            && args.len() == self.args.len()
+            && self.args.iter().zip(args).all(|(g, t)| g.holds(t))
+            && self.captured.iter().all(|(t, rg)| t.requires_grad() == *rg)
+    }
+
+    /// The first failing guard, in words (for recompile logs and the fallback warning).
+    pub fn why_not(&self, args: &[Tensor], extra: u64) -> Option<String> {
+        if args.len() != self.args.len() {
+            return Some(format!(
+                "number of arguments changed from {} to {}",
+                self.args.len(),
+                args.len()
+            ));
+        }
+        for (i, (g, t)) in self.args.iter().zip(args).enumerate() {
+            if let Some(m) = g.mismatch(t) {
+                return Some(format!("argument {i}: {m}"));
+            }
+        }
+        if self.grad_mode != is_grad_enabled() {
+            return Some(format!("grad mode changed to {}", is_grad_enabled()));
+        }
+        if self.extra != extra {
+            return Some(format!(
+                "guarded Rust state changed ({} -> {extra})",
+                self.extra
+            ));
+        }
+        for (k, (t, rg)) in self.captured.iter().enumerate() {
+            if t.requires_grad() != *rg {
+                return Some(format!(
+                    "captured tensor {k} ({:?}): requires_grad changed to {}",
+                    t.shape(),
+                    t.requires_grad()
+                ));
+            }
+        }
+        None
+    }
+
+    pub fn describe(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .args
+            .iter()
+            .enumerate()
+            .map(|(i, g)| format!("argument {i}: {g}"))
+            .collect();
+        v.push(format!(
+            "{} captured tensors: requires_grad as traced",
+            self.captured.len()
+        ));
+        v.push(format!(
+            "grad mode: {}",
+            if self.grad_mode {
+                "enabled"
+            } else {
+                "disabled"
+            }
+        ));
+        if self.extra != 0 {
+            v.push(format!("guarded Rust state: {}", self.extra));
+        }
+        v
+    }
+}

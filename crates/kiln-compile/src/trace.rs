@@ -1,0 +1,345 @@
+//! The tracer: while installed as the core's `Interceptor`, every prim the user's code applies is
+//! recorded into the current graph segment and answered with a deferred tensor. A value read of a
+//! deferred tensor forces it: the segment ends (a graph break), is compiled and run, every traced
+//! tensor the user still holds is filled in, and tracing continues in a new segment.
+
+use std::collections::HashMap;
+use std::panic::Location;
+use std::sync::{Arc, Mutex, Weak};
+
+use kiln_core::autograd::is_grad_enabled;
+use kiln_core::intercept::{self, Deferred, Interceptor};
+use kiln_core::prim::{OutMeta, Prim};
+use kiln_core::{Error, Result, Tensor, WeakTensor};
+
+use crate::backends::{Backend, BackendContext, CompiledGraph};
+use crate::cache;
+use crate::graph::{Graph, Node, NodeId, Op};
+use crate::logs::{self, Channel};
+
+/// Where a graph input's tensor comes from on each call.
+#[derive(Clone)]
+pub enum Source {
+    /// The i-th call argument.
+    Arg(usize),
+    /// A tensor the traced code read that is not an argument (a parameter, a buffer, a captured
+    /// constant). Held by reference: in-place updates are seen without recompiling.
+    Captured(Tensor),
+}
+
+/// Why a graph ended early.
+#[derive(Clone, Debug)]
+pub struct GraphBreak {
+    /// The read that needed values: `item`, `to_vec`, `assign`, ...
+    pub reason: &'static str,
+    pub location: &'static Location<'static>,
+}
+
+impl std::fmt::Display for GraphBreak {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "`{}` reads a traced tensor's values at {}:{}:{}",
+            self.reason,
+            self.location.file(),
+            self.location.line(),
+            self.location.column()
+        )
+    }
+}
+
+/// One finished segment: its graph, how to feed it, and what it produced.
+pub struct SegmentRecord {
+    pub graph: Graph,
+    pub sources: Vec<Source>,
+    pub compiled: Arc<dyn CompiledGraph>,
+    /// Tensor ids of the graph outputs that are user-visible values, in output order.
+    pub out_ids: Vec<u64>,
+    /// In-place updates: (destination, graph output index holding the new value).
+    pub mutations: Vec<(Tensor, usize)>,
+    /// Set when the segment ended at a graph break rather than at the end of the function.
+    pub ended_by: Option<GraphBreak>,
+}
+
+#[derive(Default)]
+struct Segment {
+    graph: Graph,
+    sources: Vec<Source>,
+    known: HashMap<u64, NodeId>,
+    pending: Vec<(WeakTensor, NodeId, u64)>,
+    mutations: Vec<(Tensor, NodeId)>,
+    /// (seed, offset) of the first random draw traced in this segment.
+    rng_base: Option<(u64, u64)>,
+}
+
+struct State {
+    seg: Segment,
+    done: Vec<SegmentRecord>,
+}
+
+pub struct Tracer {
+    me: Weak<Tracer>,
+    name: String,
+    args: Vec<Tensor>,
+    arg_ids: HashMap<u64, usize>,
+    backend: Arc<dyn Backend>,
+    ctx: BackendContext,
+    fullgraph: bool,
+    state: Mutex<State>,
+}
+
+impl Tracer {
+    pub fn new(
+        name: &str,
+        args: &[Tensor],
+        backend: Arc<dyn Backend>,
+        ctx: BackendContext,
+        fullgraph: bool,
+    ) -> Arc<Tracer> {
+        Arc::new_cyclic(|me| Tracer {
+            me: me.clone(),
+            name: name.to_string(),
+            args: args.to_vec(),
+            arg_ids: args.iter().enumerate().map(|(i, t)| (t.id(), i)).collect(),
+            backend,
+            ctx,
+            fullgraph,
+            state: Mutex::new(State {
+                seg: Segment::default(),
+                done: Vec::new(),
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The graph value of `t`: a value traced in this segment, or a new input.
+    fn value_of(&self, seg: &mut Segment, t: &Tensor) -> NodeId {
+        if let Some(&id) = seg.known.get(&t.id()) {
+            return id;
+        }
+        let input = seg.graph.num_inputs;
+        seg.graph.num_inputs += 1;
+        let id = seg.graph.push(Node {
+            op: Op::Input(input),
+            args: vec![],
+            shape: t.shape().to_vec(),
+            dtype: t.dtype(),
+            grad_enabled: true,
+        });
+        seg.sources.push(match self.arg_ids.get(&t.id()) {
+            Some(&i) => Source::Arg(i),
+            None => Source::Captured(t.clone()),
+        });
+        seg.known.insert(t.id(), id);
+        id
+    }
+
+    /// Ends the current segment: compiles and runs it, fills in the traced tensors still alive.
+    fn flush(&self, ended_by: Option<GraphBreak>) -> Result<()> {
+        let seg = std::mem::take(&mut self.lock().seg);
+        if seg.graph.num_ops() == 0 && seg.mutations.is_empty() {
+            return Ok(());
+        }
+        let Segment {
+            mut graph,
+            sources,
+            pending,
+            mutations,
+            rng_base,
+            ..
+        } = seg;
+        let live: Vec<(Tensor, NodeId, u64)> = pending
+            .iter()
+            .filter_map(|(w, n, id)| w.upgrade().map(|t| (t, *n, *id)))
+            .collect();
+        graph.outputs = live
+            .iter()
+            .map(|(_, n, _)| *n)
+            .chain(mutations.iter().map(|(_, n)| *n))
+            .collect();
+        let (graph, keep_inputs) = prune(&graph);
+        let sources: Vec<Source> = keep_inputs.iter().map(|&i| sources[i].clone()).collect();
+        if let Some(b) = &ended_by {
+            logs::emit(Channel::GraphBreaks, || {
+                format!("graph break in {}: {b}", self.name)
+            });
+        }
+        let compiled = cache::compile_cached(self.backend.as_ref(), &self.ctx, &graph, &self.name)?;
+        let inputs: Vec<Tensor> = sources
+            .iter()
+            .map(|s| match s {
+                Source::Arg(i) => self.args[*i].clone(),
+                Source::Captured(t) => t.clone(),
+            })
+            .collect();
+        if let Some((seed, offset)) = rng_base {
+            // the traced code already drew these values: the run draws them again, identically
+            kiln_core::ops::set_default_generator_state(seed, offset);
+        }
+        let outputs = {
+            let _off = intercept::install(None);
+            let outs = compiled.run(&inputs)?;
+            for ((t, _, _), v) in live.iter().zip(&outs) {
+                t.fill_deferred(v)?;
+            }
+            for (k, (dst, _)) in mutations.iter().enumerate() {
+                kiln_core::no_grad(|| dst.assign(&outs[live.len() + k]))?;
+            }
+            outs
+        };
+        drop(outputs);
+        let record = SegmentRecord {
+            graph,
+            sources,
+            compiled,
+            out_ids: live.iter().map(|(_, _, id)| *id).collect(),
+            mutations: mutations
+                .iter()
+                .enumerate()
+                .map(|(k, (dst, _))| (dst.clone(), live.len() + k))
+                .collect(),
+            ended_by,
+        };
+        self.lock().done.push(record);
+        Ok(())
+    }
+
+    /// Ends tracing: runs the last segment and returns every segment recorded.
+    pub fn finish(&self) -> Result<Vec<SegmentRecord>> {
+        self.flush(None)?;
+        Ok(std::mem::take(&mut self.lock().done))
+    }
+}
+
+impl Interceptor for Tracer {
+    fn apply(&self, prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Option<Result<Tensor>> {
+        // a deferred tensor of another (finished) trace is computed before it joins this one
+        for t in inputs {
+            if t.is_deferred() && !self.lock().seg.known.contains_key(&t.id()) {
+                if let Err(e) = t.ready(prim.name(), Location::caller()) {
+                    return Some(Err(e));
+                }
+            }
+        }
+        let me: Arc<dyn Deferred> = self.me.upgrade()?;
+        let mut st = self.lock();
+        let seg = &mut st.seg;
+        let args: Vec<NodeId> = inputs.iter().map(|t| self.value_of(seg, t)).collect();
+        let prim = match prim {
+            // offsets become relative to the segment's first draw; see Graph::rng_span
+            Prim::Rand {
+                shape,
+                dtype,
+                dist,
+                seed,
+                offset,
+            } => {
+                let (_, base) = *seg.rng_base.get_or_insert((*seed, *offset));
+                let rel = offset - base;
+                let n: usize = shape.iter().product();
+                seg.graph.rng_span = seg.graph.rng_span.max(rel + n as u64);
+                Prim::Rand {
+                    shape: shape.clone(),
+                    dtype: *dtype,
+                    dist: *dist,
+                    seed: 0,
+                    offset: rel,
+                }
+            }
+            p => p.clone(),
+        };
+        let id = seg.graph.push(Node {
+            op: Op::Prim(prim),
+            args,
+            shape: meta.shape.clone(),
+            dtype: meta.dtype,
+            grad_enabled: is_grad_enabled(),
+        });
+        let out = Tensor::deferred(&meta.shape, meta.dtype, me);
+        seg.known.insert(out.id(), id);
+        seg.pending.push((out.downgrade(), id, out.id()));
+        Some(Ok(out))
+    }
+
+    fn assign(&self, dst: &Tensor, src: &Tensor) -> Option<Result<()>> {
+        if dst.is_deferred() {
+            return None; // writing into a traced value: compute it first (a graph break)
+        }
+        let mut st = self.lock();
+        if src.is_deferred() && !st.seg.known.contains_key(&src.id()) {
+            return None;
+        }
+        let seg = &mut st.seg;
+        let v = self.value_of(seg, src);
+        // the destination is read as it was before the write, then reads see the new value
+        self.value_of(seg, dst);
+        seg.mutations.push((dst.clone(), v));
+        seg.known.insert(dst.id(), v);
+        Some(Ok(()))
+    }
+}
+
+impl Deferred for Tracer {
+    fn force(&self, t: &Tensor, why: &'static str, at: &'static Location<'static>) -> Result<()> {
+        let brk = GraphBreak {
+            reason: why,
+            location: at,
+        };
+        if self.fullgraph {
+            return Err(Error::Unsupported {
+                op: "compile(fullgraph=true)",
+                msg: format!(
+                    "graph break: {brk}; remove the value read or compile with fullgraph=false"
+                ),
+            });
+        }
+        self.flush(Some(brk))?;
+        if t.is_deferred() {
+            return Err(Error::arg(
+                "compile",
+                "a traced tensor was read after its trace ended without producing it",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Drops nodes no output depends on and inputs no node reads; returns the pruned graph and, for
+/// each kept input, its index in the original graph.
+fn prune(g: &Graph) -> (Graph, Vec<usize>) {
+    let mut needed = vec![false; g.nodes.len()];
+    for &o in &g.outputs {
+        needed[o] = true;
+    }
+    for id in (0..g.nodes.len()).rev() {
+        if needed[id] {
+            for &a in &g.nodes[id].args {
+                needed[a] = true;
+            }
+        }
+    }
+    let mut remap = vec![usize::MAX; g.nodes.len()];
+    let mut out = Graph {
+        rng_span: g.rng_span,
+        ..Graph::default()
+    };
+    let mut kept_inputs = Vec::new();
+    for (id, n) in g.nodes.iter().enumerate() {
+        if !needed[id] {
+            continue;
+        }
+        let mut n = n.clone();
+        if let Op::Input(i) = n.op {
+            kept_inputs.push(i);
+            n.op = Op::Input(out.num_inputs);
+            out.num_inputs += 1;
+        }
+        n.args.iter_mut().for_each(|a| *a = remap[*a]);
+        remap[id] = out.push(n);
+    }
+    out.outputs = g.outputs.iter().map(|&o| remap[o]).collect();
+    (out, kept_inputs)
+}

@@ -1,0 +1,55 @@
+//! Hooks that let a layer above the core (the compiler's tracer) record prims instead of running
+//! them. The core knows only this contract, not what records or why (DESIGN.md invariant 6).
+//!
+//! While an `Interceptor` is installed on a thread, `dispatch::apply` offers it every prim; the
+//! interceptor returns *deferred* tensors whose values do not exist yet. Reading a deferred tensor's
+//! values (`to_vec`, `item`, `assign` from it, printing) forces it through its `Deferred` hook: for
+//! the tracer, that is a graph break.
+
+use std::cell::RefCell;
+use std::panic::Location;
+use std::sync::Arc;
+
+use crate::prim::{OutMeta, Prim};
+use crate::{Result, Tensor};
+
+pub trait Interceptor: Send + Sync {
+    /// Offered every prim while installed; `None` lets the core execute it eagerly.
+    fn apply(&self, prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Option<Result<Tensor>>;
+    /// Offered every in-place copy (`Tensor::assign`) while installed; `None` copies eagerly.
+    fn assign(&self, dst: &Tensor, src: &Tensor) -> Option<Result<()>>;
+}
+
+/// The producer of a deferred tensor's value.
+pub trait Deferred: Send + Sync {
+    /// Computes the values of `t` (and whatever else must be computed with it) and fills them in
+    /// with `Tensor::fill_deferred`. `why` names the read that needs the values; `at` is its caller.
+    fn force(&self, t: &Tensor, why: &'static str, at: &'static Location<'static>) -> Result<()>;
+}
+
+thread_local! {
+    static INTERCEPTOR: RefCell<Option<Arc<dyn Interceptor>>> = const { RefCell::new(None) };
+}
+
+/// The interceptor installed on this thread, if any.
+pub fn current() -> Option<Arc<dyn Interceptor>> {
+    INTERCEPTOR.with(|i| i.borrow().clone())
+}
+
+/// Uninstalls (restores the previous interceptor) when dropped.
+pub struct InterceptGuard {
+    prev: Option<Arc<dyn Interceptor>>,
+}
+
+impl Drop for InterceptGuard {
+    fn drop(&mut self) {
+        let prev = self.prev.take();
+        INTERCEPTOR.with(|i| *i.borrow_mut() = prev);
+    }
+}
+
+/// Installs `i` on this thread (or clears the slot with `None`) until the guard drops.
+pub fn install(i: Option<Arc<dyn Interceptor>>) -> InterceptGuard {
+    let prev = INTERCEPTOR.with(|slot| std::mem::replace(&mut *slot.borrow_mut(), i));
+    InterceptGuard { prev }
+}

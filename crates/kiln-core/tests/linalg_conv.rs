@@ -1,0 +1,282 @@
+//! matmul (1-D, 2-D, batched, broadcast batch, transposed views, size 0), linear, conv2d (stride,
+//! padding, dilation, groups) and pooling against direct nested-loop f64 references.
+
+mod common;
+
+use common::*;
+use kiln_core::{DType, Tensor};
+use proptest::prelude::*;
+
+/// Reference matmul over row-major f64 with PyTorch's 1-D and broadcast-batch rules.
+fn ref_matmul(a: &[f64], sa: &[usize], b: &[f64], sb: &[usize]) -> (Vec<f64>, Vec<usize>) {
+    let sa2: Vec<usize> = if sa.len() == 1 {
+        vec![1, sa[0]]
+    } else {
+        sa.to_vec()
+    };
+    let sb2: Vec<usize> = if sb.len() == 1 {
+        vec![sb[0], 1]
+    } else {
+        sb.to_vec()
+    };
+    let (m, k) = (sa2[sa2.len() - 2], sa2[sa2.len() - 1]);
+    let n = sb2[sb2.len() - 1];
+    let (ba, bb) = (&sa2[..sa2.len() - 2], &sb2[..sb2.len() - 2]);
+    let batch = bshape(ba, bb).unwrap();
+    let mut out = Vec::new();
+    for bi in 0..numel(&batch) {
+        let idx = unravel(bi, &batch);
+        let ia = ravel(&bidx(&idx, ba), ba);
+        let ib = ravel(&bidx(&idx, bb), bb);
+        for r in 0..m {
+            for c in 0..n {
+                let s: f64 = (0..k)
+                    .map(|p| a[ia * m * k + r * k + p] * b[ib * k * n + p * n + c])
+                    .sum();
+                out.push(s);
+            }
+        }
+    }
+    let mut shape = batch;
+    if sa.len() > 1 {
+        shape.push(m);
+    }
+    if sb.len() > 1 {
+        shape.push(n);
+    }
+    (out, shape)
+}
+
+fn bidx(out: &[usize], s: &[usize]) -> Vec<usize> {
+    let lead = out.len() - s.len();
+    s.iter()
+        .enumerate()
+        .map(|(d, &n)| if n == 1 { 0 } else { out[lead + d] })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn ref_conv(
+    x: &[f64],
+    xs: &[usize],
+    w: &[f64],
+    ws: &[usize],
+    b: Option<&[f64]>,
+    s: [usize; 2],
+    p: [usize; 2],
+    d: [usize; 2],
+    g: usize,
+) -> (Vec<f64>, Vec<usize>) {
+    let (n, c, h, wd) = (xs[0], xs[1], xs[2], xs[3]);
+    let (o, cg, kh, kw) = (ws[0], ws[1], ws[2], ws[3]);
+    let oh = (h + 2 * p[0] - d[0] * (kh - 1) - 1) / s[0] + 1;
+    let ow = (wd + 2 * p[1] - d[1] * (kw - 1) - 1) / s[1] + 1;
+    let og = o / g;
+    let mut out = vec![0.0; n * o * oh * ow];
+    for bi in 0..n {
+        for oc in 0..o {
+            let grp = oc / og;
+            for y in 0..oh {
+                for xx in 0..ow {
+                    let mut acc = b.map_or(0.0, |b| b[oc]);
+                    for ci in 0..cg {
+                        let ic = grp * cg + ci;
+                        for ki in 0..kh {
+                            for kj in 0..kw {
+                                let iy = (y * s[0] + ki * d[0]) as isize - p[0] as isize;
+                                let ix = (xx * s[1] + kj * d[1]) as isize - p[1] as isize;
+                                if iy < 0 || ix < 0 || iy as usize >= h || ix as usize >= wd {
+                                    continue;
+                                }
+                                acc += x[((bi * c + ic) * h + iy as usize) * wd + ix as usize]
+                                    * w[((oc * cg + ci) * kh + ki) * kw + kj];
+                            }
+                        }
+                    }
+                    out[((bi * o + oc) * oh + y) * ow + xx] = acc;
+                }
+            }
+        }
+    }
+    (out, vec![n, o, oh, ow])
+}
+
+/// Reference pooling; `avg` None means max.
+fn ref_pool(
+    x: &[f64],
+    xs: &[usize],
+    k: [usize; 2],
+    s: [usize; 2],
+    p: [usize; 2],
+    avg: Option<bool>,
+) -> (Vec<f64>, Vec<usize>) {
+    let (n, c, h, w) = (xs[0], xs[1], xs[2], xs[3]);
+    let oh = (h + 2 * p[0] - k[0]) / s[0] + 1;
+    let ow = (w + 2 * p[1] - k[1]) / s[1] + 1;
+    let mut out = Vec::new();
+    for plane in 0..n * c {
+        for y in 0..oh {
+            for xx in 0..ow {
+                let (mut mx, mut sum, mut cnt) = (f64::NEG_INFINITY, 0.0, 0usize);
+                for ki in 0..k[0] {
+                    for kj in 0..k[1] {
+                        let iy = (y * s[0] + ki) as isize - p[0] as isize;
+                        let ix = (xx * s[1] + kj) as isize - p[1] as isize;
+                        if iy < 0 || ix < 0 || iy as usize >= h || ix as usize >= w {
+                            continue;
+                        }
+                        let v = x[plane * h * w + iy as usize * w + ix as usize];
+                        mx = mx.max(v);
+                        sum += v;
+                        cnt += 1;
+                    }
+                }
+                out.push(match avg {
+                    None => mx,
+                    Some(true) => sum / (k[0] * k[1]) as f64,
+                    Some(false) => sum / cnt as f64,
+                });
+            }
+        }
+    }
+    (out, vec![n, c, oh, ow])
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    #[test]
+    fn matmul_matches_f64(rank_a in 1usize..=4, rank_b in 1usize..=4, m in 0usize..5, k in 0usize..5, n in 0usize..5, ta: bool, tb: bool, seed: u64) {
+        let mut rng = TRng::new(seed);
+        // batch dims: b's are a's with some set to 1 or dropped
+        let full: Vec<usize> = (0..rank_a.max(rank_b).saturating_sub(2)).map(|_| [1, 2, 3][rng.below(3)]).collect();
+        let part = broadcast_partner(&full, &mut rng);
+        let (mut ba, mut bb) = if rng.unit() < 0.5 { (full, part) } else { (part, full) };
+        // keep the trailing dims so the batches still broadcast
+        ba.drain(..ba.len().saturating_sub(rank_a.saturating_sub(2)));
+        bb.drain(..bb.len().saturating_sub(rank_b.saturating_sub(2)));
+        let mut sa = ba.clone();
+        sa.extend(if rank_a == 1 { vec![k] } else { vec![m, k] });
+        let mut sb = bb.clone();
+        sb.extend(if rank_b == 1 { vec![k] } else { vec![k, n] });
+        for dtype in [DType::F64, DType::F32, DType::BF16, DType::I64] {
+            let gen = |r: &mut TRng| if dtype.is_float() { r.uniform(-1.0, 1.0) } else { r.below(7) as f64 - 3.0 };
+            // transposed views: build the transpose contiguous and view it back
+            let build = |s: &[usize], t: bool, rng: &mut TRng| {
+                if t && s.len() >= 2 {
+                    let mut st = s.to_vec();
+                    let r = st.len();
+                    st.swap(r - 1, r - 2);
+                    let base = make(&st, Kind::Contiguous, dtype, rng, gen);
+                    base.transpose(-1, -2).unwrap()
+                } else {
+                    make(s, Kind::Contiguous, dtype, rng, gen)
+                }
+            };
+            let a = build(&sa, ta, &mut rng);
+            let b = build(&sb, tb, &mut rng);
+            let (want, shape) = ref_matmul(&a.to_vec_f64().unwrap(), &sa, &b.to_vec_f64().unwrap(), &sb);
+            // bf16: k products rounded once in f32 then to bf16
+            let got = a.matmul(&b).unwrap();
+            check(&got, &want, &shape, dtype, &format!("matmul {dtype} {sa:?}{} @ {sb:?}{}", if ta {"ᵀ"} else {""}, if tb {"ᵀ"} else {""}));
+        }
+    }
+
+    #[test]
+    fn conv2d_matches_direct_loops(n in 0usize..3, g in 1usize..=2, cg in 1usize..=2, og in 0usize..=2, h in 1usize..7, w in 1usize..7, kh in 1usize..=3, kw in 1usize..=3, s0 in 1usize..=2, s1 in 1usize..=2, p0 in 0usize..=2, p1 in 0usize..=1, d0 in 1usize..=2, d1 in 1usize..=2, bias: bool, kind in kind(), seed: u64) {
+        let mut rng = TRng::new(seed);
+        let (c, o) = (g * cg, g * og);
+        prop_assume!(h + 2 * p0 > d0 * (kh - 1) && w + 2 * p1 > d1 * (kw - 1));
+        for dtype in [DType::F64, DType::F32] {
+            let x = make(&[n, c, h, w], kind, dtype, &mut rng, |r| r.uniform(-1.0, 1.0));
+            let wt = make(&[o, cg, kh, kw], Kind::Permuted, dtype, &mut rng, |r| r.uniform(-1.0, 1.0));
+            let b = make(&[o], Kind::Contiguous, dtype, &mut rng, |r| r.uniform(-1.0, 1.0));
+            let bv = b.to_vec_f64().unwrap();
+            let (want, shape) = ref_conv(&x.to_vec_f64().unwrap(), x.shape(), &wt.to_vec_f64().unwrap(), wt.shape(), bias.then_some(&bv[..]), [s0, s1], [p0, p1], [d0, d1], g);
+            let got = x.conv2d(&wt, bias.then_some(&b), [s0, s1], [p0, p1], [d0, d1], g).unwrap();
+            check(&got, &want, &shape, dtype, &format!("conv2d {dtype} x{:?} w{:?} s{:?} p{:?} d{:?} g{g}", x.shape(), wt.shape(), [s0, s1], [p0, p1], [d0, d1]));
+        }
+    }
+
+    #[test]
+    fn pooling_matches_direct_loops(n in 1usize..3, c in 1usize..3, h in 1usize..8, w in 1usize..8, k0 in 1usize..=3, k1 in 1usize..=3, s0 in 1usize..=3, s1 in 1usize..=2, pad: bool, kind in kind(), seed: u64) {
+        let mut rng = TRng::new(seed);
+        let p = if pad { [k0 / 2, k1 / 2] } else { [0, 0] };
+        prop_assume!(h + 2 * p[0] >= k0 && w + 2 * p[1] >= k1);
+        for dtype in [DType::F64, DType::F32, DType::BF16] {
+            let x = make(&[n, c, h, w], kind, dtype, &mut rng, |r| r.uniform(-2.0, 2.0));
+            let xv = x.to_vec_f64().unwrap();
+            let (want, shape) = ref_pool(&xv, x.shape(), [k0, k1], [s0, s1], p, None);
+            check(&x.max_pool2d([k0, k1], [s0, s1], p).unwrap(), &want, &shape, dtype, &format!("max_pool2d {dtype}"));
+            for cip in [true, false] {
+                let (want, shape) = ref_pool(&xv, x.shape(), [k0, k1], [s0, s1], p, Some(cip));
+                let got = x.avg_pool2d([k0, k1], [s0, s1], p, cip).unwrap();
+                check(&got, &want, &shape, dtype, &format!("avg_pool2d {dtype} k{:?} s{:?} p{p:?} count_include_pad={cip}", [k0, k1], [s0, s1]));
+            }
+            for (oh, ow) in [(1, 1), (h, w), (h.div_ceil(2), w.div_ceil(3)), (3.min(h), 2.min(w)), (h + 1, w + 2)] {
+                // PyTorch's bins: [floor(i*H/oh), ceil((i+1)*H/oh))
+                let mut want = Vec::new();
+                for plane in 0..n * c {
+                    for i in 0..oh {
+                        for j in 0..ow {
+                            let (y0, y1) = (i * h / oh, ((i + 1) * h).div_ceil(oh));
+                            let (x0, x1) = (j * w / ow, ((j + 1) * w).div_ceil(ow));
+                            let mut s = 0.0;
+                            for y in y0..y1 { for xx in x0..x1 { s += xv[plane * h * w + y * w + xx]; } }
+                            want.push(s / ((y1 - y0) * (x1 - x0)) as f64);
+                        }
+                    }
+                }
+                let got = x.adaptive_avg_pool2d([oh, ow]).unwrap();
+                check(&got, &want, &[n, c, oh, ow], dtype, &format!("adaptive_avg_pool2d {dtype} {h}x{w} -> {oh}x{ow}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_matches_f64() -> kiln_core::Result<()> {
+    let mut rng = TRng::new(7);
+    for (xs, out_f, bias) in [
+        (vec![3usize, 4], 5usize, true),
+        (vec![2, 3, 4], 2, false),
+        (vec![4], 3, true),
+        (vec![0, 4], 3, true),
+    ] {
+        let inf = *xs.last().unwrap();
+        let x = make(&xs, Kind::Strided, DType::F64, &mut rng, |r| {
+            r.uniform(-1.0, 1.0)
+        });
+        let w = make(&[out_f, inf], Kind::Contiguous, DType::F64, &mut rng, |r| {
+            r.uniform(-1.0, 1.0)
+        });
+        let b = make(&[out_f], Kind::Contiguous, DType::F64, &mut rng, |r| {
+            r.uniform(-1.0, 1.0)
+        });
+        let (xv, wv, bv) = (x.to_vec_f64()?, w.to_vec_f64()?, b.to_vec_f64()?);
+        let rows = xv.len() / inf;
+        let mut want = Vec::new();
+        for r in 0..rows {
+            for o in 0..out_f {
+                let s: f64 = (0..inf).map(|i| xv[r * inf + i] * wv[o * inf + i]).sum();
+                want.push(s + if bias { bv[o] } else { 0.0 });
+            }
+        }
+        let mut shape = xs[..xs.len() - 1].to_vec();
+        shape.push(out_f);
+        check(
+            &x.linear(&w, bias.then_some(&b))?,
+            &want,
+            &shape,
+            DType::F64,
+            &format!("linear {xs:?}"),
+        );
+    }
+    // integer matmul and a k = 0 product of zeros
+    let a = Tensor::from_vec(vec![1i32, 2, 3, 4], &[2, 2])?;
+    assert_eq!(a.matmul(&a)?.to_vec::<i32>()?, vec![7, 10, 15, 22]);
+    let z = Tensor::zeros(&[3, 0], DType::F32)?.matmul(&Tensor::zeros(&[0, 2], DType::F32)?)?;
+    assert_eq!(z.shape(), &[3, 2]);
+    assert_eq!(z.to_vec::<f32>()?, vec![0.0; 6]);
+    Ok(())
+}

@@ -1,0 +1,340 @@
+//! `torch.optim.Adam` and `torch.optim.AdamW` (decoupled weight decay), with amsgrad and maximize.
+//! Both are one `AdamCore`; they differ only in how weight decay enters and in its default.
+
+use std::collections::BTreeMap;
+
+use kiln_core::{no_grad, Result, Tensor};
+
+use super::flat::{cat_flat, group_by_dtype, FlatGroup};
+use super::{check_hyper, check_params, grad_of, LrHandle, Optimizer};
+
+macro_rules! adam_config {
+    ($(#[$doc:meta])* $name:ident, $wd:expr) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq)]
+        pub struct $name {
+            pub lr: f64,
+            pub betas: (f64, f64),
+            pub eps: f64,
+            pub weight_decay: f64,
+            pub amsgrad: bool,
+            pub maximize: bool,
+            /// The multi-tensor implementation (one flat tensor per dtype) instead of a per-parameter loop.
+            pub foreach: bool,
+        }
+        impl Default for $name {
+            fn default() -> Self {
+                $name {
+                    lr: 1e-3,
+                    betas: (0.9, 0.999),
+                    eps: 1e-8,
+                    weight_decay: $wd,
+                    amsgrad: false,
+                    maximize: false,
+                    foreach: false,
+                }
+            }
+        }
+        impl $name {
+            fn hyper(&self, decoupled: bool) -> Hyper {
+                Hyper {
+                    lr: self.lr,
+                    betas: self.betas,
+                    eps: self.eps,
+                    weight_decay: self.weight_decay,
+                    amsgrad: self.amsgrad,
+                    maximize: self.maximize,
+                    foreach: self.foreach,
+                    decoupled,
+                }
+            }
+        }
+    };
+}
+adam_config!(
+    /// Adam's hyper-parameters, PyTorch's defaults in `Default` (weight_decay 0).
+    AdamConfig,
+    0.0
+);
+adam_config!(
+    /// AdamW's hyper-parameters, PyTorch's defaults in `Default` (weight_decay 0.01).
+    AdamWConfig,
+    1e-2
+);
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hyper {
+    lr: f64,
+    betas: (f64, f64),
+    eps: f64,
+    weight_decay: f64,
+    amsgrad: bool,
+    maximize: bool,
+    foreach: bool,
+    /// AdamW: decay the parameter directly instead of adding wd·p to the gradient.
+    decoupled: bool,
+}
+
+/// The moments of one tensor (a parameter, or a dtype group's concatenation).
+#[derive(Clone)]
+pub(crate) struct Moments {
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    max_exp_avg_sq: Option<Tensor>,
+}
+
+impl Moments {
+    fn zeros(shape: &[usize], dtype: kiln_core::DType, amsgrad: bool) -> Result<Moments> {
+        Ok(Moments {
+            exp_avg: Tensor::zeros(shape, dtype)?,
+            exp_avg_sq: Tensor::zeros(shape, dtype)?,
+            max_exp_avg_sq: match amsgrad {
+                true => Some(Tensor::zeros(shape, dtype)?),
+                false => None,
+            },
+        })
+    }
+}
+
+/// `torch.lerp(a, b, w)` as PyTorch's kernel computes it (the form depends on w, for accuracy).
+fn lerp(a: &Tensor, b: &Tensor, w: f64) -> Result<Tensor> {
+    if w < 0.5 {
+        a.add(&b.sub(a)?.mul(w)?)
+    } else {
+        b.sub(&b.sub(a)?.mul(1.0 - w)?)
+    }
+}
+
+/// PyTorch's single-tensor Adam/AdamW rule at step `step` (1-based):
+///   AdamW: p ← p·(1 − lr·wd);  Adam: g ← g + wd·p
+///   m ← lerp(m, g, 1−β1);  v ← β2·v + (1−β2)·g²;  v̂ ← max(v̂, v) (amsgrad)
+///   p ← p − (lr / (1−β1ᵗ)) · m / (√v / √(1−β2ᵗ) + eps)
+pub(crate) fn update(
+    p: &Tensor,
+    g: &Tensor,
+    s: &Moments,
+    step: u64,
+    h: &Hyper,
+    lr: f64,
+) -> Result<(Tensor, Moments)> {
+    let (b1, b2) = h.betas;
+    let mut g = if h.maximize { g.neg()? } else { g.clone() };
+    let mut p = p.clone();
+    if h.weight_decay != 0.0 {
+        if h.decoupled {
+            p = p.mul(1.0 - lr * h.weight_decay)?;
+        } else {
+            g = g.add(&p.mul(h.weight_decay)?)?;
+        }
+    }
+    let exp_avg = lerp(&s.exp_avg, &g, 1.0 - b1)?;
+    let exp_avg_sq = s.exp_avg_sq.mul(b2)?.add(&g.mul(&g)?.mul(1.0 - b2)?)?;
+    let t = step as f64;
+    let step_size = lr / (1.0 - b1.powf(t));
+    let bias_correction2_sqrt = (1.0 - b2.powf(t)).sqrt();
+    let max_exp_avg_sq = match &s.max_exp_avg_sq {
+        Some(m) => Some(m.maximum(&exp_avg_sq)?),
+        None => None,
+    };
+    let second = max_exp_avg_sq.as_ref().unwrap_or(&exp_avg_sq);
+    let denom = second.sqrt()?.div(bias_correction2_sqrt)?.add(h.eps)?;
+    let new_p = p.add(&exp_avg.mul(-step_size)?.div(&denom)?)?;
+    Ok((
+        new_p,
+        Moments {
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+        },
+    ))
+}
+
+pub(crate) struct AdamCore {
+    params: Vec<Tensor>,
+    hyper: Hyper,
+    lr: LrHandle,
+    /// Per-parameter step counts (a parameter without a gradient does not advance).
+    steps: Vec<u64>,
+    /// For-loop mode: per-parameter moments, created at a parameter's first step.
+    states: Vec<Option<Moments>>,
+    /// Foreach mode: dtype groups and their flat moments.
+    groups: Vec<FlatGroup>,
+    flat: Vec<Moments>,
+}
+
+impl AdamCore {
+    fn new(op: &'static str, params: Vec<Tensor>, h: Hyper) -> Result<AdamCore> {
+        check_hyper(op, "learning rate", h.lr, h.lr >= 0.0)?;
+        check_hyper(op, "epsilon", h.eps, h.eps >= 0.0)?;
+        let (b1, b2) = h.betas;
+        check_hyper(
+            op,
+            "beta parameter at index 0",
+            b1,
+            (0.0..1.0).contains(&b1),
+        )?;
+        check_hyper(
+            op,
+            "beta parameter at index 1",
+            b2,
+            (0.0..1.0).contains(&b2),
+        )?;
+        check_hyper(
+            op,
+            "weight_decay value",
+            h.weight_decay,
+            h.weight_decay >= 0.0,
+        )?;
+        let params = check_params(op, params)?;
+        let n = params.len();
+        let (groups, flat) = match h.foreach {
+            true => {
+                let groups = group_by_dtype(&params);
+                let flat = groups
+                    .iter()
+                    .map(|g| Moments::zeros(&[g.total], g.dtype, h.amsgrad))
+                    .collect::<Result<_>>()?;
+                (groups, flat)
+            }
+            false => (Vec::new(), Vec::new()),
+        };
+        Ok(AdamCore {
+            lr: LrHandle::new(h.lr),
+            params,
+            hyper: h,
+            steps: vec![0; n],
+            states: vec![None; n],
+            groups,
+            flat,
+        })
+    }
+
+    fn step_loop(&mut self, lr: f64) -> Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(g) = grad_of(p)? else { continue };
+            let state = match &self.states[i] {
+                Some(s) => s.clone(),
+                None => Moments::zeros(p.shape(), p.dtype(), self.hyper.amsgrad)?,
+            };
+            self.steps[i] += 1;
+            let (new_p, new_state) = update(p, &g, &state, self.steps[i], &self.hyper, lr)?;
+            p.assign(&new_p)?;
+            self.states[i] = Some(new_state);
+        }
+        Ok(())
+    }
+
+    fn step_foreach(&mut self, lr: f64) -> Result<()> {
+        for (gi, group) in self.groups.iter().enumerate() {
+            // parameters at different step counts need different bias corrections: one flat update
+            // per step count (normally all parameters share one, so this is a single update)
+            let mut classes: BTreeMap<u64, Vec<(usize, Tensor)>> = BTreeMap::new();
+            for (k, &i) in group.members.iter().enumerate() {
+                if let Some(g) = grad_of(&self.params[i])? {
+                    classes.entry(self.steps[i] + 1).or_default().push((k, g));
+                }
+            }
+            for (step, members) in classes {
+                let ks: Vec<usize> = members.iter().map(|(k, _)| *k).collect();
+                let ps: Vec<Tensor> = ks
+                    .iter()
+                    .map(|&k| self.params[group.members[k]].clone())
+                    .collect();
+                let gs: Vec<Tensor> = members.into_iter().map(|(_, g)| g).collect();
+                let (p_cat, g_cat) = (cat_flat(&ps)?, cat_flat(&gs)?);
+                let flat = &mut self.flat[gi];
+                let state = Moments {
+                    exp_avg: group.gather(&flat.exp_avg, &ks)?,
+                    exp_avg_sq: group.gather(&flat.exp_avg_sq, &ks)?,
+                    max_exp_avg_sq: match &flat.max_exp_avg_sq {
+                        Some(m) => Some(group.gather(m, &ks)?),
+                        None => None,
+                    },
+                };
+                let (new_p, new) = update(&p_cat, &g_cat, &state, step, &self.hyper, lr)?;
+                group.write_params(&self.params, &ks, &new_p)?;
+                group.scatter(&mut flat.exp_avg, &ks, new.exp_avg)?;
+                group.scatter(&mut flat.exp_avg_sq, &ks, new.exp_avg_sq)?;
+                if let (Some(m), Some(nm)) = (&mut flat.max_exp_avg_sq, new.max_exp_avg_sq) {
+                    group.scatter(m, &ks, nm)?;
+                }
+                for &k in &ks {
+                    self.steps[group.members[k]] = step;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for AdamCore {
+    fn step(&mut self) -> Result<()> {
+        let lr = self.lr.get();
+        no_grad(|| {
+            if self.hyper.foreach {
+                self.step_foreach(lr)
+            } else {
+                self.step_loop(lr)
+            }
+        })
+    }
+    fn zero_grad(&self) {
+        for p in &self.params {
+            p.zero_grad();
+        }
+    }
+    fn lr(&self) -> f64 {
+        self.lr.get()
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.lr.set(lr)
+    }
+    fn lr_handle(&self) -> LrHandle {
+        self.lr.clone()
+    }
+}
+
+macro_rules! adam_optimizer {
+    ($(#[$doc:meta])* $name:ident, $config:ident, $decoupled:expr) => {
+        $(#[$doc])*
+        pub struct $name(AdamCore);
+        impl $name {
+            pub fn new(params: Vec<Tensor>, config: $config) -> Result<$name> {
+                Ok($name(AdamCore::new(stringify!($name), params, config.hyper($decoupled))?))
+            }
+            /// How many steps each parameter has taken (PyTorch's `state[p]['step']`).
+            pub fn steps(&self) -> &[u64] {
+                &self.0.steps
+            }
+        }
+        impl Optimizer for $name {
+            fn step(&mut self) -> Result<()> {
+                self.0.step()
+            }
+            fn zero_grad(&self) {
+                self.0.zero_grad()
+            }
+            fn lr(&self) -> f64 {
+                self.0.lr()
+            }
+            fn set_lr(&mut self, lr: f64) {
+                self.0.set_lr(lr)
+            }
+            fn lr_handle(&self) -> LrHandle {
+                self.0.lr_handle()
+            }
+        }
+    };
+}
+adam_optimizer!(
+    /// `torch.optim.Adam`: L2 weight decay added to the gradient.
+    Adam,
+    AdamConfig,
+    false
+);
+adam_optimizer!(
+    /// `torch.optim.AdamW`: weight decay applied to the parameter, decoupled from the moments.
+    AdamW,
+    AdamWConfig,
+    true
+);
