@@ -4,6 +4,7 @@
 
 mod compile;
 pub mod data;
+pub mod models;
 pub mod ndarray_interop;
 
 pub use kiln_core::{
