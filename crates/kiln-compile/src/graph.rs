@@ -23,6 +23,8 @@ pub struct Node {
     pub dtype: DType,
     /// Grad mode when the op was traced (code under `no_grad` stays so on replay).
     pub grad_enabled: bool,
+    /// For inputs: whether the tensor fed here requires grad (a guarded fact). False on prims.
+    pub requires_grad: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -95,8 +97,8 @@ impl Graph {
             }
             let _ = write!(
                 k,
-                "{:?}{:?}{:?}{};",
-                n.args, n.shape, n.dtype, n.grad_enabled as u8
+                "{:?}{:?}{:?}{}{};",
+                n.args, n.shape, n.dtype, n.grad_enabled as u8, n.requires_grad as u8
             );
         }
         let _ = write!(k, "->{:?}rng{}", self.outputs, self.rng_span);
@@ -124,7 +126,15 @@ impl Graph {
         let inputs: Vec<String> = self
             .input_nodes()
             .iter()
-            .map(|&id| format!("%{id}: {}", ty(&self.nodes[id])))
+            .map(|&id| {
+                let n = &self.nodes[id];
+                let rg = if n.requires_grad {
+                    " (requires_grad)"
+                } else {
+                    ""
+                };
+                format!("%{id}: {}{rg}", ty(n))
+            })
             .collect();
         let _ = writeln!(s, "def {name}({}):", inputs.join(", "));
         for (id, n) in self.nodes.iter().enumerate() {

@@ -128,6 +128,7 @@ impl Tracer {
             shape: t.shape().to_vec(),
             dtype: t.dtype(),
             grad_enabled: true,
+            requires_grad: t.requires_grad(),
         });
         seg.sources.push(match self.arg_ids.get(&t.id()) {
             Some(&i) => Source::Arg(i),
@@ -257,6 +258,7 @@ impl Interceptor for Tracer {
             shape: meta.shape.clone(),
             dtype: meta.dtype,
             grad_enabled: is_grad_enabled(),
+            requires_grad: false,
         });
         let out = Tensor::deferred(&meta.shape, meta.dtype, me);
         seg.known.insert(out.id(), id);

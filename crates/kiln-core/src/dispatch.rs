@@ -2,9 +2,7 @@
 //! execute, and record an autograd node when gradients are wanted. High-level ops never execute
 //! anything themselves; they only call `apply`.
 
-use std::sync::Arc;
-
-use crate::autograd::{self, Node};
+use crate::autograd::{self, Node, SavedOutput};
 use crate::prim::Prim;
 use crate::{Error, Result, Tensor};
 
@@ -25,29 +23,23 @@ pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
     let meta = prim.infer(&shapes, &dtypes)?;
     if let Some(i) = crate::intercept::current() {
         if let Some(r) = i.apply(&prim, inputs, &meta) {
-            return r;
+            let out = r?;
+            if i.records_autograd() && autograd::needs_grad(&prim, inputs) {
+                let saved = SavedOutput::Traced(out.downgrade());
+                out.attach_grad_fn(Node::prim(prim, inputs, saved), 0);
+            }
+            return Ok(out);
         }
     }
     for t in inputs {
         t.ready(prim.name(), std::panic::Location::caller())?;
     }
     let (storage, layout) = crate::cpu::execute(&prim, inputs, &meta)?;
-    let needs_grad = autograd::is_grad_enabled()
-        && autograd::is_differentiable(&prim)
-        && inputs.iter().any(|t| t.requires_grad());
+    let needs_grad = autograd::needs_grad(&prim, inputs);
     let out = Tensor::from_parts(storage, layout, meta.dtype, None);
     if !needs_grad {
         return Ok(out);
     }
-    let node = Arc::new(Node {
-        prim,
-        inputs: inputs.iter().map(|t| (*t).clone()).collect(),
-        output: out.clone(),
-    });
-    Ok(Tensor::from_parts(
-        out.0.storage.clone(),
-        out.0.layout.clone(),
-        meta.dtype,
-        Some(node),
-    ))
+    let node = Node::prim(prim, inputs, SavedOutput::Detached(out.clone()));
+    Ok(out.with_grad_fn(node, 0))
 }

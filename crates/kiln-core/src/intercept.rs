@@ -18,6 +18,11 @@ pub trait Interceptor: Send + Sync {
     fn apply(&self, prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Option<Result<Tensor>>;
     /// Offered every in-place copy (`Tensor::assign`) while installed; `None` copies eagerly.
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Option<Result<()>>;
+    /// Whether the dispatcher records autograd nodes on the deferred tensors this interceptor
+    /// returns (the compiler's joint forward+backward tracer wants them; the capture tracer does not).
+    fn records_autograd(&self) -> bool {
+        false
+    }
 }
 
 /// The producer of a deferred tensor's value.

@@ -30,11 +30,28 @@ pub use tensor::Tensor;
 
 impl Tensor {
     /// `loss.backward()`.
+    #[track_caller]
     pub fn backward(&self) -> Result<()> {
-        autograd::backward(self, None)
+        self.backward_at(None, std::panic::Location::caller())
     }
     /// `out.backward(gradient)`.
+    #[track_caller]
     pub fn backward_with(&self, grad: &Tensor) -> Result<()> {
-        autograd::backward(self, Some(grad))
+        self.backward_at(Some(grad), std::panic::Location::caller())
+    }
+    /// Inside traced code, `backward` ends the graph (a graph break, as in torch.compile): the graph
+    /// runs — a compiled graph records its own backward on the tape — and the backward pass then
+    /// runs eagerly, outside the trace, into the leaves' `.grad`.
+    fn backward_at(
+        &self,
+        grad: Option<&Tensor>,
+        at: &'static std::panic::Location<'static>,
+    ) -> Result<()> {
+        self.ready("backward", at)?;
+        if let Some(g) = grad {
+            g.ready("backward", at)?;
+        }
+        let _outside = intercept::install(None);
+        autograd::backward(self, grad)
     }
 }

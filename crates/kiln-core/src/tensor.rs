@@ -5,7 +5,7 @@ use std::panic::Location;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
 
-use crate::autograd::Node;
+use crate::autograd::{GradEdge, Node};
 use crate::intercept::Deferred;
 use crate::shape::Layout;
 use crate::storage::{CpuStorage, StorageElement};
@@ -21,7 +21,7 @@ pub(crate) struct TensorImpl {
     pub(crate) storage: Arc<RwLock<CpuStorage>>,
     pub(crate) requires_grad: AtomicBool,
     pub(crate) grad: Mutex<Option<Tensor>>,
-    pub(crate) grad_fn: OnceLock<Arc<Node>>,
+    pub(crate) grad_fn: OnceLock<GradEdge>,
     /// Set while the values are not computed yet (a traced tensor); see `intercept.rs`.
     pub(crate) deferred: Mutex<Option<Arc<dyn Deferred>>>,
 }
@@ -34,7 +34,7 @@ impl Tensor {
         storage: Arc<RwLock<CpuStorage>>,
         layout: Layout,
         dtype: DType,
-        grad_fn: Option<Arc<Node>>,
+        grad_fn: Option<GradEdge>,
     ) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -166,8 +166,23 @@ impl Tensor {
     pub fn is_leaf(&self) -> bool {
         self.0.grad_fn.get().is_none()
     }
-    pub(crate) fn grad_fn(&self) -> Option<&Arc<Node>> {
+    pub(crate) fn grad_fn(&self) -> Option<&GradEdge> {
         self.0.grad_fn.get()
+    }
+    /// A new handle on the same values whose gradient flows to output `index` of `node`.
+    pub(crate) fn with_grad_fn(&self, node: Arc<Node>, index: usize) -> Tensor {
+        Tensor::from_parts(
+            self.0.storage.clone(),
+            self.0.layout.clone(),
+            self.0.dtype,
+            Some(GradEdge { node, index }),
+        )
+    }
+    /// Gives a fresh (traced) tensor its autograd history in place.
+    pub(crate) fn attach_grad_fn(&self, node: Arc<Node>, index: usize) {
+        if self.0.grad_fn.set(GradEdge { node, index }).is_ok() {
+            self.0.requires_grad.store(true, Ordering::Relaxed);
+        }
     }
     /// The accumulated gradient of a leaf, if `backward` has reached it.
     pub fn grad(&self) -> Option<Tensor> {
@@ -247,6 +262,8 @@ impl Tensor {
 
     /// Copies `src`'s values into this tensor's storage in place (PyTorch's `copy_` under `no_grad`).
     /// The tensor keeps its identity, so compiled graphs that read it as an input see the new values.
+    /// While a tracer is installed the write is recorded (an input mutation of the graph).
+    #[track_caller]
     pub fn assign(&self, src: &Tensor) -> Result<()> {
         if src.shape() != self.shape() {
             return Err(Error::shape(
@@ -263,6 +280,14 @@ impl Tensor {
         } else {
             src.to_dtype(self.dtype())?
         };
+        if let Some(i) = crate::intercept::current() {
+            if let Some(r) = i.assign(self, &src) {
+                return r;
+            }
+        }
+        let at = Location::caller();
+        src.ready("assign", at)?;
+        self.ready("assign", at)?;
         let values = crate::cpu::materialize(&src);
         let mut dst = self.0.storage.write().unwrap_or_else(|e| e.into_inner());
         crate::cpu::write_strided(&mut dst, self.layout(), &values);

@@ -27,6 +27,6 @@ fn main() -> kiln::Result<()> {
         );
     }
     println!("\nlargest per-step loss difference, compiled vs eager: {max_rel:.2e} (relative)");
-    println!("backend: eager interpreter over captured graphs (generated C/CUDA kernels are in progress)");
+    println!("backend: aot_eager (captured forward and AOT-derived backward graphs, run by the interpreter)");
     Ok(())
 }

@@ -38,6 +38,15 @@ impl Interpreter {
 
 impl CompiledGraph for Interpreter {
     fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let rng = if self.graph.rng_span > 0 {
+            default_draw(self.graph.rng_span as usize)
+        } else {
+            (0, 0)
+        };
+        self.run_with_rng(inputs, rng)
+    }
+
+    fn run_with_rng(&self, inputs: &[Tensor], (seed, base): (u64, u64)) -> Result<Vec<Tensor>> {
         let g = &self.graph;
         if inputs.len() != g.num_inputs {
             return Err(Error::arg(
@@ -47,11 +56,6 @@ impl CompiledGraph for Interpreter {
         }
         let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         let outer = is_grad_enabled();
-        let (seed, base) = if g.rng_span > 0 {
-            default_draw(g.rng_span as usize)
-        } else {
-            (0, 0)
-        };
         for (id, n) in g.nodes.iter().enumerate() {
             let v = match &n.op {
                 Op::Input(i) => inputs[*i].clone(),

@@ -8,6 +8,7 @@ use std::sync::{Arc, OnceLock, RwLock};
 
 use kiln_core::{Error, Result, Tensor};
 
+use crate::aot::AotBackend;
 use crate::graph::Graph;
 
 pub use eager::{EagerBackend, Interpreter};
@@ -28,7 +29,19 @@ pub trait Backend: Send + Sync {
 
 /// A compiled graph: inputs in graph-input order, outputs in graph-output order.
 pub trait CompiledGraph: Send + Sync {
+    /// Runs the graph; its random draws (if any) take a fresh base from the default generator.
     fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>>;
+    /// Runs the graph with its random draws based at `rng` = (seed, offset) rather than a fresh
+    /// draw: AOT autograd's backward regenerates the forward's dropout masks this way instead of
+    /// saving them. Backends whose graphs draw random numbers must implement it.
+    fn run_with_rng(&self, inputs: &[Tensor], rng: (u64, u64)) -> Result<Vec<Tensor>> {
+        let _ = (inputs, rng);
+        Err(Error::Unsupported {
+            op: "CompiledGraph::run_with_rng",
+            msg: "this backend cannot replay a graph's random draws at a given seed and offset"
+                .into(),
+        })
+    }
 }
 
 fn registry() -> &'static RwLock<BTreeMap<String, Arc<dyn Backend>>> {
@@ -36,6 +49,10 @@ fn registry() -> &'static RwLock<BTreeMap<String, Arc<dyn Backend>>> {
     R.get_or_init(|| {
         let mut m: BTreeMap<String, Arc<dyn Backend>> = BTreeMap::new();
         m.insert("eager".into(), Arc::new(EagerBackend));
+        m.insert(
+            "aot_eager".into(),
+            Arc::new(AotBackend::new("aot_eager", Arc::new(EagerBackend))),
+        );
         RwLock::new(m)
     })
 }

@@ -2,23 +2,78 @@
 //! records a `Node`; `backward` walks the nodes in reverse topological order and applies each prim's
 //! VJP rule (`vjp.rs`). Because high-level ops are compositions of prims, every op gets its backward
 //! from the prims' rules — there is no per-op backward code.
+//!
+//! Besides prims, a node can hold a `Function`: a whole computation with its own backward (the
+//! compiler records one such node per compiled graph, whose backward is itself a compiled graph).
 
 mod engine;
+mod function;
+mod saved;
 mod vjp;
 
 use std::cell::Cell;
+use std::sync::Arc;
 
 use crate::prim::Prim;
-use crate::Tensor;
+use crate::{Result, Tensor, WeakTensor};
 
-pub use engine::backward;
+pub use engine::{backward, grad};
+pub use function::{apply_function, Function};
+pub use saved::{saved_bytes, SavedBytes};
 
-/// One recorded prim application.
+/// One recorded step of the forward computation.
 pub struct Node {
-    pub(crate) prim: Prim,
+    pub(crate) kind: NodeKind,
+    /// The operands; gradients flow back to those that require grad.
     pub(crate) inputs: Vec<Tensor>,
-    /// The output, detached (the node must not own a handle that points back at itself).
-    pub(crate) output: Tensor,
+    pub(crate) num_outputs: usize,
+}
+
+pub(crate) enum NodeKind {
+    Prim { prim: Prim, output: SavedOutput },
+    Function(Arc<dyn Function>),
+}
+
+/// A prim node's output, as its VJP rule reads it. The node must not own a handle that points back
+/// at itself, so eager outputs are kept as a detached alias of the storage and traced outputs (which
+/// have no storage yet) weakly: a traced value is alive while any later node reads it.
+pub(crate) enum SavedOutput {
+    Detached(Tensor),
+    Traced(WeakTensor),
+}
+
+impl SavedOutput {
+    fn get(&self) -> Result<Tensor> {
+        match self {
+            SavedOutput::Detached(t) => Ok(t.clone()),
+            SavedOutput::Traced(w) => w.upgrade().ok_or_else(|| {
+                crate::Error::Autograd("a traced output read by a backward rule was dropped".into())
+            }),
+        }
+    }
+}
+
+/// Where a tensor's gradient goes: output `index` of `node`.
+#[derive(Clone)]
+pub(crate) struct GradEdge {
+    pub(crate) node: Arc<Node>,
+    pub(crate) index: usize,
+}
+
+impl Node {
+    pub(crate) fn prim(prim: Prim, inputs: &[&Tensor], output: SavedOutput) -> Arc<Node> {
+        Arc::new(Node {
+            kind: NodeKind::Prim { prim, output },
+            inputs: inputs.iter().map(|t| (*t).clone()).collect(),
+            num_outputs: 1,
+        })
+    }
+}
+
+/// Whether applying `prim` to `inputs` records a node (grad mode on, differentiable, an operand
+/// that requires grad).
+pub(crate) fn needs_grad(prim: &Prim, inputs: &[&Tensor]) -> bool {
+    is_grad_enabled() && is_differentiable(prim) && inputs.iter().any(|t| t.requires_grad())
 }
 
 thread_local! {
@@ -54,7 +109,7 @@ pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Prims whose outputs carry gradient to their inputs.
-pub(crate) fn is_differentiable(p: &Prim) -> bool {
+pub fn is_differentiable(p: &Prim) -> bool {
     !matches!(
         p,
         Prim::ArgReduce { .. }

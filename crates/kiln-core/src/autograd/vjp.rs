@@ -1,7 +1,6 @@
 //! Vector-Jacobian products, one rule per prim. Rules are written with tensor ops, so they execute
 //! eagerly here and, when the compiler traces a backward pass, they record prims like any other code.
 
-use super::Node;
 use crate::dispatch::apply;
 use crate::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
 use crate::{Result, Tensor};
@@ -156,11 +155,11 @@ fn reduce_vjp(
     }
 }
 
-pub(super) fn vjp(node: &Node, g: &Tensor) -> Result<Grads> {
-    let ins = &node.inputs;
-    let out = &node.output;
+/// The gradients of `prim`'s operands `ins`, given its output `out` and the output's gradient `g`.
+pub(super) fn vjp(prim: &Prim, ins: &[Tensor], out: &Tensor, g: &Tensor) -> Result<Grads> {
+    let out = &out.clone();
     let one = |t: Tensor| Ok(vec![Some(t)]);
-    match &node.prim {
+    match prim {
         Prim::Unary(op) => Ok(vec![unary_vjp(*op, &ins[0], out, g)?]),
         Prim::Binary(op) => binary_vjp(*op, &ins[0], &ins[1], out, g),
         Prim::Where => {

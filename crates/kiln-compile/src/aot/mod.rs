@@ -1,0 +1,182 @@
+//! AOT autograd: when a captured graph has outputs that need gradients, its backward is derived at
+//! compile time. `joint` traces forward + backward into one graph (through the core's per-prim VJP
+//! rules), `partition` splits it by a min-cut into a forward that also returns the values saved for
+//! backward and a backward graph, and both are compiled by an inner backend. At run time the forward
+//! records one `Function` node on the eager tape whose backward runs the compiled backward graph.
+
+pub mod joint;
+mod maxflow;
+pub mod partition;
+
+use std::sync::Arc;
+
+use kiln_core::autograd::{apply_function, is_grad_enabled, Function};
+use kiln_core::ops::default_draw;
+use kiln_core::{no_grad, Error, Result, Tensor};
+
+use crate::backends::{Backend, BackendContext, CompiledGraph};
+use crate::debug;
+use crate::graph::Graph;
+use crate::logs::{self, Channel};
+
+/// Wraps an inner backend with joint-graph construction and partitioning (`aot_eager` wraps the
+/// interpreter; code-generating backends wrap their own compilers).
+pub struct AotBackend {
+    name: String,
+    inner: Arc<dyn Backend>,
+}
+
+impl AotBackend {
+    pub fn new(name: &str, inner: Arc<dyn Backend>) -> Self {
+        AotBackend {
+            name: name.to_string(),
+            inner,
+        }
+    }
+}
+
+impl Backend for AotBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
+        let Some(joint) = joint::build(graph)? else {
+            // nothing needs a gradient: an inference graph
+            return self.inner.compile(graph, ctx);
+        };
+        let part = partition::partition(&joint)?;
+        logs::emit(Channel::GraphCode, || {
+            format!(
+                "{}{}",
+                part.forward.to_code("aot_forward"),
+                part.backward.to_code("aot_backward")
+            )
+        });
+        if debug::enabled() {
+            debug::dump("aot_joint", &joint.graph.to_code("joint"));
+            debug::dump("aot_forward", &part.forward.to_code("forward"));
+            debug::dump("aot_backward", &part.backward.to_code("backward"));
+        }
+        let out_meta = joint.diff_outputs.iter().map(|&k| {
+            let n = &graph.nodes[graph.outputs[k]];
+            (n.shape.clone(), n.dtype)
+        });
+        Ok(Arc::new(AotCompiled {
+            forward: self.inner.compile(&part.forward, ctx)?,
+            backward: self.inner.compile(&part.backward, ctx)?,
+            rng_span: graph.rng_span,
+            num_fwd_outputs: joint.num_fwd_outputs,
+            num_saved: part.num_saved,
+            diff_outputs: joint.diff_outputs.clone(),
+            diff_meta: out_meta.collect(),
+            grad_inputs: joint.grad_inputs.clone(),
+            saved_bytes: part.saved_bytes,
+            forward_draws: part.forward.rng_span > 0,
+            backward_draws: part.backward.rng_span > 0,
+        }))
+    }
+}
+
+/// A compiled forward and backward pair.
+pub struct AotCompiled {
+    forward: Arc<dyn CompiledGraph>,
+    backward: Arc<dyn CompiledGraph>,
+    rng_span: u64,
+    num_fwd_outputs: usize,
+    num_saved: usize,
+    diff_outputs: Vec<usize>,
+    diff_meta: Vec<(Vec<usize>, kiln_core::DType)>,
+    grad_inputs: Vec<usize>,
+    saved_bytes: usize,
+    forward_draws: bool,
+    backward_draws: bool,
+}
+
+impl AotCompiled {
+    /// Bytes the forward saves for backward per call.
+    pub fn saved_bytes(&self) -> usize {
+        self.saved_bytes
+    }
+
+    fn run_at(&self, inputs: &[Tensor], rng: Option<(u64, u64)>) -> Result<Vec<Tensor>> {
+        let mut outs = no_grad(|| match rng {
+            Some(r) if self.forward_draws => self.forward.run_with_rng(inputs, r),
+            _ => self.forward.run(inputs),
+        })?;
+        if outs.len() != self.num_fwd_outputs + self.num_saved {
+            return Err(Error::arg(
+                "aot autograd",
+                "the forward graph returned the wrong number of values",
+            ));
+        }
+        let saved = outs.split_off(self.num_fwd_outputs);
+        if !is_grad_enabled() {
+            return Ok(outs);
+        }
+        let backward = Arc::new(CompiledBackward {
+            graph: self.backward.clone(),
+            saved,
+            rng,
+            draws: self.backward_draws,
+            tangent_meta: self.diff_meta.clone(),
+        });
+        let wrt: Vec<Tensor> = self
+            .grad_inputs
+            .iter()
+            .map(|&i| inputs[i].clone())
+            .collect();
+        let diff: Vec<Tensor> = self.diff_outputs.iter().map(|&k| outs[k].clone()).collect();
+        let tracked = apply_function(backward, &wrt, &diff);
+        for (&k, t) in self.diff_outputs.iter().zip(tracked) {
+            outs[k] = t;
+        }
+        Ok(outs)
+    }
+}
+
+impl CompiledGraph for AotCompiled {
+    fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let rng = (self.rng_span > 0).then(|| default_draw(self.rng_span as usize));
+        self.run_at(inputs, rng)
+    }
+
+    fn run_with_rng(&self, inputs: &[Tensor], rng: (u64, u64)) -> Result<Vec<Tensor>> {
+        self.run_at(inputs, Some(rng))
+    }
+}
+
+/// The tape node of one compiled forward call: its saved values and the compiled backward.
+struct CompiledBackward {
+    graph: Arc<dyn CompiledGraph>,
+    saved: Vec<Tensor>,
+    rng: Option<(u64, u64)>,
+    /// Whether the backward graph itself draws (recomputes the forward's random values).
+    draws: bool,
+    tangent_meta: Vec<(Vec<usize>, kiln_core::DType)>,
+}
+
+impl Function for CompiledBackward {
+    fn name(&self) -> &str {
+        "CompiledFunctionBackward"
+    }
+
+    fn backward(&self, grad_outputs: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        let mut inputs = self.saved.clone();
+        for (g, (shape, dtype)) in grad_outputs.iter().zip(&self.tangent_meta) {
+            inputs.push(match g {
+                Some(g) => g.clone(),
+                None => Tensor::zeros(shape.as_slice(), *dtype)?,
+            });
+        }
+        let grads = match self.rng {
+            Some(r) if self.draws => self.graph.run_with_rng(&inputs, r)?,
+            _ => self.graph.run(&inputs)?,
+        };
+        Ok(grads.into_iter().map(Some).collect())
+    }
+
+    fn saved_tensors(&self) -> Vec<Tensor> {
+        self.saved.clone()
+    }
+}
