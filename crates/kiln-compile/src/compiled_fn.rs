@@ -1,7 +1,7 @@
 //! `compile_fn`: a function of tensors that traces on first call, replays its compiled graph while
 //! the guards hold, recompiles when they fail, and falls back to eager past the recompile limit.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use kiln_core::intercept;
 use kiln_core::{no_grad, Error, Result, Tensor};
@@ -29,6 +29,64 @@ struct Entry {
     sources: Vec<Source>,
     outputs: Vec<OutSlot>,
     mutations: Vec<(Tensor, usize)>,
+    /// The graph's inputs kept gathered between replays, when it reads captured tensors.
+    inputs: Option<InputBuffer>,
+}
+
+/// The graph-input list of an entry, built once: the captured tensors (parameters) sit in their
+/// slots for good, and a replay only writes the call's arguments into theirs, rather than cloning
+/// every handle (two atomic refcount updates per parameter per call). Between calls the argument
+/// slots hold `placeholder`, a handle the entry keeps anyway, so no argument outlives its call.
+struct InputBuffer {
+    slots: Mutex<Vec<Tensor>>,
+    /// (slot, argument index) for each `Source::Arg`.
+    arg_slots: Vec<(usize, usize)>,
+    placeholder: Tensor,
+}
+
+impl InputBuffer {
+    fn new(sources: &[Source]) -> Option<InputBuffer> {
+        let placeholder = sources.iter().find_map(|s| match s {
+            Source::Captured(t) => Some(t.clone()),
+            Source::Arg(_) => None,
+        })?;
+        let mut arg_slots = Vec::new();
+        let slots = sources
+            .iter()
+            .enumerate()
+            .map(|(k, s)| match s {
+                Source::Arg(i) => {
+                    arg_slots.push((k, *i));
+                    placeholder.clone()
+                }
+                Source::Captured(t) => t.clone(),
+            })
+            .collect();
+        Some(InputBuffer {
+            slots: Mutex::new(slots),
+            arg_slots,
+            placeholder,
+        })
+    }
+
+    /// Runs `c` on the buffered inputs with `args` in place; `None` when the buffer is in use
+    /// (a concurrent or re-entrant replay of the same entry), for the caller to gather afresh.
+    fn run(&self, c: &dyn CompiledGraph, args: &[Tensor]) -> Option<Result<Vec<Tensor>>> {
+        let mut slots = match self.slots.try_lock() {
+            Ok(g) => g,
+            // a panic inside a backend left arguments in their slots: they are overwritten below
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return None,
+        };
+        for &(k, i) in &self.arg_slots {
+            slots[k] = args[i].clone();
+        }
+        let out = c.run(&slots);
+        for &(k, _) in &self.arg_slots {
+            slots[k] = self.placeholder.clone();
+        }
+        Some(out)
+    }
 }
 
 /// Per-function counters (what torch's `CompileCounter` and dynamo's stats report).
@@ -128,16 +186,18 @@ impl<'f> CompiledFn<'f> {
                     ..FnState::default()
                 };
             }
-            (
-                st.entries
-                    .iter()
-                    .find(|e| e.guards.hold(args, extra))
-                    .cloned(),
-                st.has_breaks,
-            )
+            let entry = st
+                .entries
+                .iter()
+                .find(|e| e.guards.hold(args, extra))
+                .cloned();
+            if entry.is_some() {
+                // counted under the lookup's lock: a replay takes the state lock once
+                st.stats.replays += 1;
+            }
+            (entry, st.has_breaks)
         };
         if let Some(e) = entry {
-            self.lock().stats.replays += 1;
             return replay(&e, args);
         }
         if !trace_each_call {
@@ -231,27 +291,25 @@ fn make_entry(args: &[Tensor], extra: u64, rec: Option<SegmentRecord>, outs: &[T
             }
         })
         .collect();
+    let inputs = compiled.as_ref().and_then(|_| InputBuffer::new(&sources));
     Entry {
         guards: Guards::new(args, &sources, extra),
         compiled,
         sources,
         outputs,
         mutations,
+        inputs,
     }
 }
 
 fn replay(e: &Entry, args: &[Tensor]) -> Result<Vec<Tensor>> {
     let results = match &e.compiled {
         Some(c) => {
-            let inputs: Vec<Tensor> = e
-                .sources
-                .iter()
-                .map(|s| match s {
-                    Source::Arg(i) => args[*i].clone(),
-                    Source::Captured(t) => t.clone(),
-                })
-                .collect();
-            c.run(&inputs)?
+            if let Some(out) = e.inputs.as_ref().and_then(|b| b.run(c.as_ref(), args)) {
+                out?
+            } else {
+                gather_and_run(c.as_ref(), &e.sources, args)?
+            }
         }
         None => Vec::new(),
     };
@@ -266,4 +324,85 @@ fn replay(e: &Entry, args: &[Tensor]) -> Result<Vec<Tensor>> {
             OutSlot::Const(t) => t.clone(),
         })
         .collect())
+}
+
+/// Builds the input list from `sources` and runs `c` on it.
+fn gather_and_run(
+    c: &dyn CompiledGraph,
+    sources: &[Source],
+    args: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    let inputs: Vec<Tensor> = sources
+        .iter()
+        .map(|s| match s {
+            Source::Arg(i) => args[*i].clone(),
+            Source::Captured(t) => t.clone(),
+        })
+        .collect();
+    c.run(&inputs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_core::DType;
+
+    /// Returns its inputs: shows what a replay handed the backend.
+    struct Echo;
+    impl CompiledGraph for Echo {
+        fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+            Ok(inputs.to_vec())
+        }
+    }
+
+    #[test]
+    fn the_input_buffer_passes_the_arguments_and_releases_them_after_the_call() -> Result<()> {
+        let w = Tensor::randn(&[3], DType::F32)?;
+        let x = Tensor::randn(&[3], DType::F32)?;
+        let b = InputBuffer::new(&[Source::Arg(0), Source::Captured(w.clone()), Source::Arg(0)])
+            .expect("a graph with a captured tensor gets a buffer");
+        let seen = b.run(&Echo, std::slice::from_ref(&x)).expect("free")?;
+        assert!(seen[0].same_tensor(&x) && seen[1].same_tensor(&w) && seen[2].same_tensor(&x));
+        drop(seen);
+        let weak = x.downgrade();
+        drop(x);
+        assert!(
+            weak.upgrade().is_none(),
+            "the buffer must not keep an argument alive"
+        );
+        // busy (a concurrent or re-entrant replay): the caller gathers its own inputs
+        let held = b.slots.lock().unwrap();
+        assert!(b.run(&Echo, std::slice::from_ref(&w)).is_none());
+        drop(held);
+        assert!(
+            InputBuffer::new(&[Source::Arg(0)]).is_none(),
+            "nothing to keep"
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn replays_on_several_threads_match_eager() -> Result<()> {
+        let w = Tensor::randn(&[4, 3], DType::F32)?;
+        let f = compile_fn(
+            |a: &[Tensor]| Ok(vec![a[0].matmul(&w)?.tanh()?]),
+            CompileOptions::default().backend("aot_eager"),
+        )?;
+        let x = Tensor::randn(&[2, 4], DType::F32)?;
+        let want = x.matmul(&w)?.tanh()?.to_vec::<f32>()?;
+        f.call(std::slice::from_ref(&x))?;
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..50 {
+                        let got = f.call(std::slice::from_ref(&x)).unwrap();
+                        assert_eq!(got[0].to_vec::<f32>().unwrap(), want);
+                    }
+                });
+            }
+        });
+        let st = f.stats();
+        assert_eq!((st.traces, st.compiles, st.replays), (1, 1, 200));
+        Ok(())
+    }
 }

@@ -63,7 +63,7 @@ impl Default for CompileOptions {
             mode: Mode::Default,
             fullgraph: false,
             dynamic: None,
-            backend: BackendChoice::Named("aot_eager".into()),
+            backend: BackendChoice::Named("kiln".into()),
             options: BTreeMap::new(),
             disable: false,
             recompile_limit: 8,

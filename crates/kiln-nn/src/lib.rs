@@ -12,7 +12,7 @@ pub mod optim;
 mod state_dict;
 
 pub use layers::*;
-pub use module::{join_name, Module, TensorKind, TrainFlag};
+pub use module::{join_name, train_flag_generation, Module, TensorKind, TrainFlag};
 pub use state_dict::StateDict;
 
 /// `kiln_nn::nn::Linear` etc., for code that likes the PyTorch path.

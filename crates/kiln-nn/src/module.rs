@@ -28,12 +28,23 @@ impl Default for TrainFlag {
     }
 }
 
+/// Bumped on every change of any module's training flag, so a compiled module can tell in one
+/// load that the flags it guards on are unchanged since its last call.
+static TRAIN_FLAG_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The current training-flag generation (see `TrainFlag::set`).
+pub fn train_flag_generation() -> u64 {
+    TRAIN_FLAG_GENERATION.load(Ordering::Acquire)
+}
+
 impl TrainFlag {
     pub fn get(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
     pub fn set(&self, on: bool) {
-        self.0.store(on, Ordering::Relaxed)
+        if self.0.swap(on, Ordering::AcqRel) != on {
+            TRAIN_FLAG_GENERATION.fetch_add(1, Ordering::AcqRel);
+        }
     }
 }
 

@@ -1,13 +1,16 @@
 //! `kiln::compile(&module, opts)`: a compiled module is itself a `Module`, so it drops into existing
 //! code; its parameters are the original module's (optimizers see the same tensors).
 
-use kiln_compile::{compile_named, CompileOptions, CompiledFn, FnStats};
+use kiln_compile::{CompileOptions, CompiledFn, FnStats};
 use kiln_core::{Error, Result, Tensor};
 use kiln_nn::{Module, TensorKind, TrainFlag};
 
 pub struct CompiledModule<'m> {
     inner: &'m dyn Module,
     func: CompiledFn<'m>,
+    /// (training-flag generation, training key) of the last call: walking every submodule costs
+    /// more than the rest of a replay, and the flags rarely change.
+    key: std::sync::Mutex<Option<(u64, u64)>>,
 }
 
 /// `torch.compile(model)`.
@@ -28,7 +31,35 @@ pub fn compile<'m, M: Module>(module: &'m M, opts: CompileOptions) -> Result<Com
         },
         opts,
     )?;
-    Ok(CompiledModule { inner, func })
+    Ok(CompiledModule {
+        inner,
+        func,
+        key: std::sync::Mutex::new(None),
+    })
+}
+
+/// `torch.compile(fn)`: wraps `f`; nothing is traced until the first call.
+pub fn compile_fn<'f, F>(f: F, opts: CompileOptions) -> Result<CompiledFn<'f>>
+where
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'f,
+{
+    compile_named("fn", f, opts)
+}
+
+/// `compile_fn` with a name for logs, debug dumps and `explain`.
+pub fn compile_named<'f, F>(name: &str, f: F, opts: CompileOptions) -> Result<CompiledFn<'f>>
+where
+    F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'f,
+{
+    // the default backend, `kiln`, lives in kiln-inductor, above the capture crate
+    kiln_inductor::register();
+    kiln_compile::compile_named(name, f, opts)
+}
+
+/// `torch._dynamo.list_backends()`: the registered backend names (`kiln` included).
+pub fn list_backends() -> Vec<String> {
+    kiln_inductor::register();
+    kiln_compile::list_backends()
 }
 
 /// A fingerprint of every submodule's training flag: the traced code branches on them
@@ -47,6 +78,18 @@ fn training_key(m: &dyn Module) -> u64 {
 }
 
 impl<'m> CompiledModule<'m> {
+    fn training_key(&self) -> u64 {
+        let generation = kiln_nn::train_flag_generation();
+        let mut cached = self.key.lock().unwrap_or_else(|e| e.into_inner());
+        match *cached {
+            Some((g, k)) if g == generation => k,
+            _ => {
+                let k = training_key(self.inner);
+                *cached = Some((generation, k));
+                k
+            }
+        }
+    }
     pub fn stats(&self) -> FnStats {
         self.func.stats()
     }
@@ -59,7 +102,7 @@ impl Module for CompiledModule<'_> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut out = self
             .func
-            .call_keyed(std::slice::from_ref(x), training_key(self.inner))?;
+            .call_keyed(std::slice::from_ref(x), self.training_key())?;
         out.pop()
             .ok_or_else(|| Error::arg("forward", "compiled module produced no output"))
     }

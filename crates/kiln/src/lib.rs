@@ -13,14 +13,15 @@ pub use kiln_core::{
 };
 pub use kiln_nn as nn;
 
-pub use compile::{compile, CompiledModule};
+pub use compile::{compile, compile_fn, compile_named, list_backends, CompiledModule};
 /// Graph IR, tracer and backend internals, for backend writers.
 pub use kiln_compile as compiler;
 pub use kiln_compile::{
-    cache_stats, compile_fn, compile_named, explain, list_backends, register_backend, reset,
-    Backend, BackendContext, CompileOptions, CompiledFn, CompiledGraph, ExplainOutput, FnStats,
-    Graph, Mode,
+    cache_stats, explain, register_backend, reset, Backend, BackendContext, CompileOptions,
+    CompiledFn, CompiledGraph, ExplainOutput, FnStats, Graph, Mode,
 };
+/// Loop IR, fusion and C code generation (the `kiln` backend).
+pub use kiln_inductor as inductor;
 
 /// `use kiln::prelude::*;` brings in what a training script needs.
 pub mod prelude {

@@ -90,8 +90,14 @@ pub fn lookup_backend(name: &str) -> Result<Arc<dyn Backend>> {
             Error::arg(
                 "compile",
                 format!(
-                    "unknown backend {name:?}; registered backends: {:?}",
-                    list_backends()
+                    "unknown backend {name:?}; registered backends: {:?}{}",
+                    list_backends(),
+                    if name == "kiln" {
+                        " (the `kiln` backend is registered by kiln-inductor: use `kiln::compile`, \
+                         or call `kiln_inductor::register()` first)"
+                    } else {
+                        ""
+                    }
                 ),
             )
         })

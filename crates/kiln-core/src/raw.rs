@@ -1,0 +1,19 @@
+//! Raw element addresses, for generated kernels called through FFI. The core never hands these out
+//! for its own use; code generators hold the tensor (and so its storage) alive around every call.
+
+use crate::Tensor;
+
+impl Tensor {
+    /// Address of the tensor's first element (its layout offset applied).
+    ///
+    /// # Safety
+    /// The pointer is valid while `self` is alive and the storage is not replaced (only deferred
+    /// tensors have their storage replaced, when they are filled). Reading through it races with
+    /// concurrent in-place writes (`assign`); writing through it is only sound for a tensor whose
+    /// storage no other handle can reach (a fresh allocation).
+    pub unsafe fn data_ptr(&self) -> *const u8 {
+        let s = self.storage();
+        let base: *const u8 = crate::with_storage!(&*s, v => v.as_ptr().cast::<u8>());
+        base.wrapping_add(self.offset() * self.dtype().size_in_bytes())
+    }
+}

@@ -1,0 +1,320 @@
+//! C code generation: one function per kernel, `void k_<hash>(void **args)`, taking its input buffers
+//! then its output buffer. Loops are nested one per dimension so the innermost one walks contiguous
+//! memory (what the C compiler vectorizes); the outer loops run in parallel under OpenMP when the
+//! kernel is large enough to pay for the threads. The function name is a hash of its text, so
+//! identical kernels — the same block repeated 64 times — are one kernel.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use kiln_compile::graph::{Graph, NodeId, Op};
+use kiln_core::prim::Prim;
+use kiln_core::DType;
+
+use crate::ir::index::Ix;
+use crate::ir::lower::{
+    binary_c, c_dtype, float_literal, linear, reduce_c, unary_c, view_index, Kind,
+};
+use crate::schedule::Schedule;
+
+/// Elements below which a kernel runs on one thread.
+const PARALLEL_THRESHOLD: usize = 32 * 1024;
+
+/// One generated kernel.
+#[derive(Clone, Debug)]
+pub struct Kernel {
+    pub name: String,
+    /// The full C definition.
+    pub source: String,
+    /// The buffers it reads, in argument order (the output comes after them).
+    pub inputs: Vec<NodeId>,
+}
+
+struct Builder<'a> {
+    g: &'a Graph,
+    sched: &'a Schedule,
+    ext: Vec<i64>,
+    params: Vec<NodeId>,
+    body: String,
+    memo: HashMap<(NodeId, Vec<Ix>), String>,
+    temps: usize,
+}
+
+fn ty(d: DType) -> &'static str {
+    c_dtype(d).unwrap_or("double")
+}
+
+impl Builder<'_> {
+    fn temp(&mut self, d: DType, expr: String) -> String {
+        let name = format!("t{}", self.temps);
+        self.temps += 1;
+        let _ = writeln!(self.body, "    const {} {name} = {expr};", ty(d));
+        name
+    }
+
+    fn param(&mut self, id: NodeId) -> usize {
+        match self.params.iter().position(|&q| q == id) {
+            Some(p) => p,
+            None => {
+                self.params.push(id);
+                self.params.len() - 1
+            }
+        }
+    }
+
+    /// Reads buffer `id` at `idx` into a temporary. Loads are never placed under a condition:
+    /// GCC 12 miscompiles vectorized masked loads in unrolled loops (every lane group used the
+    /// first group's mask), so selects pick between values that were loaded unconditionally.
+    fn load(&mut self, id: NodeId, idx: &[Ix]) -> String {
+        let key = (id, idx.to_vec());
+        if let Some(v) = self.memo.get(&key) {
+            return v.clone();
+        }
+        let p = self.param(id);
+        let off = linear(idx, &self.g.nodes[id].shape);
+        let v = self.temp(self.g.nodes[id].dtype, format!("b{p}[{}]", off.to_c("i")));
+        self.memo.insert(key, v.clone());
+        v
+    }
+
+    /// Reads buffer `id` at `idx` with each index clamped into the buffer (pad and cat read
+    /// out-of-range positions, whose values the caller then replaces).
+    fn load_clamped(&mut self, id: NodeId, idx: &[Ix]) -> String {
+        let shape = self.g.nodes[id].shape.clone();
+        let p = self.param(id);
+        let strides = crate::ir::lower::strides(&shape);
+        let mut terms = Vec::new();
+        for (d, i) in idx.iter().enumerate() {
+            let (lo, hi) = i.bounds(&self.ext);
+            let n = shape[d] as i64;
+            let e = i.to_c("i");
+            let e = if lo >= 0 && hi < n {
+                e
+            } else {
+                format!("(({e}) < 0 ? 0 : (({e}) > {} ? {} : ({e})))", n - 1, n - 1)
+            };
+            terms.push(format!("{}*({e})", strides[d]));
+        }
+        let off = if terms.is_empty() {
+            "0".to_string()
+        } else {
+            terms.join(" + ")
+        };
+        self.temp(self.g.nodes[id].dtype, format!("b{p}[{off}]"))
+    }
+
+    /// The C expression for node `id` at index `idx` (buffers are loaded unless `id` is the root).
+    fn value(&mut self, id: NodeId, idx: &[Ix], root: bool) -> String {
+        if self.sched.realized[id] && !root {
+            return self.load(id, idx);
+        }
+        let key = (id, idx.to_vec());
+        if let Some(v) = self.memo.get(&key) {
+            return v.clone();
+        }
+        let g = self.g;
+        let node = &g.nodes[id];
+        let Op::Prim(p) = &node.op else {
+            return self.load(id, idx);
+        };
+        let arg_dtype = |k: usize| g.nodes[node.args[k]].dtype;
+        let v = match p {
+            Prim::Unary(op) => {
+                let a = self.value(node.args[0], idx, false);
+                let e = unary_c(*op, &a, arg_dtype(0));
+                self.temp(node.dtype, e)
+            }
+            Prim::Binary(op) => {
+                let a = self.value(node.args[0], idx, false);
+                let b = self.value(node.args[1], idx, false);
+                let e = binary_c(*op, &a, &b, arg_dtype(0));
+                self.temp(node.dtype, e)
+            }
+            Prim::Where => {
+                let c = self.value(node.args[0], idx, false);
+                let a = self.value(node.args[1], idx, false);
+                let b = self.value(node.args[2], idx, false);
+                self.temp(node.dtype, format!("{c} ? {a} : {b}"))
+            }
+            Prim::Cast(to) => {
+                let a = self.value(node.args[0], idx, false);
+                let e = if *to == DType::Bool {
+                    format!("(uint8_t)({a} != 0)")
+                } else {
+                    format!("({})({a})", ty(*to))
+                };
+                self.temp(node.dtype, e)
+            }
+            Prim::Full { value, dtype, .. } => float_literal(*value, *dtype),
+            Prim::Iota { dtype, .. } => format!("(({})({}))", ty(*dtype), idx[0].to_c("i")),
+            Prim::Pad { pads, value } => {
+                let src = node.args[0];
+                let in_shape = &g.nodes[src].shape;
+                let mut conds = Vec::new();
+                let mut in_idx = Vec::with_capacity(idx.len());
+                for (d, (i, &(lo, _))) in idx.iter().zip(pads).enumerate() {
+                    let j = i.add_const(-(lo as i64));
+                    let (bl, bh) = j.bounds(&self.ext);
+                    if bl < 0 {
+                        conds.push(format!("{} >= 0", j.to_c("i")));
+                    }
+                    if bh >= in_shape[d] as i64 {
+                        conds.push(format!("{} < {}", j.to_c("i"), in_shape[d]));
+                    }
+                    in_idx.push(j);
+                }
+                let load = self.load_clamped(src, &in_idx);
+                let fill = float_literal(*value, node.dtype);
+                if conds.is_empty() {
+                    load
+                } else {
+                    self.temp(
+                        node.dtype,
+                        format!("({}) ? {load} : {fill}", conds.join(" && ")),
+                    )
+                }
+            }
+            Prim::Cat { dim } => {
+                let mut start = 0i64;
+                let mut pieces = Vec::new();
+                for &a in &node.args {
+                    let len = g.nodes[a].shape[*dim] as i64;
+                    let mut j = idx.to_vec();
+                    j[*dim] = idx[*dim].add_const(-start);
+                    pieces.push((start + len, self.load_clamped(a, &j)));
+                    start += len;
+                }
+                let i = idx[*dim].to_c("i");
+                let mut e = pieces.last().map(|p| p.1.clone()).unwrap_or_default();
+                for (end, load) in pieces.iter().rev().skip(1) {
+                    e = format!("({i} < {end}) ? {load} : ({e})");
+                }
+                self.temp(node.dtype, e)
+            }
+            Prim::Reshape(_)
+            | Prim::Permute(_)
+            | Prim::Expand(_)
+            | Prim::Slice { .. }
+            | Prim::Contiguous => {
+                let src = node.args[0];
+                let j = view_index(p, &g.nodes[src].shape, idx, &node.shape, &self.ext);
+                self.value(src, &j, false)
+            }
+            // extern and reductions are always realized: only reached as a root (reductions are
+            // generated by `reduction_kernel`)
+            _ => self.load(id, idx),
+        };
+        self.memo.insert(key, v.clone());
+        v
+    }
+}
+
+fn loops(out: &mut String, vars: &[(usize, usize)], parallel: bool) {
+    if parallel && !vars.is_empty() {
+        let collapse = if vars.len() >= 2 { vars.len() - 1 } else { 1 };
+        let _ = writeln!(
+            out,
+            "  #pragma omp parallel for collapse({collapse}) schedule(static)"
+        );
+    }
+    for &(v, n) in vars {
+        let _ = writeln!(out, "  for (int64_t i{v} = 0; i{v} < {n}; i{v}++)");
+    }
+}
+
+fn finish(b: Builder<'_>, root: NodeId, loop_text: String, parallel: bool) -> Kernel {
+    let g = b.g;
+    let mut sig = String::new();
+    for (p, &id) in b.params.iter().enumerate() {
+        let t = ty(g.nodes[id].dtype);
+        let _ = writeln!(sig, "  const {t} *restrict b{p} = (const {t} *)args[{p}];");
+    }
+    let out_t = ty(g.nodes[root].dtype);
+    let _ = writeln!(
+        sig,
+        "  {out_t} *restrict out = ({out_t} *)args[{}];",
+        b.params.len()
+    );
+    let text = format!("{sig}{loop_text}");
+    let hash = xxhash_rust::xxh3::xxh3_64(format!("{parallel}{text}").as_bytes());
+    let name = format!("k_{hash:016x}");
+    Kernel {
+        source: format!("void {name}(void **args) {{\n{text}}}\n"),
+        name,
+        inputs: b.params,
+    }
+}
+
+/// The kernel computing realized node `root` (pointwise, view, pad, cat or constant).
+pub fn pointwise_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
+    let shape = &g.nodes[root].shape;
+    let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
+    let mut b = Builder {
+        g,
+        sched,
+        ext,
+        params: Vec::new(),
+        body: String::new(),
+        memo: HashMap::new(),
+        temps: 0,
+    };
+    let idx: Vec<Ix> = (0..shape.len()).map(Ix::var).collect();
+    let v = b.value(root, &idx, true);
+    let off = linear(&idx, shape).to_c("i");
+    let numel: usize = shape.iter().product();
+    let parallel = numel >= PARALLEL_THRESHOLD;
+    let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
+    let mut text = String::new();
+    loops(&mut text, &vars, parallel);
+    let _ = write!(text, "  {{\n{}    out[{off}] = {v};\n  }}\n", b.body);
+    finish(b, root, text, parallel)
+}
+
+/// The kernel of a reduction: outer loops over the kept dims, inner loops over the reduced ones,
+/// the operand's pointwise producers evaluated inside the inner loop.
+pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
+    let node = &g.nodes[root];
+    let Op::Prim(Prim::Reduce { op, dims }) = &node.op else {
+        unreachable!("reduction_kernel on a non-reduction (the scheduler classifies it)")
+    };
+    debug_assert_eq!(sched.kinds[root], Kind::Reduction);
+    let src = node.args[0];
+    let in_shape = g.nodes[src].shape.clone();
+    let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
+    let mut b = Builder {
+        g,
+        sched,
+        ext,
+        params: Vec::new(),
+        body: String::new(),
+        memo: HashMap::new(),
+        temps: 0,
+    };
+    let idx: Vec<Ix> = (0..in_shape.len()).map(Ix::var).collect();
+    let v = b.value(src, &idx, false);
+    let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
+    let out_idx: Vec<Ix> = (0..in_shape.len())
+        .map(|d| {
+            if dims.contains(&d) {
+                Ix::constant(0)
+            } else {
+                Ix::var(d)
+            }
+        })
+        .collect();
+    let off = linear(&out_idx, &node.shape).to_c("i");
+    let kept: Vec<(usize, usize)> = (0..in_shape.len())
+        .filter(|d| !dims.contains(d))
+        .map(|d| (d, in_shape[d]))
+        .collect();
+    let reduced: Vec<(usize, usize)> = dims.iter().map(|&d| (d, in_shape[d])).collect();
+    let numel: usize = in_shape.iter().product();
+    let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
+    let mut text = String::new();
+    loops(&mut text, &kept, parallel);
+    let _ = writeln!(text, "  {{\n  {acc_t} acc = {init};");
+    loops(&mut text, &reduced, false);
+    let _ = writeln!(text, "  {{\n{}    acc = {};\n  }}", b.body, step("acc", &v));
+    let _ = writeln!(text, "  out[{off}] = ({})acc;\n  }}", ty(node.dtype));
+    finish(b, root, text, parallel)
+}

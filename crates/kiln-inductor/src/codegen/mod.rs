@@ -1,0 +1,3 @@
+//! Source generation from the schedule. `c`: C with OpenMP for the CPU.
+
+pub mod c;

@@ -1,0 +1,258 @@
+//! Index expressions over loop variables, kept in a canonical form — a constant plus a sum of
+//! `coefficient × atom`, where an atom is a loop variable, a floor division or a modulo — and
+//! simplified with the variables' ranges, so that views compose into plain strided addresses:
+//! reshaping a contiguous buffer and reading it back yields `i`, not `(i / n) * n + i % n`.
+//! All indices are non-negative, so C's `/` and `%` are floor division and modulo.
+
+use std::fmt::Write;
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Atom {
+    Var(usize),
+    Div(Box<Ix>, i64),
+    Mod(Box<Ix>, i64),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Ix {
+    pub constant: i64,
+    /// (coefficient, atom), sorted by atom, no zero coefficients, no repeated atom.
+    pub terms: Vec<(i64, Atom)>,
+}
+
+/// Loop variable extents: variable `v` ranges over `0..extents[v]`.
+pub type Extents = [i64];
+
+impl Ix {
+    pub fn constant(c: i64) -> Ix {
+        Ix {
+            constant: c,
+            terms: Vec::new(),
+        }
+    }
+
+    pub fn var(v: usize) -> Ix {
+        Ix::atom(Atom::Var(v))
+    }
+
+    fn atom(a: Atom) -> Ix {
+        Ix {
+            constant: 0,
+            terms: vec![(1, a)],
+        }
+    }
+
+    pub fn as_constant(&self) -> Option<i64> {
+        self.terms.is_empty().then_some(self.constant)
+    }
+
+    pub fn add(&self, o: &Ix) -> Ix {
+        let mut terms = self.terms.clone();
+        terms.extend(o.terms.iter().cloned());
+        normalize(self.constant + o.constant, terms)
+    }
+
+    pub fn add_const(&self, c: i64) -> Ix {
+        self.add(&Ix::constant(c))
+    }
+
+    pub fn mul(&self, c: i64) -> Ix {
+        if c == 0 {
+            return Ix::constant(0);
+        }
+        Ix {
+            constant: self.constant * c,
+            terms: self.terms.iter().map(|(k, a)| (k * c, a.clone())).collect(),
+        }
+    }
+
+    /// Smallest and largest value over the loop ranges.
+    pub fn bounds(&self, ext: &Extents) -> (i64, i64) {
+        let (mut lo, mut hi) = (self.constant, self.constant);
+        for (k, a) in &self.terms {
+            let (alo, ahi) = a.bounds(ext);
+            if *k >= 0 {
+                lo += k * alo;
+                hi += k * ahi;
+            } else {
+                lo += k * ahi;
+                hi += k * alo;
+            }
+        }
+        (lo, hi)
+    }
+
+    /// Splits into (the part whose coefficients and constant `n` divides, the rest).
+    fn split_multiple(&self, n: i64) -> (Ix, Ix) {
+        let mut whole = Ix::constant(self.constant - self.constant.rem_euclid(n));
+        let mut rest = Ix::constant(self.constant.rem_euclid(n));
+        for (k, a) in &self.terms {
+            if k % n == 0 {
+                whole.terms.push((*k, a.clone()));
+            } else {
+                rest.terms.push((*k, a.clone()));
+            }
+        }
+        (whole, rest)
+    }
+
+    /// Floor division by a positive constant.
+    pub fn div(&self, n: i64, ext: &Extents) -> Ix {
+        if n <= 1 {
+            return self.clone();
+        }
+        let (whole, rest) = self.split_multiple(n);
+        let (lo, hi) = rest.bounds(ext);
+        let q = whole.exact_div(n);
+        if lo >= 0 && hi < n {
+            return q;
+        }
+        if lo >= 0 {
+            return q.add(&Ix::atom(Atom::Div(Box::new(rest), n)));
+        }
+        Ix::atom(Atom::Div(Box::new(self.clone()), n))
+    }
+
+    /// Modulo by a positive constant.
+    pub fn rem(&self, n: i64, ext: &Extents) -> Ix {
+        if n <= 1 {
+            return Ix::constant(0);
+        }
+        let (_, rest) = self.split_multiple(n);
+        let (lo, hi) = rest.bounds(ext);
+        if lo >= 0 && hi < n {
+            return rest;
+        }
+        if lo >= 0 {
+            return Ix::atom(Atom::Mod(Box::new(rest), n));
+        }
+        Ix::atom(Atom::Mod(Box::new(self.clone()), n))
+    }
+
+    fn exact_div(&self, n: i64) -> Ix {
+        Ix {
+            constant: self.constant / n,
+            terms: self.terms.iter().map(|(k, a)| (k / n, a.clone())).collect(),
+        }
+    }
+
+    /// C source text, loop variable `v` written as `{prefix}{v}`.
+    pub fn to_c(&self, prefix: &str) -> String {
+        let mut s = String::new();
+        for (k, a) in &self.terms {
+            if !s.is_empty() {
+                s.push_str(" + ");
+            }
+            let a = a.to_c(prefix);
+            match k {
+                1 => s.push_str(&a),
+                _ => {
+                    let _ = write!(s, "{k}*{a}");
+                }
+            }
+        }
+        if self.constant != 0 || s.is_empty() {
+            if !s.is_empty() {
+                s.push_str(" + ");
+            }
+            let _ = write!(s, "{}", self.constant);
+        }
+        s
+    }
+}
+
+impl Atom {
+    fn bounds(&self, ext: &Extents) -> (i64, i64) {
+        match self {
+            Atom::Var(v) => (0, ext[*v] - 1),
+            Atom::Div(x, n) => {
+                let (lo, hi) = x.bounds(ext);
+                (lo.div_euclid(*n), hi.div_euclid(*n))
+            }
+            Atom::Mod(x, n) => {
+                let (lo, hi) = x.bounds(ext);
+                if lo >= 0 && hi < *n {
+                    (lo, hi)
+                } else {
+                    (0, n - 1)
+                }
+            }
+        }
+    }
+
+    fn to_c(&self, prefix: &str) -> String {
+        match self {
+            Atom::Var(v) => format!("{prefix}{v}"),
+            Atom::Div(x, n) => format!("(({}) / {n})", x.to_c(prefix)),
+            Atom::Mod(x, n) => format!("(({}) % {n})", x.to_c(prefix)),
+        }
+    }
+}
+
+/// Merges repeated atoms, drops zero terms, and folds `c·n·(x / n) + c·(x % n)` into `c·x`.
+fn normalize(constant: i64, mut terms: Vec<(i64, Atom)>) -> Ix {
+    terms.sort_by(|a, b| a.1.cmp(&b.1));
+    let mut merged: Vec<(i64, Atom)> = Vec::with_capacity(terms.len());
+    for (k, a) in terms {
+        match merged.last_mut() {
+            Some((k0, a0)) if *a0 == a => *k0 += k,
+            _ => merged.push((k, a)),
+        }
+    }
+    merged.retain(|(k, _)| *k != 0);
+    let mut out = Ix {
+        constant,
+        terms: merged,
+    };
+    loop {
+        let mut folded = None;
+        'search: for (i, (kd, ad)) in out.terms.iter().enumerate() {
+            let Atom::Div(x, n) = ad else { continue };
+            for (j, (km, am)) in out.terms.iter().enumerate() {
+                if let Atom::Mod(y, m) = am {
+                    if m == n && x == y && *kd == km * n {
+                        folded = Some((i, j, (**x).mul(*km)));
+                        break 'search;
+                    }
+                }
+            }
+        }
+        let Some((i, j, replacement)) = folded else {
+            return out;
+        };
+        let (hi, lo) = (i.max(j), i.min(j));
+        out.terms.remove(hi);
+        out.terms.remove(lo);
+        out = out.add(&replacement);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reshape_round_trip_collapses_to_the_flat_index() {
+        // a [6] buffer viewed as [2, 3] and read back flat: (i/3)*3 + i%3 == i
+        let ext = [6];
+        let i = Ix::var(0);
+        let row = i.div(3, &ext);
+        let col = i.rem(3, &ext);
+        let flat = row.mul(3).add(&col);
+        assert_eq!(flat, Ix::var(0));
+        assert_eq!(flat.to_c("i"), "i0");
+    }
+
+    #[test]
+    fn ranges_remove_needless_division_and_modulo() {
+        // i0 in 0..4, i1 in 0..5: (i0*5 + i1) / 5 == i0 and % 5 == i1
+        let ext = [4, 5];
+        let flat = Ix::var(0).mul(5).add(&Ix::var(1));
+        assert_eq!(flat.div(5, &ext), Ix::var(0));
+        assert_eq!(flat.rem(5, &ext), Ix::var(1));
+        // but not when the inner part can overflow the divisor
+        let odd = Ix::var(0).mul(4).add(&Ix::var(1));
+        assert!(matches!(odd.div(5, &ext).terms[0].1, Atom::Div(..)));
+        assert_eq!(odd.bounds(&ext), (0, 16));
+    }
+}

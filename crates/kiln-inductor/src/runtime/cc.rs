@@ -1,0 +1,290 @@
+//! Building generated C with the system compiler, and the kernel cache.
+//!
+//! Kernels are looked up by name (a hash of their text) in a process-wide table first, so a process
+//! never compiles one kernel twice; the kernels a graph still lacks are compiled together as one
+//! translation unit into a shared library cached on disk under `KILN_CACHE_DIR` (default
+//! `~/.cache/kiln`), keyed by the source, the flags, the compiler's version and the CPU. Entries are
+//! written atomically (temporary file, then rename) with a checksum beside them; an entry whose
+//! bytes do not match it, or that fails to load, is rebuilt.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+use kiln_core::{Error, Result};
+
+use crate::codegen::c::Kernel;
+
+pub type KernelFn = unsafe extern "C" fn(*const *mut c_void);
+
+const FLAGS: &[&str] = &[
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+    // no contraction into FMAs: results stay equal to the eager kernels'
+    "-ffp-contract=off",
+    "-Wl,-z,nodelete",
+];
+
+const HEADER: &str = "#include <math.h>\n#include <stdint.h>\n\n";
+
+pub struct Toolchain {
+    cc: String,
+    /// `cc --version`'s first line and the CPU model: part of every cache key.
+    identity: String,
+}
+
+/// The C compiler (`$CC`, else `cc`), if one runs.
+pub fn toolchain() -> Option<&'static Toolchain> {
+    static T: OnceLock<Option<Toolchain>> = OnceLock::new();
+    T.get_or_init(|| {
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let out = Command::new(&cc).arg("--version").output().ok()?;
+        if !out.status.success() {
+            return None;
+        }
+        let version = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name") || l.starts_with("flags"))
+                    .map(str::to_string)
+            })
+            .unwrap_or_default();
+        Some(Toolchain {
+            cc,
+            identity: format!("{version}|{cpu}|{}", std::env::consts::ARCH),
+        })
+    })
+    .as_ref()
+}
+
+fn dir_override() -> &'static Mutex<Option<PathBuf>> {
+    static D: OnceLock<Mutex<Option<PathBuf>>> = OnceLock::new();
+    D.get_or_init(Default::default)
+}
+
+/// Runs `f` with an empty kernel cache — a new, empty disk folder and no kernels loaded in memory —
+/// to measure cold compiles (PyTorch's `fresh_inductor_cache`). Kernels loaded before stay usable
+/// by the graphs already compiled; the folder is removed afterwards.
+pub fn with_fresh_cache<R>(f: impl FnOnce() -> R) -> R {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "kiln-fresh-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let saved_kernels =
+        std::mem::take(&mut loaded().lock().unwrap_or_else(|e| e.into_inner()).kernels);
+    let prev = dir_override()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .replace(dir.clone());
+    kiln_compile::reset();
+    let out = f();
+    *dir_override().lock().unwrap_or_else(|e| e.into_inner()) = prev;
+    let mut l = loaded().lock().unwrap_or_else(|e| e.into_inner());
+    for (k, v) in saved_kernels {
+        l.kernels.entry(k).or_insert(v);
+    }
+    drop(l);
+    let _ = std::fs::remove_dir_all(&dir);
+    out
+}
+
+/// Forgets the kernels loaded in this process (the disk cache stays): the next compile of any graph
+/// goes to disk, as a new process would. For measuring warm-cache compiles.
+pub fn forget_loaded_kernels() {
+    loaded()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .kernels
+        .clear();
+    kiln_compile::reset();
+}
+
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = dir_override()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+    {
+        return d;
+    }
+    if let Ok(d) = std::env::var("KILN_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    match std::env::var("HOME") {
+        Ok(h) => Path::new(&h).join(".cache").join("kiln"),
+        Err(_) => std::env::temp_dir().join("kiln-cache"),
+    }
+}
+
+#[derive(Default)]
+struct Loaded {
+    kernels: HashMap<String, KernelFn>,
+    compiles: u64,
+    disk_hits: u64,
+}
+
+fn loaded() -> &'static Mutex<Loaded> {
+    static L: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    L.get_or_init(Default::default)
+}
+
+/// Process-wide kernel cache counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelCacheStats {
+    /// Kernels loaded in this process.
+    pub kernels: usize,
+    /// Translation units built by the C compiler.
+    pub compiles: u64,
+    /// Translation units found built on disk.
+    pub disk_hits: u64,
+}
+
+pub fn stats() -> KernelCacheStats {
+    let l = loaded().lock().unwrap_or_else(|e| e.into_inner());
+    KernelCacheStats {
+        kernels: l.kernels.len(),
+        compiles: l.compiles,
+        disk_hits: l.disk_hits,
+    }
+}
+
+/// The full source of a translation unit holding `kernels`.
+pub fn translation_unit(kernels: &[&Kernel]) -> String {
+    let mut s = String::from(HEADER);
+    for k in kernels {
+        s.push_str(&k.source);
+        s.push('\n');
+    }
+    s
+}
+
+/// Function pointers for `kernels`, compiling (or loading from disk) those not loaded yet.
+pub fn load(tc: &Toolchain, kernels: &[Kernel]) -> Result<Vec<KernelFn>> {
+    let mut l = loaded().lock().unwrap_or_else(|e| e.into_inner());
+    let mut missing: Vec<&Kernel> = Vec::new();
+    for k in kernels {
+        if !l.kernels.contains_key(&k.name) && !missing.iter().any(|m| m.name == k.name) {
+            missing.push(k);
+        }
+    }
+    if !missing.is_empty() {
+        let src = translation_unit(&missing);
+        crate::log_output_code(&src);
+        let key = xxhash_rust::xxh3::xxh3_128(
+            format!("{src}|{}|{}", FLAGS.join(" "), tc.identity).as_bytes(),
+        );
+        let dir = cache_dir();
+        std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, e))?;
+        let lib_path = dir.join(format!("{key:032x}.so"));
+        let lib = match open(&lib_path) {
+            Some(lib) => {
+                l.disk_hits += 1;
+                lib
+            }
+            None => {
+                // absent or damaged: build it
+                let _ = std::fs::remove_file(&lib_path);
+                build(tc, &src, &dir, &lib_path)?;
+                l.compiles += 1;
+                open(&lib_path).ok_or_else(|| {
+                    Error::arg(
+                        "kiln backend",
+                        format!("cannot load {}", lib_path.display()),
+                    )
+                })?
+            }
+        };
+        for k in &missing {
+            // SAFETY: the symbol was generated with exactly this signature
+            let f: KernelFn = unsafe {
+                *lib.get::<KernelFn>(k.name.as_bytes()).map_err(|e| {
+                    Error::arg(
+                        "kiln backend",
+                        format!("{} lacks kernel {}: {e}", lib_path.display(), k.name),
+                    )
+                })?
+            };
+            l.kernels.insert(k.name.clone(), f);
+        }
+        // OpenMP libraries must never be unloaded: the library lives for the process
+        std::mem::forget(lib);
+    }
+    Ok(kernels.iter().map(|k| l.kernels[&k.name]).collect())
+}
+
+fn checksum_path(lib: &Path) -> PathBuf {
+    lib.with_extension("so.xxh3")
+}
+
+fn file_checksum(path: &Path) -> Option<String> {
+    let bytes = std::fs::read(path).ok()?;
+    Some(format!("{:032x}", xxhash_rust::xxh3::xxh3_128(&bytes)))
+}
+
+/// Loads a cached library whose bytes match the checksum written beside it when it was built.
+fn open(path: &Path) -> Option<libloading::Library> {
+    let want = std::fs::read_to_string(checksum_path(path)).ok()?;
+    if file_checksum(path)? != want.trim() {
+        return None; // truncated, overwritten, or half-written by a crashed build
+    }
+    // SAFETY: the library is one kiln built; its initialisers are the C runtime's and OpenMP's
+    unsafe { libloading::Library::new(path).ok() }
+}
+
+fn io_err(p: &Path, e: std::io::Error) -> Error {
+    Error::arg("kiln backend", format!("{}: {e}", p.display()))
+}
+
+fn build(tc: &Toolchain, src: &str, dir: &Path, lib_path: &Path) -> Result<()> {
+    let stem = lib_path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("kernels");
+    let tmp = format!("{stem}.tmp{}", std::process::id());
+    let c_path = dir.join(format!("{stem}.c"));
+    let tmp_c = dir.join(format!("{tmp}.c"));
+    let tmp_so = dir.join(format!("{tmp}.so"));
+    std::fs::write(&tmp_c, src).map_err(|e| io_err(&tmp_c, e))?;
+    let out = Command::new(&tc.cc)
+        .args(FLAGS)
+        .arg("-o")
+        .arg(&tmp_so)
+        .arg(&tmp_c)
+        .arg("-lm")
+        .output()
+        .map_err(|e| Error::arg("kiln backend", format!("running {}: {e}", tc.cc)))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&tmp_so);
+        return Err(Error::arg(
+            "kiln backend",
+            format!(
+                "the C compiler rejected generated code ({}):\n{}",
+                tmp_c.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        ));
+    }
+    let sum = file_checksum(&tmp_so)
+        .ok_or_else(|| Error::arg("kiln backend", format!("cannot read {}", tmp_so.display())))?;
+    let tmp_sum = dir.join(format!("{tmp}.so.xxh3"));
+    std::fs::write(&tmp_sum, sum).map_err(|e| io_err(&tmp_sum, e))?;
+    std::fs::rename(&tmp_c, &c_path).map_err(|e| io_err(&c_path, e))?;
+    std::fs::rename(&tmp_so, lib_path).map_err(|e| io_err(lib_path, e))?;
+    let sum_path = checksum_path(lib_path);
+    std::fs::rename(&tmp_sum, &sum_path).map_err(|e| io_err(&sum_path, e))?;
+    Ok(())
+}

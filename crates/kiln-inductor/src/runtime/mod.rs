@@ -1,0 +1,4 @@
+//! Building, caching, loading and running generated kernels.
+
+pub mod cc;
+pub mod exec;
