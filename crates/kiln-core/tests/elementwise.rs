@@ -234,7 +234,11 @@ fn tensor_scalar_operands_and_promotion() -> Result<()> {
     // true division of integers gives float
     assert_eq!(i.div(&l)?.dtype(), DType::F32);
     assert_eq!(i.div(2i64)?.to_vec::<f32>()?, vec![0.5, -1.0, 1.5]);
-    // scalars: integral numbers keep the tensor's dtype, fractional ones make ints float
+    // scalars, as Python's: Rust integers keep an int tensor's dtype, Rust floats make it float32
+    // (even integral ones: `int_tensor + 2.0` is float in PyTorch)
+    assert_eq!(i.add(2.0)?.dtype(), DType::F32);
+    assert_eq!(i.add(2.0)?.to_vec::<f32>()?, vec![3.0, 0.0, 5.0]);
+    assert_eq!(b.mul(2.0)?.dtype(), DType::F32);
     assert_eq!(i.mul(3i64)?.dtype(), DType::I32);
     assert_eq!(i.mul(3i64)?.to_vec::<i32>()?, vec![3, -6, 9]);
     assert_eq!(i.add(0.5)?.dtype(), DType::F32);
@@ -263,6 +267,8 @@ fn tensor_scalar_operands_and_promotion() -> Result<()> {
     let c = i.clamp(Some(0.0), Some(2.0))?;
     assert_eq!(c.dtype(), DType::I32);
     assert_eq!(c.to_vec::<i32>()?, vec![1, 0, 2]);
+    let c = i.clamp(Some(-0.5), None)?;
+    assert_eq!(c.to_vec::<f32>()?, vec![1.0, -0.5, 3.0]);
     assert_eq!(h.clamp(Some(1.75), None)?.dtype(), DType::F16);
     Ok(())
 }

@@ -122,13 +122,26 @@ impl Tensor {
         apply(Prim::Where, &[&v[0], &a, &b])
     }
     /// `clamp(min, max)`; either bound may be absent. NaN stays NaN.
+    ///
+    /// Bounds are `f64`; an integral bound on an integer tensor acts as PyTorch's integer bound (the
+    /// result stays integer), any other bound as a float one (an integer tensor becomes float32).
     pub fn clamp(&self, min: Option<f64>, max: Option<f64>) -> Result<Tensor> {
         let mut x = self.clone();
+        let int_bound =
+            |x: &Tensor, v: f64| !x.dtype().is_float() && v.fract() == 0.0 && v.is_finite();
         if let Some(lo) = min {
-            x = Tensor::where_(&x.lt(lo)?, lo, &x)?;
+            x = if int_bound(&x, lo) {
+                Tensor::where_(&x.lt(lo as i64)?, lo as i64, &x)?
+            } else {
+                Tensor::where_(&x.lt(lo)?, lo, &x)?
+            };
         }
         if let Some(hi) = max {
-            x = Tensor::where_(&x.gt(hi)?, hi, &x)?;
+            x = if int_bound(&x, hi) {
+                Tensor::where_(&x.gt(hi as i64)?, hi as i64, &x)?
+            } else {
+                Tensor::where_(&x.gt(hi)?, hi, &x)?
+            };
         }
         Ok(x)
     }

@@ -41,22 +41,23 @@ impl Operand for Tensor {
     }
 }
 
-fn scalar_dtype(v: f64, like: DType) -> DType {
-    let integral = v.fract() == 0.0 && v.is_finite();
+/// The dtype a Rust number takes against a tensor, as a Python scalar does in PyTorch: a float
+/// keeps a float tensor's dtype and makes an integer or bool tensor float32; an integer keeps an
+/// integer or float tensor's dtype and makes a bool tensor int64.
+fn scalar_dtype(float_scalar: bool, like: DType) -> DType {
     match like {
         d if d.is_float() => d,
-        DType::Bool if integral => DType::I64,
-        d if integral => d,
-        _ => DType::F32,
+        _ if float_scalar => DType::F32,
+        DType::Bool => DType::I64,
+        d => d,
     }
 }
 
 macro_rules! scalar_operand {
-    ($($t:ty),*) => {$(
+    ($float:expr; $($t:ty),*) => {$(
         impl Operand for $t {
             fn to_operand(self, like: &Tensor) -> Result<Tensor> {
-                let v = self as f64;
-                Tensor::full(&[], v, scalar_dtype(v, like.dtype()))
+                Tensor::full(&[], self as f64, scalar_dtype($float, like.dtype()))
             }
             fn is_scalar(&self) -> bool {
                 true
@@ -64,4 +65,5 @@ macro_rules! scalar_operand {
         }
     )*};
 }
-scalar_operand!(f64, f32, i32, i64, usize);
+scalar_operand!(true; f64, f32);
+scalar_operand!(false; i32, i64, usize);

@@ -43,6 +43,13 @@ pub struct Toolchain {
 pub fn toolchain() -> Option<&'static Toolchain> {
     static T: OnceLock<Option<Toolchain>> = OnceLock::new();
     T.get_or_init(|| {
+        // OpenMP's default is to spin after a parallel region; the core's kernels (matmul, conv)
+        // run on rayon's threads right after, and spinning OpenMP threads starve them. Unless the
+        // user chose, idle OpenMP threads sleep. The variable is read when libgomp loads, which is
+        // after this point: kernels are only loaded once a toolchain exists.
+        if std::env::var_os("OMP_WAIT_POLICY").is_none() {
+            std::env::set_var("OMP_WAIT_POLICY", "PASSIVE");
+        }
         let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
         let out = Command::new(&cc).arg("--version").output().ok()?;
         if !out.status.success() {

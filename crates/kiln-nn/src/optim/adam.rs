@@ -1,9 +1,20 @@
 //! `torch.optim.Adam` and `torch.optim.AdamW` (decoupled weight decay), with amsgrad and maximize.
 //! Both are one `AdamCore`; they differ only in how weight decay enters and in its default.
+//!
+//! The state is kept the way PyTorch's `capturable=True` keeps it, so that a step run through
+//! `kiln::compile_fn` replays correctly: the moments exist from construction, each parameter's step
+//! count is a 0-dim f64 tensor advanced in place, and the bias corrections and the learning rate
+//! (`LrHandle::tensor`) enter as tensor arithmetic. A compiled step's graph is therefore the same at
+//! every step, and its replays — which run none of this Rust code — read and write the live state.
+//! Once a step has been traced, the moments are updated in place (`assign`), so the graph's inputs
+//! stay the optimizer's tensors even if eager steps follow; until then an eager step just takes
+//! the new moments' handles, which saves a copy per moment. The arithmetic is done in f64 and
+//! rounded to the parameter's dtype exactly where the scalar form rounded it, so eager results are
+//! unchanged.
 
 use std::collections::BTreeMap;
 
-use kiln_core::{no_grad, Result, Tensor};
+use kiln_core::{intercept, no_grad, DType, Result, Tensor};
 
 use super::flat::{cat_flat, group_by_dtype, FlatGroup};
 use super::{check_hyper, check_params, grad_of, LrHandle, Optimizer};
@@ -94,6 +105,26 @@ impl Moments {
             },
         })
     }
+
+    /// Stores `new`: written into these tensors, which keep their identity (a compiled step's graph
+    /// reads and writes them as inputs), or, when no graph has seen them, by taking its handles.
+    fn store(&mut self, new: Moments, in_place: bool) -> Result<()> {
+        if !in_place {
+            *self = new;
+            return Ok(());
+        }
+        self.exp_avg.assign(&new.exp_avg)?;
+        self.exp_avg_sq.assign(&new.exp_avg_sq)?;
+        if let (Some(m), Some(nm)) = (&self.max_exp_avg_sq, &new.max_exp_avg_sq) {
+            m.assign(nm)?;
+        }
+        Ok(())
+    }
+}
+
+/// A 0-dim f64 constant.
+fn f64_scalar(v: f64) -> Result<Tensor> {
+    Tensor::full(&[], v, DType::F64)
 }
 
 /// `torch.lerp(a, b, w)` as PyTorch's kernel computes it (the form depends on w, for accuracy).
@@ -105,40 +136,47 @@ fn lerp(a: &Tensor, b: &Tensor, w: f64) -> Result<Tensor> {
     }
 }
 
-/// PyTorch's single-tensor Adam/AdamW rule at step `step` (1-based):
+/// PyTorch's single-tensor Adam/AdamW rule at step `step` (1-based; a 0-dim f64 tensor, as is `lr`):
 ///   AdamW: p ← p·(1 − lr·wd);  Adam: g ← g + wd·p
 ///   m ← lerp(m, g, 1−β1);  v ← β2·v + (1−β2)·g²;  v̂ ← max(v̂, v) (amsgrad)
 ///   p ← p − (lr / (1−β1ᵗ)) · m / (√v / √(1−β2ᵗ) + eps)
+/// The scalar factors are computed in f64 and rounded once to the parameter's dtype.
 pub(crate) fn update(
     p: &Tensor,
     g: &Tensor,
     s: &Moments,
-    step: u64,
+    step: &Tensor,
     h: &Hyper,
-    lr: f64,
+    lr: &Tensor,
 ) -> Result<(Tensor, Moments)> {
     let (b1, b2) = h.betas;
+    let dtype = p.dtype();
     let mut g = if h.maximize { g.neg()? } else { g.clone() };
     let mut p = p.clone();
     if h.weight_decay != 0.0 {
         if h.decoupled {
-            p = p.mul(1.0 - lr * h.weight_decay)?;
+            let keep = f64_scalar(1.0)?.sub(&lr.mul(h.weight_decay)?)?;
+            p = p.mul(&keep.to_dtype(dtype)?)?;
         } else {
             g = g.add(&p.mul(h.weight_decay)?)?;
         }
     }
     let exp_avg = lerp(&s.exp_avg, &g, 1.0 - b1)?;
     let exp_avg_sq = s.exp_avg_sq.mul(b2)?.add(&g.mul(&g)?.mul(1.0 - b2)?)?;
-    let t = step as f64;
-    let step_size = lr / (1.0 - b1.powf(t));
-    let bias_correction2_sqrt = (1.0 - b2.powf(t)).sqrt();
+    // lr / (1 − β1ᵗ) and √(1 − β2ᵗ)
+    let step_size = lr.div(&f64_scalar(1.0)?.sub(&f64_scalar(b1)?.pow(step)?)?)?;
+    let bias_correction2_sqrt = f64_scalar(1.0)?.sub(&f64_scalar(b2)?.pow(step)?)?.sqrt()?;
     let max_exp_avg_sq = match &s.max_exp_avg_sq {
         Some(m) => Some(m.maximum(&exp_avg_sq)?),
         None => None,
     };
     let second = max_exp_avg_sq.as_ref().unwrap_or(&exp_avg_sq);
-    let denom = second.sqrt()?.div(bias_correction2_sqrt)?.add(h.eps)?;
-    let new_p = p.add(&exp_avg.mul(-step_size)?.div(&denom)?)?;
+    let denom = second
+        .sqrt()?
+        .div(&bias_correction2_sqrt.to_dtype(dtype)?)?
+        .add(h.eps)?;
+    let neg_step_size = step_size.neg()?.to_dtype(dtype)?;
+    let new_p = p.add(&exp_avg.mul(&neg_step_size)?.div(&denom)?)?;
     Ok((
         new_p,
         Moments {
@@ -153,13 +191,20 @@ pub(crate) struct AdamCore {
     params: Vec<Tensor>,
     hyper: Hyper,
     lr: LrHandle,
-    /// Per-parameter step counts (a parameter without a gradient does not advance).
-    steps: Vec<u64>,
-    /// For-loop mode: per-parameter moments, created at a parameter's first step.
-    states: Vec<Option<Moments>>,
+    /// Per-parameter step counts, 0-dim f64 tensors advanced in place (a parameter without a
+    /// gradient does not advance). These are PyTorch's `state[p]['step']`.
+    steps: Vec<Tensor>,
+    /// The same counts in Rust, for the foreach mode's grouping by step count. Only eager steps
+    /// advance them (a compiled step's replay runs no Rust code); `steps()` reads the tensors.
+    counts: Vec<u64>,
+    /// For-loop mode: per-parameter moments, zeros from construction, updated in place.
+    states: Vec<Moments>,
     /// Foreach mode: dtype groups and their flat moments.
     groups: Vec<FlatGroup>,
     flat: Vec<Moments>,
+    /// Set by the first step run under a tracer (a compiled step): from then on the state is
+    /// updated in place, since a graph holds it as input.
+    traced: bool,
 }
 
 impl AdamCore {
@@ -187,54 +232,71 @@ impl AdamCore {
         )?;
         let params = check_params(op, params)?;
         let n = params.len();
-        let (groups, flat) = match h.foreach {
+        // the state exists before the first step (PyTorch creates it lazily; a compiled step must
+        // find it as a graph input rather than create it inside the graph)
+        let (groups, flat, states) = match h.foreach {
             true => {
                 let groups = group_by_dtype(&params);
                 let flat = groups
                     .iter()
                     .map(|g| Moments::zeros(&[g.total], g.dtype, h.amsgrad))
                     .collect::<Result<_>>()?;
-                (groups, flat)
+                (groups, flat, Vec::new())
             }
-            false => (Vec::new(), Vec::new()),
+            false => {
+                let states = params
+                    .iter()
+                    .map(|p| Moments::zeros(p.shape(), p.dtype(), h.amsgrad))
+                    .collect::<Result<_>>()?;
+                (Vec::new(), Vec::new(), states)
+            }
         };
         Ok(AdamCore {
             lr: LrHandle::new(h.lr),
             params,
             hyper: h,
-            steps: vec![0; n],
-            states: vec![None; n],
+            steps: (0..n).map(|_| f64_scalar(0.0)).collect::<Result<_>>()?,
+            counts: vec![0; n],
+            states,
             groups,
             flat,
+            traced: false,
         })
     }
 
-    fn step_loop(&mut self, lr: f64) -> Result<()> {
+    /// Each parameter's step count, read from its tensor.
+    fn step_counts(&self) -> Vec<u64> {
+        self.steps
+            .iter()
+            .zip(&self.counts)
+            .map(|(t, &c)| t.item::<f64>().map_or(c, |v| v as u64))
+            .collect()
+    }
+
+    fn step_loop(&mut self, lr: &Tensor) -> Result<()> {
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = grad_of(p)? else { continue };
-            let state = match &self.states[i] {
-                Some(s) => s.clone(),
-                None => Moments::zeros(p.shape(), p.dtype(), self.hyper.amsgrad)?,
-            };
-            self.steps[i] += 1;
-            let (new_p, new_state) = update(p, &g, &state, self.steps[i], &self.hyper, lr)?;
+            let step = self.steps[i].add(1.0)?;
+            let (new_p, new_state) = update(p, &g, &self.states[i], &step, &self.hyper, lr)?;
             p.assign(&new_p)?;
-            self.states[i] = Some(new_state);
+            self.states[i].store(new_state, self.traced)?;
+            self.steps[i].assign(&step)?;
+            self.counts[i] += 1;
         }
         Ok(())
     }
 
-    fn step_foreach(&mut self, lr: f64) -> Result<()> {
+    fn step_foreach(&mut self, lr: &Tensor) -> Result<()> {
         for (gi, group) in self.groups.iter().enumerate() {
             // parameters at different step counts need different bias corrections: one flat update
             // per step count (normally all parameters share one, so this is a single update)
             let mut classes: BTreeMap<u64, Vec<(usize, Tensor)>> = BTreeMap::new();
             for (k, &i) in group.members.iter().enumerate() {
                 if let Some(g) = grad_of(&self.params[i])? {
-                    classes.entry(self.steps[i] + 1).or_default().push((k, g));
+                    classes.entry(self.counts[i] + 1).or_default().push((k, g));
                 }
             }
-            for (step, members) in classes {
+            for (count, members) in classes {
                 let ks: Vec<usize> = members.iter().map(|(k, _)| *k).collect();
                 let ps: Vec<Tensor> = ks
                     .iter()
@@ -251,15 +313,22 @@ impl AdamCore {
                         None => None,
                     },
                 };
-                let (new_p, new) = update(&p_cat, &g_cat, &state, step, &self.hyper, lr)?;
+                // the class shares one step count: its first member's tensor holds it
+                let step = self.steps[group.members[ks[0]]].add(1.0)?;
+                let (new_p, new) = update(&p_cat, &g_cat, &state, &step, &self.hyper, lr)?;
                 group.write_params(&self.params, &ks, &new_p)?;
-                group.scatter(&mut flat.exp_avg, &ks, new.exp_avg)?;
-                group.scatter(&mut flat.exp_avg_sq, &ks, new.exp_avg_sq)?;
+                let store = |state: &mut Tensor, new: Tensor| match self.traced {
+                    true => group.scatter_in_place(state, &ks, new),
+                    false => group.scatter(state, &ks, new),
+                };
+                store(&mut flat.exp_avg, new.exp_avg)?;
+                store(&mut flat.exp_avg_sq, new.exp_avg_sq)?;
                 if let (Some(m), Some(nm)) = (&mut flat.max_exp_avg_sq, new.max_exp_avg_sq) {
-                    group.scatter(m, &ks, nm)?;
+                    store(m, nm)?;
                 }
                 for &k in &ks {
-                    self.steps[group.members[k]] = step;
+                    self.steps[group.members[k]].assign(&step)?;
+                    self.counts[group.members[k]] = count;
                 }
             }
         }
@@ -269,12 +338,14 @@ impl AdamCore {
 
 impl Optimizer for AdamCore {
     fn step(&mut self) -> Result<()> {
-        let lr = self.lr.get();
+        // the lr as a tensor that schedulers update in place: a compiled step reads its live value
+        let lr = self.lr.tensor().clone();
+        self.traced |= intercept::current().is_some();
         no_grad(|| {
             if self.hyper.foreach {
-                self.step_foreach(lr)
+                self.step_foreach(&lr)
             } else {
-                self.step_loop(lr)
+                self.step_loop(&lr)
             }
         })
     }
@@ -302,9 +373,10 @@ macro_rules! adam_optimizer {
             pub fn new(params: Vec<Tensor>, config: $config) -> Result<$name> {
                 Ok($name(AdamCore::new(stringify!($name), params, config.hyper($decoupled))?))
             }
-            /// How many steps each parameter has taken (PyTorch's `state[p]['step']`).
-            pub fn steps(&self) -> &[u64] {
-                &self.0.steps
+            /// How many steps each parameter has taken (PyTorch's `state[p]['step']`), read from
+            /// the step tensors, so compiled steps count too.
+            pub fn steps(&self) -> Vec<u64> {
+                self.0.step_counts()
             }
         }
         impl Optimizer for $name {

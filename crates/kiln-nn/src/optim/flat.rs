@@ -89,6 +89,16 @@ impl FlatGroup {
         Ok(())
     }
 
+    /// `scatter` that keeps the state's identity for the whole group too (a compiled step's graph
+    /// reads and writes the live tensor).
+    pub fn scatter_in_place(&self, state: &Tensor, sel: &[usize], new: Tensor) -> Result<()> {
+        if self.is_whole(sel) {
+            return state.assign(&new);
+        }
+        // a subset is written in place into its slices: the handle is never replaced
+        self.scatter(&mut state.clone(), sel, new)
+    }
+
     /// Writes the selected members' new values (one flat tensor) back into the parameters in place.
     pub fn write_params(&self, params: &[Tensor], sel: &[usize], new: &Tensor) -> Result<()> {
         let mut at = 0;

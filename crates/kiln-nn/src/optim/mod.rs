@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use std::collections::HashSet;
 
-use kiln_core::{Error, Result, Tensor};
+use kiln_core::{no_grad, Error, Result, Tensor};
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use scheduler::{CosineAnnealingLR, LrScheduler, StepLR};
@@ -35,17 +35,35 @@ pub trait Optimizer {
 
 /// The learning rate, shared between an optimizer and its schedulers (PyTorch's `param_group['lr']`).
 #[derive(Clone, Debug)]
-pub struct LrHandle(Arc<AtomicU64>);
+pub struct LrHandle(Arc<LrCell>);
+
+#[derive(Debug)]
+struct LrCell {
+    bits: AtomicU64,
+    /// The same value as a 0-dim f64 tensor, written in place by `set`.
+    tensor: Tensor,
+}
 
 impl LrHandle {
     pub fn new(lr: f64) -> Self {
-        LrHandle(Arc::new(AtomicU64::new(lr.to_bits())))
+        LrHandle(Arc::new(LrCell {
+            bits: AtomicU64::new(lr.to_bits()),
+            tensor: Tensor::scalar(lr),
+        }))
     }
     pub fn get(&self) -> f64 {
-        f64::from_bits(self.0.load(Ordering::Relaxed))
+        f64::from_bits(self.0.bits.load(Ordering::Relaxed))
     }
     pub fn set(&self, lr: f64) {
-        self.0.store(lr.to_bits(), Ordering::Relaxed)
+        self.0.bits.store(lr.to_bits(), Ordering::Relaxed);
+        // a 0-dim f64 into a 0-dim f64 cannot fail
+        let _ = no_grad(|| self.0.tensor.assign(&Tensor::scalar(lr)));
+    }
+    /// The learning rate as a 0-dim f64 tensor that `set` updates in place. An optimizer whose step
+    /// is compiled reads it as a graph input, so a scheduler's change reaches the replays (a Rust
+    /// `f64` would be baked into the graph as a constant).
+    pub fn tensor(&self) -> &Tensor {
+        &self.0.tensor
     }
 }
 

@@ -212,9 +212,9 @@ pub fn assert_same(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     }
 }
 
-/// The options every compiled function here is built with: `CompileOptions::default()` (at the time
-/// of writing the `aot_eager` backend: capture, AOT backward, the eager interpreter), or the backend
-/// named by `$KILN_TEST_BACKEND`, to hold another backend to the same checks.
+/// The options every compiled function here is built with: `CompileOptions::default()` (the default
+/// backend), or the backend named by `$KILN_TEST_BACKEND` (e.g. `aot_eager`), to hold another
+/// backend to the same checks.
 pub fn compile_options() -> CompileOptions {
     match std::env::var("KILN_TEST_BACKEND") {
         Ok(name) if !name.is_empty() => CompileOptions::default().backend(&name),

@@ -1,0 +1,178 @@
+//! kiln-bench: kiln's side of the workloads in DESIGN.md, measured the way
+//! `../shared/bench/torch_baseline.py` measures PyTorch, in the same JSON-lines format.
+//!
+//!     cargo run --release -p kiln-bench -- WORKLOAD [--device cpu] [--mode default] [--quick]
+//!
+//! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, or all. One JSON object per line on
+//! stdout (`workload, variant, metric, value, unit, device`); a table on stderr at the end. With
+//! `OUT` set, the lines are also appended to `$OUT/results.jsonl`, as torch_baseline.py does.
+
+mod harness;
+mod workloads;
+
+use std::process::ExitCode;
+
+use harness::{Ctx, Report};
+use kiln::Mode;
+
+const WORKLOADS: &[&str] = &["regional", "adam", "sincos", "numpy_fn", "train_digits"];
+
+const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu] [--mode MODE] [--quick]
+  WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | all
+  --device  cpu (the default; cuda is not built yet)
+  --mode    default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+  --quick   shorter runs (all --quick takes about two minutes on two cores)";
+
+/// A hidden subcommand: the full regional model compiled once in a fresh process, against the
+/// parent's kernel cache folder (warm disk cache). Prints one JSON object for the parent.
+const WARM_CHILD: &str = "regional-warm-child";
+
+struct Args {
+    workload: String,
+    device: String,
+    mode: Mode,
+    quick: bool,
+}
+
+fn parse_mode(s: &str) -> Option<Mode> {
+    Some(match s {
+        "default" => Mode::Default,
+        "reduce-overhead" => Mode::ReduceOverhead,
+        "max-autotune" => Mode::MaxAutotune,
+        "max-autotune-no-cudagraphs" => Mode::MaxAutotuneNoCudagraphs,
+        _ => return None,
+    })
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    let mut workload = None;
+    let (mut device, mut mode, mut quick) = ("cpu".to_string(), Mode::Default, false);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--device" => device = it.next().ok_or("--device needs a value")?,
+            "--mode" => {
+                let m = it.next().ok_or("--mode needs a value")?;
+                mode = parse_mode(&m).ok_or_else(|| format!("unknown mode {m:?}"))?;
+            }
+            "--quick" => quick = true,
+            "-h" | "--help" => return Err(String::new()),
+            s if s.starts_with('-') => return Err(format!("unknown option {s:?}")),
+            s if workload.is_none() => workload = Some(s.to_string()),
+            s => return Err(format!("unexpected argument {s:?}")),
+        }
+    }
+    let workload = workload.ok_or("no workload given")?;
+    if workload != "all" && workload != WARM_CHILD && !WORKLOADS.contains(&workload.as_str()) {
+        return Err(format!("unknown workload {workload:?}"));
+    }
+    Ok(Args {
+        workload,
+        device,
+        mode,
+        quick,
+    })
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            if !e.is_empty() {
+                eprintln!("kiln-bench: {e}");
+            }
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    match args.device.as_str() {
+        "cpu" => {}
+        d if d == "cuda" || d.starts_with("cuda:") => {
+            eprintln!("kiln-bench: CUDA backend not built yet (only --device cpu runs today)");
+            return ExitCode::from(2);
+        }
+        d => {
+            eprintln!("kiln-bench: unknown device {d:?} (cpu, or cuda once its backend is built)");
+            return ExitCode::from(2);
+        }
+    }
+    if args.workload == WARM_CHILD {
+        return match workloads::regional::warm_child(args.mode) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kiln-bench {WARM_CHILD}: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    let selected: Vec<&str> = match args.workload.as_str() {
+        "all" => WORKLOADS.to_vec(),
+        w => vec![w],
+    };
+    let mut ctx = Ctx {
+        device: args.device.clone(),
+        mode: args.mode,
+        quick: args.quick,
+        report: Report::default(),
+    };
+    eprintln!(
+        "kiln-bench: {} on {} ({} threads), mode {}{}, kernel cache {}",
+        selected.join(", "),
+        cpu_name(),
+        threads(),
+        args.mode.as_str(),
+        if args.quick { ", quick" } else { "" },
+        kiln::inductor::cache_dir().display()
+    );
+    let mut failed = false;
+    for w in selected {
+        let r = match w {
+            "regional" => workloads::regional::run(&mut ctx),
+            "adam" => workloads::adam::run(&mut ctx),
+            "sincos" => workloads::sincos::run(&mut ctx),
+            "numpy_fn" => workloads::numpy_fn::run(&mut ctx),
+            "train_digits" => workloads::train_digits::run(&mut ctx),
+            _ => unreachable!("checked in parse_args"),
+        };
+        // keep going: one failing workload must not hide the rest
+        if let Err(e) = r {
+            failed = true;
+            ctx.report.error(w, &e.to_string());
+        }
+    }
+    if let Ok(out) = std::env::var("OUT") {
+        let path = std::path::Path::new(&out).join("results.jsonl");
+        let lines: String = ctx.report.rows.iter().map(|r| r.to_json() + "\n").collect();
+        let written = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, lines.as_bytes()));
+        if let Err(e) = written {
+            eprintln!("kiln-bench: could not append to {}: {e}", path.display());
+        }
+    }
+    eprintln!("\n{}", ctx.report.table());
+    match failed {
+        true => ExitCode::FAILURE,
+        false => ExitCode::SUCCESS,
+    }
+}
+
+pub fn threads() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|v| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}

@@ -1,0 +1,133 @@
+//! torch_baseline.py's `sincos`: f(x) = sin(x) + cos(x). On a scalar tensor it measures per-call
+//! overhead (eager dispatch vs a compiled replay); on 2^26 f32 elements, memory bandwidth — beside
+//! plain copies of the same bytes (the floor: read 2^26·4 bytes, write 2^26·4 bytes).
+
+use std::hint::black_box;
+
+use kiln::inductor::with_fresh_cache;
+use kiln::{DType, Tensor};
+
+use super::BenchResult;
+use crate::harness::{once, Ctx};
+
+const W: &str = "sincos";
+const BIG: usize = 1 << 26;
+
+fn f(x: &Tensor) -> kiln::Result<Tensor> {
+    x.sin()?.add(&x.cos()?)
+}
+
+/// `dst ← src` with the work split over `threads` threads (a memcpy per chunk).
+fn par_copy(dst: &mut [f32], src: &[f32], threads: usize) {
+    let chunk = src.len().div_ceil(threads.max(1)).max(1);
+    std::thread::scope(|s| {
+        for (d, x) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+            s.spawn(move || d.copy_from_slice(x));
+        }
+    });
+}
+
+pub fn run(ctx: &mut Ctx) -> BenchResult {
+    let timer = ctx.timer();
+    let mode = ctx.mode_name();
+
+    // the scalar: overhead per call
+    let x = Tensor::scalar(1.0f32);
+    let t = timer.time("sincos: eager call", || f(&x))?;
+    ctx.emit(W, "eager", "call", t.us(), "us");
+    let g = kiln::compile_fn(|a: &[Tensor]| Ok(vec![f(&a[0])?]), ctx.opts())?;
+    let args = [x.clone()];
+    let (r, t) = with_fresh_cache(|| once("sincos: cold compile", || g.call(&args)));
+    black_box(r?);
+    ctx.emit(W, mode, "cold_compile", t.as_secs_f64(), "s");
+    let t = timer.time("sincos: compiled call", || g.call(&args))?;
+    ctx.emit(W, mode, "call", t.us(), "us");
+
+    // 2^26 elements: bandwidth
+    let bytes = (2 * BIG * 4) as f64; // read 4 B and write 4 B per element
+    let gbs = |secs: f64| bytes / secs / 1e9;
+    let xb = Tensor::randn(&[BIG], DType::F32)?;
+    let t = timer.time("sincos: eager 64M", || f(&xb))?;
+    ctx.emit(W, "eager_64M", "call", t.us(), "us");
+    ctx.emit(W, "eager_64M", "bandwidth", gbs(t.s()), "GB/s");
+    let g = kiln::compile_fn(|a: &[Tensor]| Ok(vec![f(&a[0])?]), ctx.opts())?;
+    let args = [xb.clone()];
+    let compiled = timer.time("sincos: compiled 64M", || g.call(&args))?;
+    let variant = format!("{mode}_64M");
+    ctx.emit(W, &variant, "call", compiled.us(), "us");
+    ctx.emit(W, &variant, "bandwidth", gbs(compiled.s()), "GB/s");
+
+    // the copies: memcpy into a buffer allocated once (the floor), with one thread and with all;
+    // memcpy into a new buffer each call (what an output allocation costs without a caching
+    // allocator: fresh pages fault in); kiln's own copies (a permuted view made contiguous)
+    let src = xb.to_vec::<f32>()?;
+    let mut dst = vec![0f32; BIG];
+    let one = timer.time("sincos: memcpy, 1 thread", || {
+        dst.copy_from_slice(&src);
+        Ok::<_, kiln::Error>(dst[BIG / 2])
+    })?;
+    ctx.emit(W, "copy_64M_memcpy_1thread", "call", one.us(), "us");
+    ctx.emit(
+        W,
+        "copy_64M_memcpy_1thread",
+        "bandwidth",
+        gbs(one.s()),
+        "GB/s",
+    );
+    let n = crate::threads();
+    let all = timer.time("sincos: memcpy, all threads", || {
+        par_copy(&mut dst, &src, n);
+        Ok::<_, kiln::Error>(dst[BIG / 2])
+    })?;
+    let v = format!("copy_64M_memcpy_{n}threads");
+    ctx.emit(W, &v, "call", all.us(), "us");
+    ctx.emit(W, &v, "bandwidth", gbs(all.s()), "GB/s");
+    drop(dst);
+    let fresh = timer.time("sincos: memcpy into a new buffer", || {
+        let mut d = Vec::<f32>::with_capacity(BIG);
+        d.extend_from_slice(&src);
+        Ok::<_, kiln::Error>(d)
+    })?;
+    ctx.emit(W, "copy_64M_new_buffer", "call", fresh.us(), "us");
+    ctx.emit(
+        W,
+        "copy_64M_new_buffer",
+        "bandwidth",
+        gbs(fresh.s()),
+        "GB/s",
+    );
+    drop(src);
+    let view = xb.reshape([2, BIG / 2])?.permute(&[1, 0])?;
+    let t = timer.time("sincos: eager contiguous copy", || view.contiguous())?;
+    ctx.emit(W, "copy_64M_eager_contiguous", "call", t.us(), "us");
+    ctx.emit(
+        W,
+        "copy_64M_eager_contiguous",
+        "bandwidth",
+        gbs(t.s()),
+        "GB/s",
+    );
+    let c = kiln::compile_fn(|a: &[Tensor]| Ok(vec![a[0].contiguous()?]), ctx.opts())?;
+    let cargs = [view.clone()];
+    let t = timer.time("sincos: compiled contiguous copy", || c.call(&cargs))?;
+    let v = format!("copy_64M_{mode}_contiguous");
+    ctx.emit(W, &v, "call", t.us(), "us");
+    ctx.emit(W, &v, "bandwidth", gbs(t.s()), "GB/s");
+
+    let floor = one.s().min(all.s());
+    ctx.emit(
+        W,
+        &variant,
+        "ratio_to_copy_floor",
+        compiled.s() / floor,
+        "x",
+    );
+    ctx.emit(
+        W,
+        &variant,
+        "ratio_to_copy_new_buffer",
+        compiled.s() / fresh.s(),
+        "x",
+    );
+    Ok(())
+}
