@@ -28,7 +28,9 @@ struct Entry {
     compiled: Option<Arc<dyn CompiledGraph>>,
     sources: Vec<Source>,
     outputs: Vec<OutSlot>,
-    mutations: Vec<(Tensor, usize)>,
+    /// In-place writes: (destination, graph output). A destination that was a call argument is
+    /// `Source::Arg`, so a replay writes into that call's argument.
+    mutations: Vec<(Source, usize)>,
     /// The graph's inputs kept gathered between replays, when it reads captured tensors.
     inputs: Option<InputBuffer>,
 }
@@ -46,9 +48,12 @@ struct InputBuffer {
 
 impl InputBuffer {
     fn new(sources: &[Source]) -> Option<InputBuffer> {
+        if sources.iter().any(|s| matches!(s, Source::Grad(_))) {
+            return None; // gradients are re-read on every call
+        }
         let placeholder = sources.iter().find_map(|s| match s {
             Source::Captured(t) => Some(t.clone()),
-            Source::Arg(_) => None,
+            _ => None,
         })?;
         let mut arg_slots = Vec::new();
         let slots = sources
@@ -59,7 +64,7 @@ impl InputBuffer {
                     arg_slots.push((k, *i));
                     placeholder.clone()
                 }
-                Source::Captured(t) => t.clone(),
+                Source::Captured(t) | Source::Grad(t) => t.clone(),
             })
             .collect();
         Some(InputBuffer {
@@ -297,7 +302,15 @@ fn make_entry(args: &[Tensor], extra: u64, rec: Option<SegmentRecord>, outs: &[T
         compiled,
         sources,
         outputs,
-        mutations,
+        mutations: mutations
+            .into_iter()
+            .map(
+                |(dst, k)| match args.iter().position(|a| a.same_tensor(&dst)) {
+                    Some(i) => (Source::Arg(i), k),
+                    None => (Source::Captured(dst), k),
+                },
+            )
+            .collect(),
         inputs,
     }
 }
@@ -314,6 +327,7 @@ fn replay(e: &Entry, args: &[Tensor]) -> Result<Vec<Tensor>> {
         None => Vec::new(),
     };
     for (dst, k) in &e.mutations {
+        let dst = dst.resolve(args)?;
         no_grad(|| dst.assign(&results[*k]))?;
     }
     Ok(e.outputs
@@ -334,11 +348,8 @@ fn gather_and_run(
 ) -> Result<Vec<Tensor>> {
     let inputs: Vec<Tensor> = sources
         .iter()
-        .map(|s| match s {
-            Source::Arg(i) => args[*i].clone(),
-            Source::Captured(t) => t.clone(),
-        })
-        .collect();
+        .map(|s| s.resolve(args))
+        .collect::<Result<_>>()?;
     c.run(&inputs)
 }
 

@@ -96,9 +96,20 @@ pub struct Guards {
     /// Captured tensors (parameters, buffers) with their requires_grad at trace time; their shape,
     /// dtype and device cannot change without changing the tensor itself.
     pub captured: Vec<(Tensor, bool)>,
+    /// Gradients read through `.grad`: the owner, and the gradient's metadata at trace time.
+    pub grads: Vec<(Tensor, TensorGuard)>,
+    /// For each argument, the first argument that is the same tensor: a graph traced with `f(x, x)`
+    /// reads one input for both and must not replay `f(y, z)`.
+    pub aliases: Vec<usize>,
     pub grad_mode: bool,
     /// A caller-supplied key for Rust state the graph depends on (a module's training flag).
     pub extra: u64,
+}
+
+fn alias_pattern(args: &[Tensor]) -> Vec<usize> {
+    (0..args.len())
+        .map(|i| (0..i).find(|&j| args[j].same_tensor(&args[i])).unwrap_or(i))
+        .collect()
 }
 
 impl Guards {
@@ -109,9 +120,19 @@ impl Guards {
                 .iter()
                 .filter_map(|s| match s {
                     Source::Captured(t) => Some((t.clone(), t.requires_grad())),
-                    Source::Arg(_) => None,
+                    _ => None,
                 })
                 .collect(),
+            grads: sources
+                .iter()
+                .filter_map(|s| match s {
+                    Source::Grad(owner) => {
+                        owner.grad().map(|g| (owner.clone(), TensorGuard::of(&g)))
+                    }
+                    _ => None,
+                })
+                .collect(),
+            aliases: alias_pattern(args),
             grad_mode: is_grad_enabled(),
             extra,
         }
@@ -124,6 +145,19 @@ impl Guards {
             && args.len() == self.args.len()
             && self.args.iter().zip(args).all(|(g, t)| g.holds(t))
             && self.captured.iter().all(|(t, rg)| t.requires_grad() == *rg)
+            && self.grads_hold()
+            && self.aliases_hold(args)
+    }
+
+    fn grads_hold(&self) -> bool {
+        self.grads
+            .iter()
+            .all(|(owner, g)| owner.grad().is_some_and(|t| g.holds(&t)))
+    }
+
+    fn aliases_hold(&self, args: &[Tensor]) -> bool {
+        // the common case, distinct arguments, costs one comparison per pair
+        self.aliases.len() < 2 || alias_pattern(args) == self.aliases
     }
 
     /// The first failing guard, in words (for recompile logs and the fallback warning).
@@ -148,6 +182,19 @@ impl Guards {
                 "guarded Rust state changed ({} -> {extra})",
                 self.extra
             ));
+        }
+        if !self.aliases_hold(args) {
+            return Some("arguments that were the same tensor are not (or the reverse)".into());
+        }
+        for (k, (owner, g)) in self.grads.iter().enumerate() {
+            match owner.grad() {
+                None => return Some(format!("gradient {k} ({:?}) is now None", owner.shape())),
+                Some(t) => {
+                    if let Some(m) = g.mismatch(&t) {
+                        return Some(format!("gradient {k}: {m}"));
+                    }
+                }
+            }
         }
         for (k, (t, rg)) in self.captured.iter().enumerate() {
             if t.requires_grad() != *rg {

@@ -25,6 +25,27 @@ pub enum Source {
     /// A tensor the traced code read that is not an argument (a parameter, a buffer, a captured
     /// constant). Held by reference: in-place updates are seen without recompiling.
     Captured(Tensor),
+    /// The `.grad` of this tensor, read afresh on each call (backward replaces it).
+    Grad(Tensor),
+}
+
+impl Source {
+    /// The tensor this source stands for on a call with `args`.
+    pub fn resolve(&self, args: &[Tensor]) -> Result<Tensor> {
+        match self {
+            Source::Arg(i) => Ok(args[*i].clone()),
+            Source::Captured(t) => Ok(t.clone()),
+            Source::Grad(owner) => owner.grad().ok_or_else(|| {
+                Error::arg(
+                    "compile",
+                    format!(
+                        "a compiled graph reads the gradient of a {:?} tensor, which has none",
+                        owner.shape()
+                    ),
+                )
+            }),
+        }
+    }
 }
 
 /// Why a graph ended early.
@@ -86,6 +107,8 @@ pub struct Tracer {
     ctx: BackendContext,
     fullgraph: bool,
     state: Mutex<State>,
+    /// Gradients the traced code read, by tensor id, with the tensor they are the `.grad` of.
+    grads: Mutex<HashMap<u64, Tensor>>,
 }
 
 impl Tracer {
@@ -108,6 +131,7 @@ impl Tracer {
                 seg: Segment::default(),
                 done: Vec::new(),
             }),
+            grads: Mutex::new(HashMap::new()),
         })
     }
 
@@ -130,10 +154,18 @@ impl Tracer {
             grad_enabled: true,
             requires_grad: t.requires_grad(),
         });
-        seg.sources.push(match self.arg_ids.get(&t.id()) {
-            Some(&i) => Source::Arg(i),
-            None => Source::Captured(t.clone()),
-        });
+        let grad_of = self
+            .grads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&t.id())
+            .cloned();
+        seg.sources
+            .push(match (self.arg_ids.get(&t.id()), grad_of) {
+                (Some(&i), _) => Source::Arg(i),
+                (None, Some(owner)) => Source::Grad(owner),
+                (None, None) => Source::Captured(t.clone()),
+            });
         seg.known.insert(t.id(), id);
         id
     }
@@ -171,11 +203,8 @@ impl Tracer {
         let compiled = cache::compile_cached(self.backend.as_ref(), &self.ctx, &graph, &self.name)?;
         let inputs: Vec<Tensor> = sources
             .iter()
-            .map(|s| match s {
-                Source::Arg(i) => self.args[*i].clone(),
-                Source::Captured(t) => t.clone(),
-            })
-            .collect();
+            .map(|s| s.resolve(&self.args))
+            .collect::<Result<_>>()?;
         if let Some((seed, offset)) = rng_base {
             // the traced code already drew these values: the run draws them again, identically
             kiln_core::ops::set_default_generator_state(seed, offset);
@@ -264,6 +293,15 @@ impl Interceptor for Tracer {
         seg.known.insert(out.id(), id);
         seg.pending.push((out.downgrade(), id, out.id()));
         Some(Ok(out))
+    }
+
+    fn grad_read(&self, owner: &Tensor, grad: &Tensor) {
+        if !grad.is_deferred() {
+            self.grads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(grad.id(), owner.clone());
+        }
     }
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Option<Result<()>> {

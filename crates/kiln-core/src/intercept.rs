@@ -23,6 +23,11 @@ pub trait Interceptor: Send + Sync {
     fn records_autograd(&self) -> bool {
         false
     }
+    /// Told when traced code reads `owner.grad()` (and gets `grad`): the gradient is a different
+    /// tensor after every backward pass, so it must be read from `owner` on each call.
+    fn grad_read(&self, owner: &Tensor, grad: &Tensor) {
+        let _ = (owner, grad);
+    }
 }
 
 /// The producer of a deferred tensor's value.

@@ -186,11 +186,17 @@ impl Tensor {
     }
     /// The accumulated gradient of a leaf, if `backward` has reached it.
     pub fn grad(&self) -> Option<Tensor> {
-        self.0
+        let g = self
+            .0
             .grad
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .clone()
+            .clone();
+        if let (Some(g), Some(i)) = (&g, crate::intercept::current()) {
+            // a tracer must re-read `.grad` on every call, not keep this handle
+            i.grad_read(self, g);
+        }
+        g
     }
     pub fn set_grad(&self, g: Option<Tensor>) {
         *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
@@ -200,8 +206,9 @@ impl Tensor {
     }
     /// A handle to the same data, cut from the autograd graph.
     pub fn detach(&self) -> Tensor {
-        if self.is_deferred() {
-            // a traced value: record an identity under no_grad, so the graph carries the detach
+        if self.is_deferred() || crate::intercept::current().is_some() {
+            // traced code: record an identity under no_grad, so the graph carries the detach (a
+            // new untracked handle would be taken for a constant and replayed stale)
             let id = crate::no_grad(|| {
                 crate::dispatch::apply(crate::prim::Prim::Reshape(self.shape().to_vec()), &[self])
             });

@@ -249,3 +249,34 @@ fn dropout_draws_fresh_masks_on_replay_exactly_as_eager() -> Result<()> {
     assert_ne!(compiled[0], compiled[1], "each call draws a new mask");
     Ok(())
 }
+
+/// A compiled optimizer-style step reads `p.grad()`: backward replaces that tensor every step, so a
+/// replay must read the current gradient, not the one seen while tracing.
+#[test]
+fn gradients_read_in_a_compiled_fn_are_re_read_on_every_call() -> Result<()> {
+    let p = Tensor::from_vec(vec![1.0f32, 2.0], &[2])?.with_grad()?;
+    let step = || -> Result<Vec<Tensor>> {
+        let g = p
+            .grad()
+            .ok_or_else(|| kiln::Error::arg("test", "no grad"))?;
+        kiln::no_grad(|| p.assign(&p.sub(&g.mul(0.5)?)?))?;
+        Ok(vec![])
+    };
+    let f = compile_fn(|_: &[Tensor]| step(), CompileOptions::default())?;
+    for (k, g) in [[1.0f32, 1.0], [10.0, -4.0], [0.0, 2.0]].iter().enumerate() {
+        p.set_grad(Some(Tensor::from_vec(g.to_vec(), &[2])?));
+        let before = p.to_vec::<f32>()?;
+        f.call(&[])?;
+        let want: Vec<f32> = before.iter().zip(g).map(|(a, b)| a - 0.5 * b).collect();
+        assert_eq!(p.to_vec::<f32>()?, want, "call {k}");
+    }
+    assert_eq!(
+        f.stats().compiles,
+        1,
+        "a new gradient tensor of the same shape is no recompile"
+    );
+    // no gradient at all: the guard fails and the step runs (and errs) as eager code would
+    p.set_grad(None);
+    assert!(f.call(&[]).is_err());
+    Ok(())
+}

@@ -799,7 +799,6 @@ fn batch_norm_train_and_eval() {
 }
 
 #[test]
-#[ignore = "bug: in-place updates of an argument (assign) replay into the traced call's tensor, not the new argument"]
 fn batch_norm_running_stats_passed_as_arguments() {
     let mut rng = Rng::new(30);
     for training in [true, false] {
@@ -1559,7 +1558,6 @@ fn inputs_without_grad_and_detach() {
 }
 
 #[test]
-#[ignore = "bug: Tensor::detach of a graph input while tracing is captured as a constant; replays use the first call's values"]
 fn detach_of_an_argument_on_replay() {
     let mut rng = Rng::new(26);
     Case::new("detach of an argument").run(
@@ -1580,7 +1578,6 @@ fn detach_of_an_argument_on_replay() {
 }
 
 #[test]
-#[ignore = "bug: a tensor passed as two arguments is traced as one graph input and aliasing is not guarded; a replay with two distinct tensors reads one of them twice"]
 fn the_same_tensor_as_two_arguments() -> Result<()> {
     let mut rng = Rng::new(33);
     let f = |a: &[Tensor]| one(a[0].sub(&a[1])?.add(&a[0].mul(2.0)?));
@@ -1599,7 +1596,6 @@ fn big_scalar(r: &mut Rng) -> Vec<In> {
 }
 
 #[test]
-#[ignore = "bug: the detached max of a rank-0 input is the input itself, captured as a constant by the tracer; replays subtract a stale max (inf/NaN for large inputs)"]
 fn softmax_family_of_a_rank0_input_on_replay() {
     let mut rng = Rng::new(27);
     for keep in [false, true] {
