@@ -260,7 +260,12 @@ impl<'f> CompiledFn<'f> {
         st.stats.traces += 1;
         let breaks = records.iter().filter(|r| r.ended_by.is_some()).count();
         st.stats.graph_breaks += breaks;
-        if breaks > 0 || st.has_breaks {
+        if let Some(why) = tracer.retrace_reason() {
+            logs::emit(Channel::GraphBreaks, || {
+                format!("{} is traced on every call: {why}", self.name)
+            });
+        }
+        if breaks > 0 || st.has_breaks || tracer.retrace_reason().is_some() {
             // the Rust code between graphs must run each call: trace every call, graphs come from cache
             st.has_breaks = true;
             return Ok(outs);

@@ -109,6 +109,8 @@ pub struct Tracer {
     state: Mutex<State>,
     /// Gradients the traced code read, by tensor id, with the tensor they are the `.grad` of.
     grads: Mutex<HashMap<u64, Tensor>>,
+    /// Why the traced code cannot be replayed without running it, if it cannot.
+    retrace: Mutex<Option<&'static str>>,
 }
 
 impl Tracer {
@@ -132,6 +134,7 @@ impl Tracer {
                 done: Vec::new(),
             }),
             grads: Mutex::new(HashMap::new()),
+            retrace: Mutex::new(None),
         })
     }
 
@@ -237,6 +240,11 @@ impl Tracer {
         Ok(())
     }
 
+    /// Set when the traced code read Rust state a replay cannot reproduce.
+    pub fn retrace_reason(&self) -> Option<&'static str> {
+        *self.retrace.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Ends tracing: runs the last segment and returns every segment recorded.
     pub fn finish(&self) -> Result<Vec<SegmentRecord>> {
         self.flush(None)?;
@@ -293,6 +301,10 @@ impl Interceptor for Tracer {
         seg.known.insert(out.id(), id);
         seg.pending.push((out.downgrade(), id, out.id()));
         Some(Ok(out))
+    }
+
+    fn retrace_every_call(&self, why: &'static str) {
+        *self.retrace.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
     }
 
     fn grad_read(&self, owner: &Tensor, grad: &Tensor) {

@@ -28,6 +28,11 @@ pub trait Interceptor: Send + Sync {
     fn grad_read(&self, owner: &Tensor, grad: &Tensor) {
         let _ = (owner, grad);
     }
+    /// Told when traced code depends on Rust state a replay cannot reproduce (`why` says which):
+    /// the code must be traced again on every call.
+    fn retrace_every_call(&self, why: &'static str) {
+        let _ = why;
+    }
 }
 
 /// The producer of a deferred tensor's value.

@@ -120,7 +120,26 @@ impl Tensor {
         }
         let n = shape.iter().product();
         let (seed, offset) = match gen {
-            Some(g) => g.draw(n),
+            Some(g) => {
+                if let Some(i) = crate::intercept::current() {
+                    // an explicit generator is Rust state a replayed graph cannot advance: the
+                    // values are drawn now, eagerly, and the tracer re-runs the code every call
+                    i.retrace_every_call("a random draw from an explicit Generator");
+                    let _outside = crate::intercept::install(None);
+                    let (seed, offset) = g.draw(n);
+                    return apply(
+                        Prim::Rand {
+                            shape: shape.to_vec(),
+                            dtype,
+                            dist,
+                            seed,
+                            offset,
+                        },
+                        &[],
+                    );
+                }
+                g.draw(n)
+            }
             None => default_draw(n),
         };
         apply(

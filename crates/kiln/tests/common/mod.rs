@@ -237,6 +237,7 @@ pub struct Case {
     seed: Option<u64>,
     calls: usize,
     errs: bool,
+    retraced: bool,
 }
 
 impl Case {
@@ -248,6 +249,7 @@ impl Case {
             seed: None,
             calls: 2,
             errs: false,
+            retraced: false,
         }
     }
     /// Relative tolerance for forward outputs (default: bitwise).
@@ -267,6 +269,12 @@ impl Case {
     }
     pub fn calls(mut self, n: usize) -> Case {
         self.calls = n;
+        self
+    }
+    /// `f` reads Rust state a replay cannot reproduce (an explicit `Generator`): it is traced on
+    /// every call instead of replayed.
+    pub fn retraced(mut self) -> Case {
+        self.retraced = true;
         self
     }
     /// The op rejects these inputs: eager and compiled must both fail, with the same message.
@@ -355,7 +363,7 @@ impl Case {
                     e.map_or_else(|e| e.to_string(), |_| "ok".into())
                 ),
             };
-            check_stats(&what, call, &before, &after);
+            check_stats(&what, call, &before, &after, self.retraced);
 
             assert_eq!(out_c.len(), out_e.len(), "{what}: number of outputs");
             for (k, (c, e)) in out_c.iter().zip(&out_e).enumerate() {
@@ -428,13 +436,19 @@ impl Case {
     }
 }
 
-fn check_stats(what: &str, call: usize, before: &FnStats, after: &FnStats) {
+fn check_stats(what: &str, call: usize, before: &FnStats, after: &FnStats, retraced: bool) {
     assert_eq!(after.graph_breaks, 0, "{what}: graph breaks: {after:?}");
     assert_eq!(
         after.eager_fallbacks, 0,
         "{what}: eager fallbacks: {after:?}"
     );
-    if call == 0 {
+    if retraced {
+        assert_eq!(
+            (after.traces, after.replays),
+            (call + 1, 0),
+            "{what}: code reading unreplayable Rust state is traced on every call"
+        );
+    } else if call == 0 {
         assert_eq!(
             (after.traces, after.compiles, after.replays),
             (1, 1, 0),
