@@ -38,6 +38,27 @@ pub struct Graph {
     pub rng_span: u64,
 }
 
+/// A graph's `Rand` prim made concrete for one run whose draws start at `(seed, base)`; other prims
+/// unchanged. Every backend runs random prims through this.
+pub fn rand_at(p: &Prim, seed: u64, base: u64) -> Prim {
+    match p {
+        Prim::Rand {
+            shape,
+            dtype,
+            dist,
+            offset,
+            ..
+        } => Prim::Rand {
+            shape: shape.clone(),
+            dtype: *dtype,
+            dist: *dist,
+            seed,
+            offset: base + offset,
+        },
+        p => p.clone(),
+    }
+}
+
 impl Graph {
     pub fn push(&mut self, node: Node) -> NodeId {
         self.nodes.push(node);

@@ -6,11 +6,10 @@ use std::sync::Arc;
 use kiln_core::autograd::{is_grad_enabled, GradModeGuard};
 use kiln_core::dispatch::apply;
 use kiln_core::ops::default_draw;
-use kiln_core::prim::Prim;
 use kiln_core::{Error, Result, Tensor};
 
 use super::{Backend, BackendContext, CompiledGraph};
-use crate::graph::{Graph, Op};
+use crate::graph::{rand_at, Graph, Op};
 
 pub struct EagerBackend;
 
@@ -71,22 +70,7 @@ impl CompiledGraph for Interpreter {
                         .collect::<Result<Vec<&Tensor>>>()?;
                     let _mode = (n.grad_enabled != outer)
                         .then(|| GradModeGuard::new(n.grad_enabled && outer));
-                    let p = match p {
-                        Prim::Rand {
-                            shape,
-                            dtype,
-                            dist,
-                            offset,
-                            ..
-                        } => Prim::Rand {
-                            shape: shape.clone(),
-                            dtype: *dtype,
-                            dist: *dist,
-                            seed,
-                            offset: base + offset,
-                        },
-                        p => p.clone(),
-                    };
+                    let p = rand_at(p, seed, base);
                     apply(p, &args)?
                 }
             };

@@ -119,24 +119,14 @@ impl Tensor {
             ));
         }
         let n = shape.iter().product();
+        // an explicit generator is Rust state a replayed graph cannot advance: under a tracer the
+        // values are drawn eagerly (outside the trace) and the tracer re-runs the code every call
+        let mut _outside = None;
         let (seed, offset) = match gen {
             Some(g) => {
                 if let Some(i) = crate::intercept::current() {
-                    // an explicit generator is Rust state a replayed graph cannot advance: the
-                    // values are drawn now, eagerly, and the tracer re-runs the code every call
                     i.retrace_every_call("a random draw from an explicit Generator");
-                    let _outside = crate::intercept::install(None);
-                    let (seed, offset) = g.draw(n);
-                    return apply(
-                        Prim::Rand {
-                            shape: shape.to_vec(),
-                            dtype,
-                            dist,
-                            seed,
-                            offset,
-                        },
-                        &[],
-                    );
+                    _outside = Some(crate::intercept::install(None));
                 }
                 g.draw(n)
             }

@@ -44,7 +44,20 @@ fn ty(d: DType) -> &'static str {
     c_dtype(d).unwrap_or("double")
 }
 
-impl Builder<'_> {
+impl<'a> Builder<'a> {
+    /// A builder for a kernel whose loop variable `v` runs over `0..ext[v]`.
+    fn new(g: &'a Graph, sched: &'a Schedule, ext: Vec<i64>) -> Self {
+        Builder {
+            g,
+            sched,
+            ext,
+            params: Vec::new(),
+            body: String::new(),
+            memo: HashMap::new(),
+            temps: 0,
+        }
+    }
+
     fn temp(&mut self, d: DType, expr: String) -> String {
         let name = format!("t{}", self.temps);
         self.temps += 1;
@@ -249,15 +262,7 @@ fn finish(b: Builder<'_>, root: NodeId, loop_text: String, parallel: bool) -> Ke
 pub fn pointwise_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let shape = &g.nodes[root].shape;
     let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
-    let mut b = Builder {
-        g,
-        sched,
-        ext,
-        params: Vec::new(),
-        body: String::new(),
-        memo: HashMap::new(),
-        temps: 0,
-    };
+    let mut b = Builder::new(g, sched, ext);
     let idx: Vec<Ix> = (0..shape.len()).map(Ix::var).collect();
     let v = b.value(root, &idx, true);
     let off = linear(&idx, shape).to_c("i");
@@ -281,15 +286,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let src = node.args[0];
     let in_shape = g.nodes[src].shape.clone();
     let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
-    let mut b = Builder {
-        g,
-        sched,
-        ext,
-        params: Vec::new(),
-        body: String::new(),
-        memo: HashMap::new(),
-        temps: 0,
-    };
+    let mut b = Builder::new(g, sched, ext);
     let idx: Vec<Ix> = (0..in_shape.len()).map(Ix::var).collect();
     let v = b.value(src, &idx, false);
     let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);

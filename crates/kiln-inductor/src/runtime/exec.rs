@@ -3,11 +3,10 @@
 
 use std::ffi::c_void;
 
-use kiln_compile::graph::{Graph, NodeId, Op};
+use kiln_compile::graph::{rand_at, Graph, NodeId, Op};
 use kiln_compile::CompiledGraph;
 use kiln_core::dispatch::apply;
 use kiln_core::ops::default_draw;
-use kiln_core::prim::Prim;
 use kiln_core::{no_grad, Error, Result, Tensor};
 
 use super::cc::KernelFn;
@@ -113,22 +112,7 @@ impl CompiledCpu {
                         .map(|&a| get(&vals, a))
                         .collect::<Result<_>>()?;
                     let refs: Vec<&Tensor> = args.iter().collect();
-                    let p = match p {
-                        Prim::Rand {
-                            shape,
-                            dtype,
-                            dist,
-                            offset,
-                            ..
-                        } => Prim::Rand {
-                            shape: shape.clone(),
-                            dtype: *dtype,
-                            dist: *dist,
-                            seed,
-                            offset: base + offset,
-                        },
-                        p => p.clone(),
-                    };
+                    let p = rand_at(p, seed, base);
                     vals[*node] = Some(apply(p, &refs)?);
                 }
             }
