@@ -241,6 +241,7 @@ impl<'f> CompiledFn<'f> {
         let ctx = BackendContext {
             mode: self.opts.mode.as_str().to_string(),
             options: self.opts.options.clone(),
+            fullgraph: self.opts.fullgraph,
         };
         let tracer = Tracer::new(
             &self.name,

@@ -41,6 +41,14 @@ impl Backend for CpuCodegen {
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
         let Some(tc) = toolchain() else {
+            if ctx.fullgraph {
+                return Err(kiln_core::Error::Unsupported {
+                    op: "compile(backend=kiln, fullgraph=true)",
+                    msg: "no C compiler found for the generated kernels: install gcc or clang, or \
+                          set CC (without fullgraph, kiln falls back to its interpreter)"
+                        .into(),
+                });
+            }
             static WARN: Once = Once::new();
             WARN.call_once(|| {
                 eprintln!(
@@ -48,7 +56,6 @@ impl Backend for CpuCodegen {
                      on the interpreter instead of generated kernels"
                 )
             });
-            let _ = ctx;
             return Ok(Arc::new(Interpreter::new(graph.clone())));
         };
         let (steps, kernels) = generate(graph);

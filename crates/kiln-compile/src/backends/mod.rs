@@ -20,6 +20,9 @@ pub struct BackendContext {
     pub mode: String,
     /// `CompileOptions::options`, handed through untouched.
     pub options: BTreeMap<String, String>,
+    /// `CompileOptions::fullgraph`: the user asked for strictness, so a backend that cannot do its
+    /// job (no C compiler, say) errs instead of falling back.
+    pub fullgraph: bool,
 }
 
 pub trait Backend: Send + Sync {
