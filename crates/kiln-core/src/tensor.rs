@@ -295,6 +295,20 @@ impl Tensor {
         let at = Location::caller();
         src.ready("assign", at)?;
         self.ready("assign", at)?;
+        if self.is_contiguous()
+            && src.is_contiguous()
+            && !Arc::ptr_eq(&self.0.storage, &src.0.storage)
+        {
+            // the common case (optimizer and running-stat updates): one memcpy, no staging copy
+            let (n, from, to) = (self.numel(), src.offset(), self.offset());
+            if n == 0 {
+                return Ok(()); // an empty view may carry an offset past its buffer
+            }
+            let values = src.storage();
+            let mut dst = self.0.storage.write().unwrap_or_else(|e| e.into_inner());
+            crate::cpu::copy_range(&mut dst, to, &values, from, n);
+            return Ok(());
+        }
         let values = crate::cpu::materialize(&src);
         let mut dst = self.0.storage.write().unwrap_or_else(|e| e.into_inner());
         crate::cpu::write_strided(&mut dst, self.layout(), &values);

@@ -161,6 +161,25 @@ pub fn materialize(t: &Tensor) -> CpuStorage {
     with_storage!(&*s, v => StorageElement::wrap(contig(v, t.layout()).into_owned()))
 }
 
+/// Copies `n` elements from `src[from..]` to `dst[to..]` (same dtype).
+pub(crate) fn copy_range(dst: &mut CpuStorage, to: usize, src: &CpuStorage, from: usize, n: usize) {
+    fn go<T: StorageElement>(
+        dst: &mut CpuStorage,
+        to: usize,
+        src: &CpuStorage,
+        from: usize,
+        n: usize,
+    ) {
+        if let (Some(d), Some(s)) = (T::view_mut(dst), T::view(src)) {
+            d[to..to + n].copy_from_slice(&s[from..from + n]);
+        }
+    }
+    with_storage!(src, v => {
+        fn tag<T: StorageElement>(_: &[T]) -> fn(&mut CpuStorage, usize, &CpuStorage, usize, usize) { go::<T> }
+        tag(v)(dst, to, src, from, n)
+    })
+}
+
 /// Writes contiguous `values` into the positions `layout` addresses in `dst` (same dtype).
 pub(crate) fn write_strided(dst: &mut CpuStorage, layout: &Layout, values: &CpuStorage) {
     fn go<T: StorageElement>(dst: &mut CpuStorage, layout: &Layout, values: &CpuStorage) {
