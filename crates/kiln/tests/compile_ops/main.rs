@@ -1,0 +1,62 @@
+//! Compiled equals eager, op by op: every public op of kiln-core, run through `compile_fn` (default
+//! options, or the backend named by `$KILN_TEST_BACKEND`: see `common::compile_options`) and
+//! eagerly, on seeded random inputs of a few shapes each (broadcasting, non-contiguous views as
+//! arguments, size-1 and size-0 dims).
+//!
+//! For each case the harness (`common::Case`) checks, on two calls (three for stateful and random
+//! ops), each with new values of the same shapes:
+//! - forward outputs equal, with equal shape, dtype and `requires_grad`;
+//! - the gradients of `sum(out * random weights)` with respect to every input that requires grad
+//!   equal (on the leaf, so through the view that formed a non-contiguous argument);
+//! - the arguments as the call left them, and state the op updates (batch norm's running
+//!   statistics), equal;
+//! - no graph breaks, one trace, and every later call a replay of the compiled graph;
+//! - where the op rejects its inputs, both fail with the same message.
+//!
+//! Everything is compared bitwise, and is bitwise equal with both the default `kiln` backend and
+//! `aot_eager` (the same prims through the interpreter, the backward from the same per-prim VJP
+//! rules); `Case::fwd_tol` / `grad_tol` exist for a backend that reorders float arithmetic.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod capture_edge_cases;
+mod elementwise;
+mod harness;
+mod nn_ops;
+mod reductions_linalg;
+mod views_creation;
+
+pub(crate) use common::{Case, Gen, In, Lay, Rng};
+pub(crate) use kiln::core::RunningStats;
+pub(crate) use kiln::prelude::*;
+
+pub(crate) type Out = Result<Vec<Tensor>>;
+
+pub(crate) fn one(t: Result<Tensor>) -> Out {
+    t.map(|t| vec![t])
+}
+
+/// Shapes and layouts every elementwise op is checked on.
+pub(crate) const ELEMENTWISE_SHAPES: &[(&[usize], Lay)] = &[
+    (&[], Lay::C),
+    (&[7], Lay::C),
+    (&[3, 4], Lay::C),
+    (&[3, 4], Lay::T),
+    (&[2, 5], Lay::S),
+    (&[4, 1, 3], Lay::E),
+    (&[0, 3], Lay::C),
+    (&[2, 0], Lay::T),
+];
+
+/// Generated C calls the C library's `erf`; eager kernels call the `libm` crate's (a port of
+/// musl's). The two differ by an ulp on some inputs, so erf is compared to 1e-6 relative, and gelu
+/// — `0.5·x·(1 + erf(x/√2))`, where `1 + erf` cancels for negative x and magnifies that ulp — to
+/// 1e-5; every other unary op is bitwise.
+pub(crate) fn libm_tol(name: &str) -> f64 {
+    match name {
+        "erf" => 1e-6,
+        "gelu" => 1e-5,
+        _ => 0.0,
+    }
+}
