@@ -106,10 +106,13 @@ pub struct Guards {
     pub extra: u64,
 }
 
+/// The first argument that is the same tensor as argument `i` (`i` itself when none is).
+fn first_alias(args: &[Tensor], i: usize) -> usize {
+    (0..i).find(|&j| args[j].same_tensor(&args[i])).unwrap_or(i)
+}
+
 fn alias_pattern(args: &[Tensor]) -> Vec<usize> {
-    (0..args.len())
-        .map(|i| (0..i).find(|&j| args[j].same_tensor(&args[i])).unwrap_or(i))
-        .collect()
+    (0..args.len()).map(|i| first_alias(args, i)).collect()
 }
 
 impl Guards {
@@ -156,8 +159,11 @@ impl Guards {
     }
 
     fn aliases_hold(&self, args: &[Tensor]) -> bool {
-        // the common case, distinct arguments, costs one comparison per pair
-        self.aliases.len() < 2 || alias_pattern(args) == self.aliases
+        // checked in place: this runs on every call (one comparison per pair, no allocation)
+        self.aliases
+            .iter()
+            .enumerate()
+            .all(|(i, &a)| first_alias(args, i) == a)
     }
 
     /// The first failing guard, in words (for recompile logs and the fallback warning).

@@ -69,7 +69,7 @@ impl Backend for AotBackend {
             num_fwd_outputs: joint.num_fwd_outputs,
             num_saved: part.num_saved,
             diff_outputs: joint.diff_outputs.clone(),
-            diff_meta: out_meta.collect(),
+            diff_meta: out_meta.collect::<Vec<_>>().into(),
             grad_inputs: joint.grad_inputs.clone(),
             saved_bytes: part.saved_bytes,
             forward_draws: part.forward.rng_span > 0,
@@ -86,7 +86,7 @@ pub struct AotCompiled {
     num_fwd_outputs: usize,
     num_saved: usize,
     diff_outputs: Vec<usize>,
-    diff_meta: Vec<(Vec<usize>, kiln_core::DType)>,
+    diff_meta: Arc<[(Vec<usize>, kiln_core::DType)]>,
     grad_inputs: Vec<usize>,
     saved_bytes: usize,
     forward_draws: bool,
@@ -153,7 +153,8 @@ struct CompiledBackward {
     rng: Option<(u64, u64)>,
     /// Whether the backward graph itself draws (recomputes the forward's random values).
     draws: bool,
-    tangent_meta: Vec<(Vec<usize>, kiln_core::DType)>,
+    /// Shapes and dtypes of the tangents, for outputs that got no gradient (shared per graph).
+    tangent_meta: Arc<[(Vec<usize>, kiln_core::DType)]>,
 }
 
 impl Function for CompiledBackward {
@@ -163,7 +164,7 @@ impl Function for CompiledBackward {
 
     fn backward(&self, grad_outputs: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
         let mut inputs = self.saved.clone();
-        for (g, (shape, dtype)) in grad_outputs.iter().zip(&self.tangent_meta) {
+        for (g, (shape, dtype)) in grad_outputs.iter().zip(self.tangent_meta.iter()) {
             inputs.push(match g {
                 Some(g) => g.clone(),
                 None => Tensor::zeros(shape.as_slice(), *dtype)?,
