@@ -1,0 +1,1 @@
+//! BERT (Hugging Face architecture and state-dict key names) and sentence-embedding pooling.

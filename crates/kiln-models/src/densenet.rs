@@ -1,0 +1,1 @@
+//! DenseNet (torchvision architecture and state-dict key names).

@@ -1,0 +1,1 @@
+//! ResNet (torchvision architecture and state-dict key names).
