@@ -5,6 +5,7 @@
 //! Layering: this crate knows the core's prims and tensors, nothing of `nn`; backends know graphs,
 //! not user code.
 
+mod alias;
 pub mod aot;
 pub mod backends;
 mod cache;

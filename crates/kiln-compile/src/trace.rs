@@ -12,6 +12,7 @@ use kiln_core::intercept::{self, Deferred, Interceptor};
 use kiln_core::prim::{OutMeta, Prim};
 use kiln_core::{Error, Result, Tensor, WeakTensor};
 
+use crate::alias::{scatter_maps, Root, Views};
 use crate::backends::{Backend, BackendContext, CompiledGraph};
 use crate::cache;
 use crate::graph::{Graph, Node, NodeId, Op};
@@ -89,6 +90,8 @@ struct Segment {
     known: HashMap<u64, NodeId>,
     pending: Vec<(WeakTensor, NodeId, u64)>,
     mutations: Vec<(Tensor, NodeId)>,
+    /// Traced tensors eager execution would have made views, for writes through them.
+    views: Views,
     /// (seed, offset) of the first random draw traced in this segment.
     rng_base: Option<(u64, u64)>,
 }
@@ -300,6 +303,15 @@ impl Interceptor for Tracer {
         let out = Tensor::deferred(&meta.shape, meta.dtype, me);
         seg.known.insert(out.id(), id);
         seg.pending.push((out.downgrade(), id, out.id()));
+        let view_prim = match &seg.graph.nodes[id].op {
+            Op::Prim(
+                p @ (Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_)),
+            ) => Some(p.clone()),
+            _ => None,
+        };
+        if let Some(p) = view_prim {
+            seg.views.record(&p, inputs[0], &out);
+        }
         Some(Ok(out))
     }
 
@@ -317,20 +329,129 @@ impl Interceptor for Tracer {
     }
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Option<Result<()>> {
-        if dst.is_deferred() {
-            return None; // writing into a traced value: compute it first (a graph break)
-        }
         let mut st = self.lock();
         if src.is_deferred() && !st.seg.known.contains_key(&src.id()) {
             return None;
         }
         let seg = &mut st.seg;
+        if dst.is_deferred() && !seg.known.contains_key(&dst.id()) {
+            return None; // a value of an earlier trace: compute it first (a graph break)
+        }
         let v = self.value_of(seg, src);
-        // the destination is read as it was before the write, then reads see the new value
-        self.value_of(seg, dst);
-        seg.mutations.push((dst.clone(), v));
-        seg.known.insert(dst.id(), v);
+        let mut stride_dependent = false;
+        let written = match seg.views.get(dst.id()).cloned() {
+            // a write through a view: the root it aliases gets a new value
+            Some(view) => {
+                stride_dependent = view.stride_dependent;
+                let root_node = match &view.root {
+                    Root::Real(t) => self.value_of(seg, t),
+                    Root::Traced(id) => match seg.known.get(id) {
+                        Some(&n) => n,
+                        None => return None,
+                    },
+                };
+                match self.write_through(seg, root_node, &view.chain, v) {
+                    Ok(node) => (view.root, node),
+                    Err(e) => return Some(Err(e)),
+                }
+            }
+            None if dst.is_deferred() => (Root::Traced(dst.id()), v),
+            None => {
+                // the destination is read as it was before the write, then reads see the new value
+                self.value_of(seg, dst);
+                (Root::Real(dst.clone()), v)
+            }
+        };
+        let rederived = set_value(seg, written.0, written.1);
+        drop(st);
+        match rederived.map(|views| views || stride_dependent) {
+            Ok(true) => self.retrace_every_call(
+                "a write through a reshaped view of a strided tensor (its strides are not guarded)",
+            ),
+            Ok(false) => {}
+            Err(e) => return Some(Err(e)),
+        }
         Some(Ok(()))
+    }
+}
+
+impl Tracer {
+    /// The new value of a root after `src` is written through its view `chain`.
+    fn write_through(
+        &self,
+        seg: &mut Segment,
+        root: NodeId,
+        chain: &[Prim],
+        src: NodeId,
+    ) -> Result<NodeId> {
+        let (shape, dtype) = (
+            seg.graph.nodes[root].shape.clone(),
+            seg.graph.nodes[root].dtype,
+        );
+        let Some((pos, mask)) = scatter_maps(&shape, chain)? else {
+            return Ok(root);
+        };
+        let n = pos.numel();
+        let m = seg.graph.nodes[src].shape.iter().product();
+        let pos = self.value_of(seg, &pos);
+        let mask = self.value_of(seg, &mask);
+        let src_flat = push(seg, Prim::Reshape(vec![m]), vec![src])?;
+        let gathered = push(seg, Prim::Gather { dim: 0 }, vec![src_flat, pos])?;
+        let root_flat = push(seg, Prim::Reshape(vec![n]), vec![root])?;
+        let merged = push(seg, Prim::Where, vec![mask, gathered, root_flat])?;
+        debug_assert_eq!(seg.graph.nodes[merged].dtype, dtype);
+        push(seg, Prim::Reshape(shape), vec![merged])
+    }
+}
+
+/// Appends `prim(args)` to the segment's graph (outside grad mode: writes are not differentiated).
+fn push(seg: &mut Segment, prim: Prim, args: Vec<NodeId>) -> Result<NodeId> {
+    let shapes: Vec<&[usize]> = args
+        .iter()
+        .map(|&a| seg.graph.nodes[a].shape.as_slice())
+        .collect();
+    let dtypes: Vec<_> = args.iter().map(|&a| seg.graph.nodes[a].dtype).collect();
+    let meta = prim.infer(&shapes, &dtypes)?;
+    Ok(seg.graph.push(Node {
+        op: Op::Prim(prim),
+        args,
+        shape: meta.shape,
+        dtype: meta.dtype,
+        grad_enabled: false,
+        requires_grad: false,
+    }))
+}
+
+/// Makes `node` the value of `root` from here on: a real root's write is replayed after each call;
+/// every live view of the root is re-derived from the new value, as shared storage would show it.
+/// Returns whether one of those views exists only because of a real root's exact strides.
+fn set_value(seg: &mut Segment, root: Root, node: NodeId) -> Result<bool> {
+    let root_id = root.id();
+    match root {
+        Root::Real(t) => match seg.mutations.iter_mut().find(|(d, _)| d.id() == root_id) {
+            Some(m) => m.1 = node,
+            None => seg.mutations.push((t, node)),
+        },
+        Root::Traced(_) => {}
+    }
+    rebind(seg, root_id, node);
+    let mut stride_dependent = false;
+    for (view_id, view) in seg.views.of_root(root_id) {
+        stride_dependent |= view.stride_dependent;
+        let mut at = node;
+        for p in view.chain {
+            at = push(seg, p, vec![at])?;
+        }
+        rebind(seg, view_id, at);
+    }
+    Ok(stride_dependent)
+}
+
+/// Points tensor `id` at graph value `node`, for later reads and for filling it in at the end.
+fn rebind(seg: &mut Segment, id: u64, node: NodeId) {
+    seg.known.insert(id, node);
+    for p in seg.pending.iter_mut().filter(|p| p.2 == id) {
+        p.1 = node;
     }
 }
 

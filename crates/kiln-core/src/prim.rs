@@ -5,7 +5,7 @@
 //! Prims are strict so backends stay simple: elementwise prims take operands of one shape and one
 //! dtype (the high-level op broadcasts and promotes first), reductions keep their reduced dims.
 
-use crate::shape::numel;
+use crate::shape::{numel, Layout};
 use crate::{DType, Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -230,6 +230,24 @@ fn arity(op: &'static str, n: usize, want: usize) -> Result<()> {
 }
 
 impl Prim {
+    /// The layout of this prim's output when eager execution makes it a view of its input (the
+    /// same storage), `None` when the output is a new buffer. Eager execution and the tracer (which
+    /// must know which traced values alias which tensors) both decide views here.
+    pub fn view_layout(&self, input: &Layout) -> Option<Layout> {
+        match self {
+            Prim::Permute(p) => Some(input.permute(p)),
+            Prim::Expand(s) => Some(input.expand(s)),
+            Prim::Slice {
+                dim,
+                start,
+                end,
+                step,
+            } => Some(input.slice(*dim, *start, *end, *step)),
+            Prim::Reshape(s) => input.reshape_view(s),
+            _ => None,
+        }
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             Prim::Unary(_) => "unary",

@@ -33,21 +33,12 @@ fn owned(s: CpuStorage, shape: &[usize]) -> (Shared, Layout) {
 pub(crate) fn execute(prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Result<(Shared, Layout)> {
     let shape = &meta.shape;
     Ok(match prim {
-        Prim::Permute(p) => (inputs[0].0.storage.clone(), inputs[0].layout().permute(p)),
-        Prim::Expand(s) => (inputs[0].0.storage.clone(), inputs[0].layout().expand(s)),
-        Prim::Slice {
-            dim,
-            start,
-            end,
-            step,
-        } => (
-            inputs[0].0.storage.clone(),
-            inputs[0].layout().slice(*dim, *start, *end, *step),
-        ),
-        Prim::Reshape(s) => match inputs[0].layout().reshape_view(s) {
-            Some(l) => (inputs[0].0.storage.clone(), l),
-            None => owned(materialize(inputs[0]), s),
-        },
+        Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_) => {
+            match prim.view_layout(inputs[0].layout()) {
+                Some(l) => (inputs[0].0.storage.clone(), l),
+                None => owned(materialize(inputs[0]), shape),
+            }
+        }
         Prim::Contiguous => owned(materialize(inputs[0]), shape),
         Prim::Unary(op) => owned(elementwise::unary(*op, inputs[0]), shape),
         Prim::Binary(op) => owned(elementwise::binary(*op, inputs[0], inputs[1]), shape),

@@ -26,6 +26,7 @@ mod harness;
 mod nn_ops;
 mod reductions_linalg;
 mod views_creation;
+mod writes_through_views;
 
 pub(crate) use common::{Case, Gen, In, Lay, Rng};
 pub(crate) use kiln::core::RunningStats;
