@@ -315,6 +315,15 @@ impl Interceptor for Tracer {
         Some(Ok(out))
     }
 
+    fn before_read(
+        &self,
+        t: &Tensor,
+        why: &'static str,
+        at: &'static Location<'static>,
+    ) -> Result<()> {
+        self.before_read_impl(t, why, at)
+    }
+
     fn retrace_every_call(&self, why: &'static str) {
         *self.retrace.lock().unwrap_or_else(|e| e.into_inner()) = Some(why);
     }
@@ -452,6 +461,27 @@ fn rebind(seg: &mut Segment, id: u64, node: NodeId) {
     seg.known.insert(id, node);
     for p in seg.pending.iter_mut().filter(|p| p.2 == id) {
         p.1 = node;
+    }
+}
+
+impl Tracer {
+    /// A read of a real tensor this segment wrote must see the write: run the segment first.
+    fn before_read_impl(
+        &self,
+        t: &Tensor,
+        why: &'static str,
+        at: &'static Location<'static>,
+    ) -> Result<()> {
+        let written = self
+            .lock()
+            .seg
+            .mutations
+            .iter()
+            .any(|(d, _)| d.id() == t.id());
+        if written {
+            self.force(t, why, at)?;
+        }
+        Ok(())
     }
 }
 

@@ -33,6 +33,18 @@ pub trait Interceptor: Send + Sync {
     fn retrace_every_call(&self, why: &'static str) {
         let _ = why;
     }
+    /// Told before the values of a tensor that is not deferred are read: a tensor the intercepted
+    /// code wrote with `assign` holds its old values until the recorded write runs, so the
+    /// interceptor must run it first.
+    fn before_read(
+        &self,
+        t: &Tensor,
+        why: &'static str,
+        at: &'static Location<'static>,
+    ) -> Result<()> {
+        let _ = (t, why, at);
+        Ok(())
+    }
 }
 
 /// The producer of a deferred tensor's value.
@@ -49,6 +61,19 @@ thread_local! {
 /// The interceptor installed on this thread, if any.
 pub fn current() -> Option<Arc<dyn Interceptor>> {
     INTERCEPTOR.with(|i| i.borrow().clone())
+}
+
+/// Runs the installed interceptor's `before_read` hook (nothing, and no reference count traffic,
+/// when none is installed: this is on the eager path of every op).
+pub(crate) fn before_read(
+    t: &Tensor,
+    why: &'static str,
+    at: &'static Location<'static>,
+) -> Result<()> {
+    match INTERCEPTOR.with(|i| i.borrow().as_ref().map(Arc::clone)) {
+        Some(i) => i.before_read(t, why, at),
+        None => Ok(()),
+    }
 }
 
 /// Uninstalls (restores the previous interceptor) when dropped.

@@ -345,7 +345,7 @@ impl Tensor {
             .clone();
         match source {
             Some(s) => s.force(self, why, at),
-            None => Ok(()),
+            None => crate::intercept::before_read(self, why, at),
         }
     }
     /// Gives a deferred tensor its values (and autograd history) from a computed `value` of the same

@@ -117,7 +117,7 @@ fn write_into_a_reshaped_view_and_an_empty_view() {
     Case::new("x.reshape([6, 2]).narrow(0, 2, 3).assign(y)").run(
         &mut rng,
         |a| {
-            a[0].reshape(&[6, 2])?.narrow(0, 2, 3)?.assign(&a[1])?;
+            a[0].reshape([6, 2])?.narrow(0, 2, 3)?.assign(&a[1])?;
             one(a[0].exp())
         },
         |r| {
@@ -134,10 +134,15 @@ fn write_into_a_reshaped_view_and_an_empty_view() {
         .run(
             &mut rng,
             |a| {
-                a[0].reshape(&[2, 2, 3])?.select(0, 1)?.assign(&a[1])?;
+                a[0].reshape([2, 2, 3])?.select(0, 1)?.assign(&a[1])?;
                 one(a[0].exp())
             },
-            |r| vec![no_grad_arg(r, &[4, 3], Lay::T), no_grad_arg(r, &[2, 3], Lay::C)],
+            |r| {
+                vec![
+                    no_grad_arg(r, &[4, 3], Lay::T),
+                    no_grad_arg(r, &[2, 3], Lay::C),
+                ]
+            },
         );
     Case::new("x.narrow(0, 1, 0).assign(empty)").run(
         &mut rng,
@@ -171,7 +176,7 @@ fn write_through_a_view_of_a_captured_tensor() -> kiln::Result<()> {
     let mut rng = Rng::new(66);
     for call in 0..3 {
         let x = rng.randn(&[2, 2]);
-        let got = compiled.call(&[x.clone()])?;
+        let got = compiled.call(std::slice::from_ref(&x))?;
         let want = step(&buf_e, &x)?;
         common::assert_same(&format!("sum, call {call}"), &got[0], &want[0], 0.0);
         common::assert_same(&format!("buffer, call {call}"), &buf_c, &buf_e, 0.0);
@@ -186,7 +191,7 @@ fn write_into_an_expanded_view_is_refused() {
     let x = Tensor::zeros(&[1, 3], kiln::DType::F32).unwrap();
     let compiled = kiln::compile_fn(
         |a: &[Tensor]| {
-            a[0].expand(&[2, 3])?.assign(&a[1])?;
+            a[0].expand([2, 3])?.assign(&a[1])?;
             Ok(vec![a[0].clone()])
         },
         common::compile_options(),
@@ -194,7 +199,35 @@ fn write_into_an_expanded_view_is_refused() {
     .unwrap();
     let err = compiled
         .call(&[x, Tensor::ones(&[2, 3], kiln::DType::F32).unwrap()])
-        .err()
-        .expect("a write into an expanded view must fail");
+        .expect_err("a write into an expanded view must fail");
     assert!(err.to_string().contains("overlap"), "{err}");
+}
+
+/// Reading the values of a tensor the traced code wrote (`item`, `to_vec`) must see the write: the
+/// graph so far runs first (a graph break), as it would for a read of a traced value.
+#[test]
+fn reading_a_written_argument_sees_the_write() -> kiln::Result<()> {
+    let f = |a: &[Tensor]| -> kiln::Result<Vec<Tensor>> {
+        a[0].narrow(0, 0, 1)?.assign(&a[1].exp()?)?;
+        let total: f32 = a[0].to_vec::<f32>()?.iter().sum();
+        let total = f64::from(total);
+        Ok(vec![a[0].mul(total)?])
+    };
+    let compiled = kiln::compile_fn(f, common::compile_options())?;
+    let mut rng = Rng::new(67);
+    for call in 0..2 {
+        let (x, y) = (rng.randn(&[2, 3]), rng.randn(&[1, 3]));
+        let (xc, xe) = (common::deep_copy(&x), common::deep_copy(&x));
+        let got = compiled.call(&[xc.clone(), y.clone()])?;
+        let want = f(&[xe.clone(), y])?;
+        common::assert_same(&format!("output, call {call}"), &got[0], &want[0], 0.0);
+        common::assert_same(&format!("argument, call {call}"), &xc, &xe, 0.0);
+    }
+    assert!(compiled.stats().graph_breaks >= 1, "{:?}", compiled.stats());
+    let strict = kiln::compile_fn(f, common::compile_options().fullgraph(true))?;
+    let err = strict
+        .call(&[rng.randn(&[2, 3]), rng.randn(&[1, 3])])
+        .expect_err("fullgraph refuses the break");
+    assert!(err.to_string().contains("graph break"), "{err}");
+    Ok(())
 }
