@@ -4,6 +4,7 @@
 use std::sync::{Arc, Mutex, TryLockError};
 
 use kiln_core::intercept;
+use kiln_core::profiler;
 use kiln_core::{no_grad, Error, Result, Tensor};
 
 use crate::backends::{lookup_backend, Backend, BackendContext, CompiledGraph};
@@ -181,6 +182,9 @@ impl<'f> CompiledFn<'f> {
             // disabled, or called from code already being traced: run inline (torch inlines too)
             return (self.f)(args);
         }
+        let _span = profiler::span(profiler::Category::CompiledRegion, || {
+            format!("compiled region: {}", self.name).into()
+        });
         let (entry, trace_each_call) = {
             let mut st = self.lock();
             if st.epoch != cache::epoch() {

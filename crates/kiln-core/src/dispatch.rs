@@ -31,6 +31,9 @@ pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
             return Ok(out);
         }
     }
+    let _span = crate::profiler::span(crate::profiler::Category::Op, || {
+        crate::profiler::prim_label(&prim)
+    });
     for t in inputs {
         t.ready(prim.name(), std::panic::Location::caller())?;
     }

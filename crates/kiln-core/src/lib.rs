@@ -15,6 +15,7 @@ pub mod intercept;
 pub mod ops;
 mod owned;
 pub mod prim;
+pub mod profiler;
 mod raw;
 pub mod shape;
 pub mod storage;

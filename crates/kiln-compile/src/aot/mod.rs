@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use kiln_core::autograd::{apply_function, is_grad_enabled, Function};
 use kiln_core::ops::default_draw;
+use kiln_core::profiler;
 use kiln_core::{no_grad, Error, Result, Tensor};
 
 use crate::backends::{Backend, BackendContext, CompiledGraph};
@@ -163,6 +164,9 @@ impl Function for CompiledBackward {
     }
 
     fn backward(&self, grad_outputs: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {
+        let _span = profiler::span(profiler::Category::CompiledBackward, || {
+            "CompiledFunctionBackward".into()
+        });
         let mut inputs = self.saved.clone();
         for (g, (shape, dtype)) in grad_outputs.iter().zip(self.tangent_meta.iter()) {
             inputs.push(match g {
