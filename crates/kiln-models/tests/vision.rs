@@ -446,3 +446,66 @@ fn bad_inputs_are_errors_that_name_the_model_and_shape() {
         .to_string();
     assert!(err.contains("fc.weight"), "{err}");
 }
+
+/// A small DenseNet built from a custom config: dropout after each dense layer in training only,
+/// the input-size bound follows the number of transitions, and bad configs are rejected.
+#[test]
+fn densenet_custom_config_dropout_and_validation() {
+    use kiln_models::densenet::{DenseNet, DenseNetConfig};
+    let config = DenseNetConfig {
+        growth_rate: 4,
+        block_config: vec![2, 3],
+        num_init_features: 8,
+        bn_size: 2,
+        drop_rate: 0.5,
+    };
+    manual_seed(61);
+    let d = DenseNet::new(config.clone(), 3).unwrap();
+    // 8 + 2·4 = 16 → transition to 8 → 8 + 3·4 = 20 channels
+    assert_eq!(d.features.num_features, 20);
+    assert_eq!(
+        shape_of(&d.state_dict(), "features.transition1.conv.weight"),
+        [8, 16, 1, 1]
+    );
+    let x = images(&[2, 3, 16, 16], 62);
+    let (a, b) = (d.forward(&x).unwrap(), d.forward(&x).unwrap());
+    assert!(
+        bits(&a) != bits(&b),
+        "dropout draws a new mask per call in training"
+    );
+    d.eval();
+    let (a, b) = (d.forward(&x).unwrap(), d.forward(&x).unwrap());
+    assert!(bits(&a) == bits(&b), "no dropout in eval");
+
+    // one transition: the stem's output must be at least 2x2, i.e. images of at least 5x5
+    assert_eq!(
+        d.forward(&images(&[1, 3, 5, 5], 63)).unwrap().shape(),
+        [1, 3]
+    );
+    let err = d
+        .forward(&images(&[1, 3, 4, 9], 64))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("too small") && err.contains("[1, 3, 4, 9]"),
+        "{err}"
+    );
+
+    for bad in [
+        DenseNetConfig {
+            drop_rate: 1.0,
+            ..config.clone()
+        },
+        DenseNetConfig {
+            block_config: vec![],
+            ..config.clone()
+        },
+        DenseNetConfig {
+            growth_rate: 0,
+            ..config.clone()
+        },
+    ] {
+        let err = DenseNet::new(bad.clone(), 3).err().unwrap().to_string();
+        assert!(err.contains("DenseNet"), "{bad:?}: {err}");
+    }
+}
