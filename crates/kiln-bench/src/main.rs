@@ -3,7 +3,7 @@
 //!
 //!     cargo run --release -p kiln-bench -- WORKLOAD [--device cpu] [--mode default] [--quick]
 //!
-//! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, or all. One JSON object per line on
+//! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, resnet18, or all. One JSON object per line on
 //! stdout (`workload, variant, metric, value, unit, device`); a table on stderr at the end. With
 //! `OUT` set, the lines are also appended to `$OUT/results.jsonl`, as torch_baseline.py does.
 
@@ -15,13 +15,20 @@ use std::process::ExitCode;
 use harness::{Ctx, Report};
 use kiln::Mode;
 
-const WORKLOADS: &[&str] = &["regional", "adam", "sincos", "numpy_fn", "train_digits"];
+const WORKLOADS: &[&str] = &[
+    "regional",
+    "adam",
+    "sincos",
+    "numpy_fn",
+    "train_digits",
+    "resnet18",
+];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu] [--mode MODE] [--quick]
-  WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | all
+  WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | all
   --device  cpu (the default; cuda is not built yet)
   --mode    default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
-  --quick   shorter runs (all --quick takes about two minutes on two cores)";
+  --quick   shorter runs (all --quick takes a few minutes on two cores)";
 
 /// A hidden subcommand: the full regional model compiled once in a fresh process, against the
 /// parent's kernel cache folder (warm disk cache). Prints one JSON object for the parent.
@@ -132,6 +139,7 @@ fn main() -> ExitCode {
             "sincos" => workloads::sincos::run(&mut ctx),
             "numpy_fn" => workloads::numpy_fn::run(&mut ctx),
             "train_digits" => workloads::train_digits::run(&mut ctx),
+            "resnet18" => workloads::resnet18::run(&mut ctx),
             _ => unreachable!("checked in parse_args"),
         };
         // keep going: one failing workload must not hide the rest

@@ -4,3 +4,4 @@
 pub mod bert;
 pub mod densenet;
 pub mod resnet;
+mod vision_layers;

@@ -65,6 +65,32 @@ pub fn kaiming_uniform_(t: &Tensor, a: f64) -> Result<()> {
     uniform_(t, -bound, bound)
 }
 
+/// Which fan Kaiming initialisation scales by: `fan_in` keeps the forward pass's activation variance,
+/// `fan_out` the backward pass's gradient variance (what torchvision's ResNet uses).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FanMode {
+    #[default]
+    FanIn,
+    FanOut,
+}
+
+/// `nn.init.kaiming_normal_(t, a, mode, nonlinearity='leaky_relu')`: N(0, std²) with
+/// std = gain / sqrt(fan), gain = sqrt(2 / (1 + a²)). `a = 0` is also PyTorch's `nonlinearity='relu'`
+/// (gain √2), so `kaiming_normal_(w, 0.0, FanMode::FanOut)` is torchvision's ResNet conv init.
+pub fn kaiming_normal_(t: &Tensor, a: f64, mode: FanMode) -> Result<()> {
+    let (fan_in, fan_out) = fan_in_and_fan_out(t.shape())?;
+    let fan = match mode {
+        FanMode::FanIn => fan_in,
+        FanMode::FanOut => fan_out,
+    };
+    if fan == 0 {
+        // PyTorch warns and leaves an empty tensor alone; there is nothing to draw
+        return Ok(());
+    }
+    let gain = (2.0 / (1.0 + a * a)).sqrt();
+    normal_(t, 0.0, gain / (fan as f64).sqrt())
+}
+
 /// `nn.init.xavier_uniform_(t, gain)`: bound = gain * sqrt(6 / (fan_in + fan_out)).
 pub fn xavier_uniform_(t: &Tensor, gain: f64) -> Result<()> {
     let (fan_in, fan_out) = fan_in_and_fan_out(t.shape())?;

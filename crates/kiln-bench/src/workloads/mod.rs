@@ -4,6 +4,7 @@
 pub mod adam;
 pub mod numpy_fn;
 pub mod regional;
+pub mod resnet18;
 pub mod sincos;
 pub mod train_digits;
 

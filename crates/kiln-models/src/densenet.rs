@@ -1,1 +1,0 @@
-//! DenseNet (torchvision architecture and state-dict key names).

@@ -1,1 +1,0 @@
-//! ResNet (torchvision architecture and state-dict key names).
