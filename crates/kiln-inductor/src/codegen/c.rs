@@ -38,6 +38,11 @@ struct Builder<'a> {
     body: String,
     memo: HashMap<(NodeId, Vec<Ix>), String>,
     temps: usize,
+    /// In an in-place kernel: the input whose storage `out` is, and the index written. The input
+    /// is read through `out`, which is only sound at the index being written.
+    inplace: Option<(NodeId, Ix)>,
+    /// False once the in-place input is read anywhere but the index written.
+    inplace_ok: bool,
 }
 
 fn ty(d: DType) -> &'static str {
@@ -55,6 +60,8 @@ impl<'a> Builder<'a> {
             body: String::new(),
             memo: HashMap::new(),
             temps: 0,
+            inplace: None,
+            inplace_ok: true,
         }
     }
 
@@ -83,9 +90,16 @@ impl<'a> Builder<'a> {
         if let Some(v) = self.memo.get(&key) {
             return v.clone();
         }
-        let p = self.param(id);
         let off = linear(idx, &self.g.nodes[id].shape);
-        let v = self.temp(self.g.nodes[id].dtype, format!("b{p}[{}]", off.to_c("i")));
+        let buf = match &self.inplace {
+            Some((input, written)) if *input == id => {
+                // the old value, read just before it is overwritten (same element, same iteration)
+                self.inplace_ok &= off == *written;
+                "out".to_string()
+            }
+            _ => format!("b{}", self.param(id)),
+        };
+        let v = self.temp(self.g.nodes[id].dtype, format!("{buf}[{}]", off.to_c("i")));
         self.memo.insert(key, v.clone());
         v
     }
@@ -93,6 +107,9 @@ impl<'a> Builder<'a> {
     /// Reads buffer `id` at `idx` with each index clamped into the buffer (pad and cat read
     /// out-of-range positions, whose values the caller then replaces).
     fn load_clamped(&mut self, id: NodeId, idx: &[Ix]) -> String {
+        if self.inplace.as_ref().is_some_and(|(input, _)| *input == id) {
+            self.inplace_ok = false; // pad and cat read elsewhere than the element written
+        }
         let shape = self.g.nodes[id].shape.clone();
         let p = self.param(id);
         let strides = crate::ir::lower::strides(&shape);
@@ -260,19 +277,45 @@ fn finish(b: Builder<'_>, root: NodeId, loop_text: String, parallel: bool) -> Ke
 
 /// The kernel computing realized node `root` (pointwise, view, pad, cat or constant).
 pub fn pointwise_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
+    build_pointwise(g, sched, root, None).0
+}
+
+/// The kernel computing `root` into the storage of graph input `input` (its new value): it takes
+/// no argument for `input` and reads its old values through the output pointer, each element just
+/// before overwriting it. `None` when the computation reads the input at any other element (a
+/// transpose, a shift, a broadcast), where overwriting would change what later elements read.
+pub fn pointwise_kernel_inplace(
+    g: &Graph,
+    sched: &Schedule,
+    root: NodeId,
+    input: NodeId,
+) -> Option<Kernel> {
+    let (k, ok) = build_pointwise(g, sched, root, Some(input));
+    ok.then_some(k)
+}
+
+fn build_pointwise(
+    g: &Graph,
+    sched: &Schedule,
+    root: NodeId,
+    inplace: Option<NodeId>,
+) -> (Kernel, bool) {
     let shape = &g.nodes[root].shape;
     let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
     let mut b = Builder::new(g, sched, ext);
     let idx: Vec<Ix> = (0..shape.len()).map(Ix::var).collect();
+    let written = linear(&idx, shape);
+    b.inplace = inplace.map(|i| (i, written.clone()));
     let v = b.value(root, &idx, true);
-    let off = linear(&idx, shape).to_c("i");
+    let off = written.to_c("i");
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
     let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
     let mut text = String::new();
     loops(&mut text, &vars, parallel);
     let _ = write!(text, "  {{\n{}    out[{off}] = {v};\n  }}\n", b.body);
-    finish(b, root, text, parallel)
+    let ok = b.inplace_ok;
+    (finish(b, root, text, parallel), ok)
 }
 
 /// The kernel of a reduction: outer loops over the kept dims, inner loops over the reduced ones,
