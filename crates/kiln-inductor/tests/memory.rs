@@ -179,6 +179,14 @@ fn a_mutated_input_is_written_in_its_own_storage() -> Result<()> {
     );
     assert_eq!(pt.to_vec::<f32>()?, want);
     assert_eq!((s.inplace_bytes, s.allocated_bytes), (BYTES, 0), "{s:?}");
+    // one tensor fed to both inputs (an argument that is also a captured tensor): the kernel must
+    // not overwrite what it reads as the other input, so it computes into a copy
+    let q = Tensor::randn(&[N, N], DType::F32)?;
+    let (out, s) = delta(|| compiled.run(&[q.clone(), q.clone()]));
+    let out = out?;
+    assert_eq!((s.inplace_fallbacks, s.inplace_bytes), (1, 0), "{s:?}");
+    assert!(!out[0].same_tensor(&q));
+    assert!(out[0].to_vec::<f32>()?.iter().all(|&v| v == 0.0));
     // without the permission the same graph writes a new buffer
     g.mutated_inputs.clear();
     let plain = CpuCodegen.compile(&g, &BackendContext::default())?;

@@ -86,7 +86,13 @@ impl CompiledCpu {
                     Error::arg("kiln backend", format!("in-place input %{input} missing"))
                 })?;
                 let bytes = pool::nbytes(&n.shape, n.dtype);
-                if writable_in_place(&t, n.shape.as_slice(), n.dtype, inputs) {
+                let Op::Input(index) = self.graph.nodes[input].op else {
+                    return Err(Error::arg(
+                        "kiln backend",
+                        format!("in-place destination %{input} is not a graph input"),
+                    ));
+                };
+                if writable_in_place(index, n.shape.as_slice(), n.dtype, inputs) {
                     pool::count(|s| s.inplace_bytes += bytes);
                     return Ok(t);
                 }
@@ -175,23 +181,31 @@ impl CompiledCpu {
     }
 }
 
-/// Whether a kernel may overwrite input tensor `t` element by element: contiguous, of the kernel's
-/// shape and dtype, and sharing no memory with any other input (guards pin which arguments are the
-/// same tensor, not whether two views overlap).
+/// Whether a kernel may overwrite graph input `index` element by element: contiguous, of the
+/// kernel's shape and dtype, and sharing no memory with any other graph input — not even by being
+/// the same tensor fed to a second input (guards pin which arguments are the same tensor, not
+/// whether two views overlap, nor whether an argument is a tensor the graph also captured).
 fn writable_in_place(
-    t: &Tensor,
+    index: usize,
     shape: &[usize],
     dtype: kiln_core::DType,
     inputs: &[Tensor],
 ) -> bool {
+    let Some(t) = inputs.get(index) else {
+        return false;
+    };
     if !t.is_contiguous() || t.shape() != shape || t.dtype() != dtype || t.is_deferred() {
         return false;
     }
     let (lo, hi) = span(t);
-    inputs.iter().filter(|o| !o.same_tensor(t)).all(|o| {
-        let (a, b) = span(o);
-        a >= b || b <= lo || a >= hi
-    })
+    inputs
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != index)
+        .all(|(_, o)| {
+            let (a, b) = span(o);
+            a >= b || b <= lo || a >= hi
+        })
 }
 
 /// The byte range a tensor's elements occupy (empty when it has none).
