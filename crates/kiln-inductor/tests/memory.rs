@@ -295,3 +295,45 @@ fn overlapping_argument_views_fall_back_to_a_copy() -> Result<()> {
     assert_eq!(s.inplace_bytes, (n * 4) as u64, "{s:?}");
     Ok(())
 }
+
+/// m ← 0.9 m + g; p ← p - 0.1 m: the two updates are one loop (one pass over memory, the new m
+/// passed to p's update in a register), both in place, equal to eager.
+#[test]
+fn consecutive_updates_of_one_shape_run_as_one_kernel() -> Result<()> {
+    if !have_cc() {
+        return Ok(());
+    }
+    let make = || -> Result<[Tensor; 3]> {
+        kiln_core::manual_seed(4);
+        Ok([
+            Tensor::randn(&[N, N], DType::F32)?,
+            Tensor::randn(&[N, N], DType::F32)?,
+            Tensor::randn(&[N, N], DType::F32)?,
+        ])
+    };
+    let step = |[p, m, g]: &[Tensor; 3]| -> Result<()> {
+        m.assign(&m.mul(0.9)?.add(g)?)?;
+        p.assign(&p.sub(&m.mul(0.1)?)?)
+    };
+    let (eager, compiled) = (make()?, make()?);
+    step(&eager)?;
+    let kernels = kiln_inductor::with_fresh_cache(|| -> Result<usize> {
+        let f = compile_fn(
+            |_: &[Tensor]| {
+                step(&compiled)?;
+                Ok(vec![])
+            },
+            CompileOptions::default(),
+        )?;
+        let before = kiln_inductor::kernel_cache_stats().kernels;
+        let (r, s) = delta(|| f.call(&[]));
+        r?;
+        assert_eq!(s.inplace_bytes, 2 * BYTES, "{s:?}");
+        Ok(kiln_inductor::kernel_cache_stats().kernels - before)
+    })?;
+    assert_eq!(kernels, 1, "one grouped kernel");
+    for (e, c) in eager.iter().zip(&compiled) {
+        assert_eq!(e.to_vec::<f32>()?, c.to_vec::<f32>()?);
+    }
+    Ok(())
+}

@@ -15,11 +15,12 @@ use super::plan::Alloc;
 use super::pool::{self, BufferPool, CallBuffers};
 
 pub enum Exec {
+    /// A generated kernel writing one value, or several of one shape in one loop (`outs`, in the
+    /// kernel's output order, each with where it is written).
     Kernel {
-        node: NodeId,
+        outs: Vec<(NodeId, Alloc)>,
         f: KernelFn,
         inputs: Vec<NodeId>,
-        alloc: Alloc,
     },
     Extern {
         node: NodeId,
@@ -39,12 +40,15 @@ impl CompiledCpu {
         let mut last = vec![usize::MAX; graph.nodes.len()];
         for (s, step) in steps.iter().enumerate() {
             let reads: Vec<NodeId> = match step {
-                Exec::Kernel {
-                    inputs,
-                    alloc: Alloc::InPlace(input),
-                    ..
-                } => inputs.iter().copied().chain([*input]).collect(),
-                Exec::Kernel { inputs, .. } => inputs.clone(),
+                // an in-place input is read through the output: it lives until this step
+                Exec::Kernel { inputs, outs, .. } => inputs
+                    .iter()
+                    .copied()
+                    .chain(outs.iter().filter_map(|(_, a)| match a {
+                        Alloc::InPlace(input) => Some(*input),
+                        _ => None,
+                    }))
+                    .collect(),
                 Exec::Extern { node } => graph.nodes[*node].args.clone(),
             };
             for r in reads {
@@ -130,10 +134,9 @@ impl CompiledCpu {
         for (s, step) in self.steps.iter().enumerate() {
             match step {
                 Exec::Kernel {
-                    node,
+                    outs,
                     f,
                     inputs: reads,
-                    alloc,
                 } => {
                     let mut args_t = Vec::with_capacity(reads.len());
                     for &i in reads {
@@ -144,10 +147,13 @@ impl CompiledCpu {
                             t.contiguous()?
                         });
                     }
-                    let out = self.output_buffer(*node, *alloc, &vals, inputs, &mut bufs)?;
-                    if out.numel() > 0 {
-                        // SAFETY: every buffer is alive (held in `args_t`/`out`) and contiguous
-                        // with the shape and dtype the kernel was generated for. `out` is a buffer
+                    let mut out_t = Vec::with_capacity(outs.len());
+                    for &(node, alloc) in outs {
+                        out_t.push(self.output_buffer(node, alloc, &vals, inputs, &mut bufs)?);
+                    }
+                    if out_t.iter().all(|t| t.numel() > 0) {
+                        // SAFETY: every buffer is alive (held in `args_t`/`out_t`) and contiguous
+                        // with the shape and dtype the kernel was generated for. Each output is a buffer
                         // no live value reads (new, a pooled buffer with no other handle, or a
                         // mutated input that `writable_in_place` found overlapping no other input
                         // and that the plan found no later step reading).
@@ -155,10 +161,12 @@ impl CompiledCpu {
                             .iter()
                             .map(|t| unsafe { t.data_ptr() } as *mut c_void)
                             .collect();
-                        args.push(unsafe { out.data_ptr() } as *mut c_void);
+                        args.extend(out_t.iter().map(|t| unsafe { t.data_ptr() } as *mut c_void));
                         unsafe { f(args.as_ptr()) };
                     }
-                    vals[*node] = Some(out);
+                    for (&(node, _), t) in outs.iter().zip(out_t) {
+                        vals[node] = Some(t);
+                    }
                 }
                 Exec::Extern { node } => {
                     let n = &g.nodes[*node];
