@@ -36,6 +36,13 @@ pub struct Graph {
     /// that each run reserves from the default generator (seeds too are per run), so replays draw
     /// fresh numbers exactly as eager code would.
     pub rng_span: u64,
+    /// In-place updates the caller applies after a run: (graph output index, graph input index)
+    /// where the caller copies that output into that input's tensor (an optimizer's parameters
+    /// and state, via `Tensor::assign`), and the input receives no other write. A backend may
+    /// write the output straight into the input's storage and return the input tensor itself as
+    /// that output, provided nothing it computes afterwards, and no other output, reads the old
+    /// values; the caller skips the copy when handed its destination back.
+    pub mutated_inputs: Vec<(usize, usize)>,
 }
 
 /// A graph's `Rand` prim made concrete for one run whose draws start at `(seed, base)`; other prims
@@ -122,7 +129,11 @@ impl Graph {
                 n.args, n.shape, n.dtype, n.grad_enabled as u8, n.requires_grad as u8
             );
         }
-        let _ = write!(k, "->{:?}rng{}", self.outputs, self.rng_span);
+        let _ = write!(
+            k,
+            "->{:?}rng{}mut{:?}",
+            self.outputs, self.rng_span, self.mutated_inputs
+        );
         k
     }
 
@@ -172,6 +183,9 @@ impl Graph {
         }
         let outs: Vec<String> = self.outputs.iter().map(|o| format!("%{o}")).collect();
         let _ = writeln!(s, "    return ({})", outs.join(", "));
+        for (k, i) in &self.mutated_inputs {
+            let _ = writeln!(s, "    # output {k} is copied into input {i}");
+        }
         s
     }
 }

@@ -199,8 +199,9 @@ impl Tracer {
             .map(|(_, n, _)| *n)
             .chain(mutations.iter().map(|(_, n)| *n))
             .collect();
-        let (graph, keep_inputs) = prune(&graph);
+        let (mut graph, keep_inputs) = prune(&graph);
         let sources: Vec<Source> = keep_inputs.iter().map(|&i| sources[i].clone()).collect();
+        graph.mutated_inputs = self.mutated_inputs(&sources, &mutations, live.len());
         if let Some(b) = &ended_by {
             logs::emit(Channel::GraphBreaks, || {
                 format!("graph break in {}: {b}", self.name)
@@ -222,7 +223,11 @@ impl Tracer {
                 t.fill_deferred(v)?;
             }
             for (k, (dst, _)) in mutations.iter().enumerate() {
-                kiln_core::no_grad(|| dst.assign(&outs[live.len() + k]))?;
+                let new = &outs[live.len() + k];
+                // a backend that wrote in place hands the destination itself back
+                if !new.same_tensor(dst) {
+                    kiln_core::no_grad(|| dst.assign(new))?;
+                }
             }
             outs
         };
@@ -241,6 +246,32 @@ impl Tracer {
         };
         self.lock().done.push(record);
         Ok(())
+    }
+
+    /// The graph's `mutated_inputs`: for each in-place write whose destination is a graph input
+    /// written exactly once in the segment, (its output index, that input's index).
+    fn mutated_inputs(
+        &self,
+        sources: &[Source],
+        mutations: &[(Tensor, NodeId)],
+        first_output: usize,
+    ) -> Vec<(usize, usize)> {
+        let is = |s: &Source, dst: &Tensor| match s {
+            Source::Arg(i) => self.args[*i].same_tensor(dst),
+            Source::Captured(t) => t.same_tensor(dst),
+            Source::Grad(_) => false, // re-read per call: not a stable destination
+        };
+        mutations
+            .iter()
+            .enumerate()
+            .filter(|(_, (dst, _))| {
+                mutations.iter().filter(|(d, _)| d.same_tensor(dst)).count() == 1
+            })
+            .filter_map(|(k, (dst, _))| {
+                let input = sources.iter().position(|s| is(s, dst))?;
+                Some((first_output + k, input))
+            })
+            .collect()
     }
 
     /// Set when the traced code read Rust state a replay cannot reproduce.

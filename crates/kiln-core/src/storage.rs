@@ -16,6 +16,13 @@ pub enum CpuStorage {
     Bool(Vec<bool>),
 }
 
+/// Large buffers go back to the caching allocator (`cpu/alloc.rs`) rather than to the system.
+impl Drop for CpuStorage {
+    fn drop(&mut self) {
+        crate::cpu::alloc::recycle(self);
+    }
+}
+
 /// Runs `$body` with `$v` bound to the typed Vec inside a storage, whatever its dtype.
 #[macro_export]
 macro_rules! with_storage {

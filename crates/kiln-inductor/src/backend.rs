@@ -7,11 +7,16 @@ use kiln_compile::graph::Graph;
 use kiln_compile::{Backend, BackendContext, CompiledGraph};
 use kiln_core::Result;
 
-use crate::codegen::c::{pointwise_kernel, reduction_kernel, Kernel};
+use kiln_compile::graph::NodeId;
+
+use crate::codegen::c::{
+    group_kernel, pointwise_kernel, pointwise_kernel_inplace, reduction_kernel, Kernel,
+};
 use crate::ir::lower::Kind;
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec};
-use crate::schedule::{schedule, Step};
+use crate::runtime::plan::{self, Alloc};
+use crate::schedule::{schedule, Schedule, Step};
 
 /// Generates and compiles C/OpenMP kernels for a graph (forward or backward; `kiln` wraps it in AOT
 /// autograd).
@@ -19,19 +24,138 @@ pub struct CpuCodegen;
 
 /// The kernels of a graph, in step order, and the steps that run them.
 pub fn generate(graph: &Graph) -> (Vec<Step>, Vec<Option<Kernel>>) {
-    let sched = schedule(graph);
+    kernels_of(graph, &schedule(graph))
+}
+
+fn kernels_of(graph: &Graph, sched: &Schedule) -> (Vec<Step>, Vec<Option<Kernel>>) {
     let kernels = sched
         .steps
         .iter()
         .map(|s| match s {
             Step::Kernel { node } if sched.kinds[*node] == Kind::Reduction => {
-                Some(reduction_kernel(graph, &sched, *node))
+                Some(reduction_kernel(graph, sched, *node))
             }
-            Step::Kernel { node } => Some(pointwise_kernel(graph, &sched, *node)),
+            Step::Kernel { node } => Some(pointwise_kernel(graph, sched, *node)),
             Step::Extern { .. } => None,
         })
         .collect();
-    (sched.steps, kernels)
+    (sched.steps.clone(), kernels)
+}
+
+/// A step of the executor as planned: a generated kernel and the values it writes (with where),
+/// or an extern call.
+pub enum Planned {
+    Kernel {
+        kernel: Kernel,
+        outs: Vec<(NodeId, Alloc)>,
+    },
+    Extern {
+        node: NodeId,
+    },
+}
+
+/// Most values one grouped kernel computes (`group_kernel`).
+const MAX_GROUP: usize = 8;
+
+/// The executor's steps: each kernel with where it writes (`runtime/plan.rs`) — in place into a
+/// mutated input where that is safe (with the in-place variant of its kernel), a new buffer for
+/// what the caller receives, a pooled buffer otherwise — and consecutive kernels of one shape
+/// grouped into one loop where they can be (`group_kernel`).
+pub fn plan_graph(graph: &Graph) -> Vec<Planned> {
+    let sched = schedule(graph);
+    let (steps, kernels) = kernels_of(graph, &sched);
+    let reads: Vec<Vec<NodeId>> = steps
+        .iter()
+        .zip(&kernels)
+        .map(|(s, k)| match (s, k) {
+            (_, Some(k)) => k.inputs.clone(),
+            (Step::Kernel { node } | Step::Extern { node }, None) => {
+                graph.nodes[*node].args.clone()
+            }
+        })
+        .collect();
+    let roots = plan::alias_roots(graph, &steps, &sched.kinds);
+    let escaping = plan::escaping(graph, &roots);
+    let input_nodes = graph.input_nodes();
+    let mut planned = Vec::with_capacity(steps.len());
+    for (at, (s, kernel)) in steps.iter().zip(kernels).enumerate() {
+        let (node, kernel) = match (s, kernel) {
+            (Step::Kernel { node }, Some(k)) => (*node, k),
+            (Step::Kernel { node } | Step::Extern { node }, _) => {
+                planned.push(Planned::Extern { node: *node });
+                continue;
+            }
+        };
+        let inplace = graph.mutated_inputs.iter().find_map(|&(k, i)| {
+            let input = *input_nodes.get(i)?;
+            let ok = graph.outputs.get(k) == Some(&node)
+                && sched.kinds[node] != Kind::Reduction
+                && plan::inplace_allowed(graph, &steps, &reads, &roots, at, k, input);
+            ok.then(|| pointwise_kernel_inplace(graph, &sched, node, input))
+                .flatten()
+                .map(|kernel| (input, kernel))
+        });
+        planned.push(match inplace {
+            Some((input, kernel)) => Planned::Kernel {
+                kernel,
+                outs: vec![(node, Alloc::InPlace(input))],
+            },
+            None => Planned::Kernel {
+                kernel,
+                outs: vec![(
+                    node,
+                    if escaping[node] {
+                        Alloc::Output
+                    } else {
+                        Alloc::Pooled
+                    },
+                )],
+            },
+        });
+    }
+    group(graph, &sched, planned)
+}
+
+/// Merges runs of consecutive single-value pointwise kernels of one shape into grouped kernels.
+fn group(graph: &Graph, sched: &Schedule, planned: Vec<Planned>) -> Vec<Planned> {
+    let groupable = |p: &Planned| match p {
+        Planned::Kernel { outs, .. } => {
+            outs.len() == 1 && sched.kinds[outs[0].0] != Kind::Reduction
+        }
+        Planned::Extern { .. } => false,
+    };
+    let mut out: Vec<Planned> = Vec::with_capacity(planned.len());
+    for p in planned {
+        let joined = match (out.last(), &p) {
+            (
+                Some(last @ Planned::Kernel { outs: have, .. }),
+                Planned::Kernel { outs: add, .. },
+            ) if groupable(&p)
+                && have.len() < MAX_GROUP
+                && (have.len() > 1 || groupable(last))
+                && graph.nodes[have[0].0].shape == graph.nodes[add[0].0].shape =>
+            {
+                let outs: Vec<(NodeId, Alloc)> = have.iter().chain(add).copied().collect();
+                let roots: Vec<(NodeId, Option<NodeId>)> = outs
+                    .iter()
+                    .map(|&(n, a)| match a {
+                        Alloc::InPlace(i) => (n, Some(i)),
+                        _ => (n, None),
+                    })
+                    .collect();
+                group_kernel(graph, sched, &roots).map(|kernel| Planned::Kernel { kernel, outs })
+            }
+            _ => None,
+        };
+        match joined {
+            Some(j) => {
+                out.pop();
+                out.push(j);
+            }
+            None => out.push(p),
+        }
+    }
+    out
 }
 
 impl Backend for CpuCodegen {
@@ -58,26 +182,27 @@ impl Backend for CpuCodegen {
             });
             return Ok(Arc::new(Interpreter::new(graph.clone())));
         };
-        let (steps, kernels) = generate(graph);
-        let wanted: Vec<Kernel> = kernels.iter().flatten().cloned().collect();
+        let planned = plan_graph(graph);
+        let wanted: Vec<Kernel> = planned
+            .iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { kernel, .. } => Some(kernel.clone()),
+                Planned::Extern { .. } => None,
+            })
+            .collect();
         let fns = cc::load(tc, &wanted)?;
         let mut fns = fns.into_iter();
-        let exec = steps
-            .iter()
-            .zip(&kernels)
-            .map(|(s, k)| match (s, k) {
-                (Step::Kernel { node }, Some(k)) => Ok(Exec::Kernel {
-                    node: *node,
+        let exec = planned
+            .into_iter()
+            .map(|p| match p {
+                Planned::Kernel { kernel, outs } => Ok(Exec::Kernel {
+                    outs,
                     f: fns.next().ok_or_else(|| {
                         kiln_core::Error::arg("kiln backend", "kernel count mismatch")
                     })?,
-                    inputs: k.inputs.clone(),
+                    inputs: kernel.inputs,
                 }),
-                (s, _) => Ok(Exec::Extern {
-                    node: match s {
-                        Step::Kernel { node } | Step::Extern { node } => *node,
-                    },
-                }),
+                Planned::Extern { node } => Ok(Exec::Extern { node }),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Arc::new(CompiledCpu::new(graph.clone(), exec)))

@@ -20,6 +20,7 @@ pub use runtime::cc::{
     cache_dir, forget_loaded_kernels, stats as kernel_cache_stats, with_fresh_cache,
     KernelCacheStats,
 };
+pub use runtime::pool::{stats as exec_stats, ExecStats};
 
 /// Registers the `kiln` backend (AOT autograd over generated CPU kernels). Idempotent.
 pub fn register() {

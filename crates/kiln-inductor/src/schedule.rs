@@ -11,7 +11,7 @@ use crate::ir::lower::{kind, Kind};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
-    /// A generated loop nest computing `node` into a fresh buffer.
+    /// A generated loop nest computing `node` into a buffer (which one: `runtime/plan.rs`).
     Kernel { node: NodeId },
     /// `node` through the core's kernels (matmul, conv, gather, random, views of buffers, ...).
     Extern { node: NodeId },

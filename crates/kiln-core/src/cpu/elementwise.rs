@@ -114,10 +114,11 @@ pub(super) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> CpuStorage {
         DType::F32 => binary_num::<f32>(op, &typed(&sa, la), &typed(&sb, lb)),
         DType::F64 => binary_num::<f64>(op, &typed(&sa, la), &typed(&sb, lb)),
         DType::F16 | DType::BF16 => {
-            let out = binary_num::<f32>(op, &as_f32(&sa, la), &as_f32(&sb, lb));
-            match out {
-                CpuStorage::F32(v) => from_f32_like(a.dtype(), v),
-                other => other,
+            let mut out = binary_num::<f32>(op, &as_f32(&sa, la), &as_f32(&sb, lb));
+            // taken by `&mut`: a storage cannot be moved out of (it returns to the buffer cache)
+            match &mut out {
+                CpuStorage::F32(v) => from_f32_like(a.dtype(), std::mem::take(v)),
+                _ => out,
             }
         }
         DType::I32 => binary_num::<i32>(op, &typed(&sa, la), &typed(&sb, lb)),

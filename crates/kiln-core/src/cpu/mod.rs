@@ -2,6 +2,7 @@
 //! the strided-memory helpers they share. Half-precision values are computed in f32 and rounded back,
 //! as PyTorch's CPU kernels do.
 
+pub mod alloc;
 mod conv;
 mod elementwise;
 mod index;

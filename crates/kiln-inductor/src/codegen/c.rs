@@ -38,6 +38,11 @@ struct Builder<'a> {
     body: String,
     memo: HashMap<(NodeId, Vec<Ix>), String>,
     temps: usize,
+    /// In an in-place kernel: each input whose storage an output is, the index written and that
+    /// output's name. The input is read through the output, only sound at the index written.
+    inplace: Vec<(NodeId, Ix, String)>,
+    /// False once an in-place input is read anywhere but the index written.
+    inplace_ok: bool,
 }
 
 fn ty(d: DType) -> &'static str {
@@ -55,6 +60,8 @@ impl<'a> Builder<'a> {
             body: String::new(),
             memo: HashMap::new(),
             temps: 0,
+            inplace: Vec::new(),
+            inplace_ok: true,
         }
     }
 
@@ -83,9 +90,16 @@ impl<'a> Builder<'a> {
         if let Some(v) = self.memo.get(&key) {
             return v.clone();
         }
-        let p = self.param(id);
         let off = linear(idx, &self.g.nodes[id].shape);
-        let v = self.temp(self.g.nodes[id].dtype, format!("b{p}[{}]", off.to_c("i")));
+        let buf = match self.inplace.iter().find(|(input, _, _)| *input == id) {
+            Some((_, written, out)) => {
+                // the old value, read before the iteration's stores (same element, same iteration)
+                self.inplace_ok &= off == *written;
+                out.clone()
+            }
+            None => format!("b{}", self.param(id)),
+        };
+        let v = self.temp(self.g.nodes[id].dtype, format!("{buf}[{}]", off.to_c("i")));
         self.memo.insert(key, v.clone());
         v
     }
@@ -93,6 +107,9 @@ impl<'a> Builder<'a> {
     /// Reads buffer `id` at `idx` with each index clamped into the buffer (pad and cat read
     /// out-of-range positions, whose values the caller then replaces).
     fn load_clamped(&mut self, id: NodeId, idx: &[Ix]) -> String {
+        if self.inplace.iter().any(|(input, _, _)| *input == id) {
+            self.inplace_ok = false; // pad and cat read elsewhere than the element written
+        }
         let shape = self.g.nodes[id].shape.clone();
         let p = self.param(id);
         let strides = crate::ir::lower::strides(&shape);
@@ -236,18 +253,30 @@ fn loops(out: &mut String, vars: &[(usize, usize)], parallel: bool) {
 }
 
 fn finish(b: Builder<'_>, root: NodeId, loop_text: String, parallel: bool) -> Kernel {
+    finish_outputs(b, &[(root, "out".into())], loop_text, parallel)
+}
+
+/// The C function: the input buffers, then one pointer per output (`outputs`: node, name).
+fn finish_outputs(
+    b: Builder<'_>,
+    outputs: &[(NodeId, String)],
+    loop_text: String,
+    parallel: bool,
+) -> Kernel {
     let g = b.g;
     let mut sig = String::new();
     for (p, &id) in b.params.iter().enumerate() {
         let t = ty(g.nodes[id].dtype);
         let _ = writeln!(sig, "  const {t} *restrict b{p} = (const {t} *)args[{p}];");
     }
-    let out_t = ty(g.nodes[root].dtype);
-    let _ = writeln!(
-        sig,
-        "  {out_t} *restrict out = ({out_t} *)args[{}];",
-        b.params.len()
-    );
+    for (j, (root, name)) in outputs.iter().enumerate() {
+        let out_t = ty(g.nodes[*root].dtype);
+        let _ = writeln!(
+            sig,
+            "  {out_t} *restrict {name} = ({out_t} *)args[{}];",
+            b.params.len() + j
+        );
+    }
     let text = format!("{sig}{loop_text}");
     let hash = xxhash_rust::xxh3::xxh3_64(format!("{parallel}{text}").as_bytes());
     let name = format!("k_{hash:016x}");
@@ -260,19 +289,76 @@ fn finish(b: Builder<'_>, root: NodeId, loop_text: String, parallel: bool) -> Ke
 
 /// The kernel computing realized node `root` (pointwise, view, pad, cat or constant).
 pub fn pointwise_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
-    let shape = &g.nodes[root].shape;
+    build_pointwise(g, sched, &[(root, None)]).0
+}
+
+/// The kernel computing `root` into the storage of graph input `input` (its new value): it takes
+/// no argument for `input` and reads its old values through the output pointer, each element just
+/// before overwriting it. `None` when the computation reads the input at any other element (a
+/// transpose, a shift, a broadcast), where overwriting would change what later elements read.
+pub fn pointwise_kernel_inplace(
+    g: &Graph,
+    sched: &Schedule,
+    root: NodeId,
+    input: NodeId,
+) -> Option<Kernel> {
+    let (k, ok) = build_pointwise(g, sched, &[(root, Some(input))]);
+    ok.then_some(k)
+}
+
+/// One loop computing several realized values of one shape (each with its in-place input, if
+/// any), one output pointer each, in order: an optimizer's new moments and parameter in one pass
+/// over memory instead of one pass each, where the later ones read the earlier ones' values from
+/// registers instead of from the buffers just written. All loads of an iteration come before its
+/// stores, so in-place inputs are read before they are overwritten. `None` when a value reads an
+/// earlier one of the group (or an in-place input) at another element than the one being written.
+pub fn group_kernel(
+    g: &Graph,
+    sched: &Schedule,
+    roots: &[(NodeId, Option<NodeId>)],
+) -> Option<Kernel> {
+    let (k, ok) = build_pointwise(g, sched, roots);
+    let reads_group = k.inputs.iter().any(|i| roots.iter().any(|(r, _)| r == i));
+    (ok && !reads_group).then_some(k)
+}
+
+fn build_pointwise(
+    g: &Graph,
+    sched: &Schedule,
+    roots: &[(NodeId, Option<NodeId>)],
+) -> (Kernel, bool) {
+    let shape = &g.nodes[roots[0].0].shape;
     let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
     let mut b = Builder::new(g, sched, ext);
     let idx: Vec<Ix> = (0..shape.len()).map(Ix::var).collect();
-    let v = b.value(root, &idx, true);
-    let off = linear(&idx, shape).to_c("i");
+    let written = linear(&idx, shape);
+    // one output keeps the name `out`, so its text (and cached kernel) is what it always was
+    let names: Vec<String> = match roots.len() {
+        1 => vec!["out".into()],
+        n => (0..n).map(|j| format!("out{j}")).collect(),
+    };
+    b.inplace = roots
+        .iter()
+        .zip(&names)
+        .filter_map(|((_, input), name)| input.map(|i| (i, written.clone(), name.clone())))
+        .collect();
+    let off = written.to_c("i");
+    let mut stores = String::new();
+    for ((root, _), name) in roots.iter().zip(&names) {
+        let v = b.value(*root, &idx, true);
+        // a later value of the group reads this one from its register
+        b.memo.insert((*root, idx.clone()), v.clone());
+        let _ = writeln!(stores, "    {name}[{off}] = {v};");
+    }
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
     let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
     let mut text = String::new();
     loops(&mut text, &vars, parallel);
-    let _ = write!(text, "  {{\n{}    out[{off}] = {v};\n  }}\n", b.body);
-    finish(b, root, text, parallel)
+    let _ = write!(text, "  {{\n{}{stores}  }}\n", b.body);
+    let ok = b.inplace_ok;
+    let outputs: Vec<(NodeId, String)> = roots.iter().map(|r| r.0).zip(names).collect();
+    (finish_outputs(b, &outputs, text, parallel), ok)
 }
 
 /// The kernel of a reduction: outer loops over the kept dims, inner loops over the reduced ones,

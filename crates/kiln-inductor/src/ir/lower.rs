@@ -172,8 +172,9 @@ pub fn unary_c(op: UnaryOp, a: &str, d: DType) -> String {
         UnaryOp::Log => format!("log{f}({a})"),
         UnaryOp::Log1p => format!("log1p{f}({a})"),
         UnaryOp::Sqrt => format!("sqrt{f}({a})"),
-        UnaryOp::Sin => format!("sin{f}({a})"),
-        UnaryOp::Cos => format!("cos{f}({a})"),
+        // through names the translation unit's header maps to libmvec where it can (runtime/cc.rs)
+        UnaryOp::Sin => format!("kiln_sin{f}({a})"),
+        UnaryOp::Cos => format!("kiln_cos{f}({a})"),
         UnaryOp::Tanh => format!("tanh{f}({a})"),
         UnaryOp::Erf => format!("erf{f}({a})"),
         UnaryOp::Floor => format!("floor{f}({a})"),

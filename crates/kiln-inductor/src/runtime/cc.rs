@@ -36,8 +36,35 @@ const FLAGS: &[&str] = &[
 
 const HEADER: &str = "#include <math.h>\n#include <stdint.h>\n\n";
 
+/// With glibc's vector math library: `kiln_sin`/`kiln_cos` are the C library's `sin`/`cos` (same
+/// symbols, so scalar calls are unchanged) declared pure and with SIMD variants, so GCC's
+/// vectorizer calls libmvec's `_ZGV*_sinf` and friends on 8 or 16 lanes at a time. Under their
+/// own names the calls are also not merged into one scalar `sincosf`, which GCC does to `sinf(x)`
+/// and `cosf(x)` of one operand and which cannot be vectorized. libmvec is documented within
+/// 4 ulp of the exact result; the scalar functions are within 1, so vectorized results may differ
+/// from eager ones by a few ulp (measured on 2^24 inputs: 2 ulp in f32, 3 in f64).
+const VECTOR_MATH: &str = "\
+#define KILN_VEC __attribute__((const, nothrow, simd(\"notinbranch\")))
+extern float kiln_sinf(float) __asm__(\"sinf\") KILN_VEC;
+extern float kiln_cosf(float) __asm__(\"cosf\") KILN_VEC;
+extern double kiln_sin(double) __asm__(\"sin\") KILN_VEC;
+extern double kiln_cos(double) __asm__(\"cos\") KILN_VEC;
+
+";
+
+/// Without libmvec the same names are the scalar functions.
+const SCALAR_MATH: &str = "\
+#define kiln_sinf sinf
+#define kiln_cosf cosf
+#define kiln_sin sin
+#define kiln_cos cos
+
+";
+
 pub struct Toolchain {
     cc: String,
+    /// glibc's vector math library links (x86_64): see `VECTOR_MATH`.
+    libmvec: bool,
     /// `cc --version`'s first line and the CPU model: part of every cache key.
     identity: String,
 }
@@ -71,8 +98,20 @@ pub fn toolchain() -> Option<&'static Toolchain> {
                     .map(str::to_string)
             })
             .unwrap_or_default();
+        // the x86_64 vector variants' names are what GCC's `simd` attribute produces there;
+        // `-print-file-name` answers without compiling anything (start-up stays fast)
+        let libmvec = std::env::consts::ARCH == "x86_64"
+            && std::env::var_os("KILN_NO_LIBMVEC").is_none()
+            && Command::new(&cc)
+                .arg("-print-file-name=libmvec.so")
+                .output()
+                .ok()
+                .is_some_and(|o| {
+                    Path::new(String::from_utf8_lossy(&o.stdout).trim()).is_absolute()
+                });
         Some(Toolchain {
             cc,
+            libmvec,
             identity: format!("{version}|{cpu}|{}", std::env::consts::ARCH),
         })
     })
@@ -172,9 +211,11 @@ pub fn stats() -> KernelCacheStats {
     }
 }
 
-/// The full source of a translation unit holding `kernels`.
-pub fn translation_unit(kernels: &[&Kernel]) -> String {
+/// The full source of a translation unit holding `kernels`, for a compiler with or without
+/// libmvec.
+pub fn translation_unit(kernels: &[&Kernel], libmvec: bool) -> String {
     let mut s = String::from(HEADER);
+    s.push_str(if libmvec { VECTOR_MATH } else { SCALAR_MATH });
     for k in kernels {
         s.push_str(&k.source);
         s.push('\n');
@@ -192,7 +233,7 @@ pub fn load(tc: &Toolchain, kernels: &[Kernel]) -> Result<Vec<KernelFn>> {
         }
     }
     if !missing.is_empty() {
-        let src = translation_unit(&missing);
+        let src = translation_unit(&missing, tc.libmvec);
         crate::log_output_code(&src);
         let key = xxhash_rust::xxh3::xxh3_128(
             format!("{src}|{}|{}", FLAGS.join(" "), tc.identity).as_bytes(),
@@ -274,6 +315,7 @@ fn build(tc: &Toolchain, src: &str, dir: &Path, lib_path: &Path) -> Result<()> {
         .arg("-o")
         .arg(&tmp_so)
         .arg(&tmp_c)
+        .args(tc.libmvec.then_some("-lmvec"))
         .arg("-lm")
         .output()
         .map_err(|e| Error::arg("kiln backend", format!("running {}: {e}", tc.cc)))?;

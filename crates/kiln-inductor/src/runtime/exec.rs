@@ -1,5 +1,6 @@
 //! Running a compiled graph: each step either calls a generated kernel on raw buffer addresses or
-//! applies a prim through the core's kernels; values are dropped after their last use.
+//! applies a prim through the core's kernels; values are dropped after their last use, so the
+//! pooled buffer behind an intermediate is free for a later kernel (see `plan.rs`, `pool.rs`).
 
 use std::ffi::c_void;
 
@@ -10,10 +11,14 @@ use kiln_core::ops::default_draw;
 use kiln_core::{no_grad, Error, Result, Tensor};
 
 use super::cc::KernelFn;
+use super::plan::Alloc;
+use super::pool::{self, BufferPool, CallBuffers};
 
 pub enum Exec {
+    /// A generated kernel writing one value, or several of one shape in one loop (`outs`, in the
+    /// kernel's output order, each with where it is written).
     Kernel {
-        node: NodeId,
+        outs: Vec<(NodeId, Alloc)>,
         f: KernelFn,
         inputs: Vec<NodeId>,
     },
@@ -25,8 +30,9 @@ pub enum Exec {
 pub struct CompiledCpu {
     pub graph: Graph,
     pub steps: Vec<Exec>,
-    /// For each node, the index of the step after which it is no longer read.
+    /// For each step, the values no later step reads.
     pub free_after: Vec<Vec<NodeId>>,
+    pool: BufferPool,
 }
 
 impl CompiledCpu {
@@ -34,7 +40,15 @@ impl CompiledCpu {
         let mut last = vec![usize::MAX; graph.nodes.len()];
         for (s, step) in steps.iter().enumerate() {
             let reads: Vec<NodeId> = match step {
-                Exec::Kernel { inputs, .. } => inputs.clone(),
+                // an in-place input is read through the output: it lives until this step
+                Exec::Kernel { inputs, outs, .. } => inputs
+                    .iter()
+                    .copied()
+                    .chain(outs.iter().filter_map(|(_, a)| match a {
+                        Alloc::InPlace(input) => Some(*input),
+                        _ => None,
+                    }))
+                    .collect(),
                 Exec::Extern { node } => graph.nodes[*node].args.clone(),
             };
             for r in reads {
@@ -54,6 +68,44 @@ impl CompiledCpu {
             graph,
             steps,
             free_after,
+            pool: BufferPool::default(),
+        }
+    }
+
+    /// The buffer kernel step `node` writes.
+    fn output_buffer(
+        &self,
+        node: NodeId,
+        alloc: Alloc,
+        vals: &[Option<Tensor>],
+        inputs: &[Tensor],
+        bufs: &mut CallBuffers<'_>,
+    ) -> Result<Tensor> {
+        let n = &self.graph.nodes[node];
+        match alloc {
+            Alloc::Output => pool::fresh(&n.shape, n.dtype),
+            Alloc::Pooled => bufs.get(&n.shape, n.dtype),
+            Alloc::InPlace(input) => {
+                let t = vals[input].clone().ok_or_else(|| {
+                    Error::arg("kiln backend", format!("in-place input %{input} missing"))
+                })?;
+                let bytes = pool::nbytes(&n.shape, n.dtype);
+                let Op::Input(index) = self.graph.nodes[input].op else {
+                    return Err(Error::arg(
+                        "kiln backend",
+                        format!("in-place destination %{input} is not a graph input"),
+                    ));
+                };
+                if writable_in_place(index, n.shape.as_slice(), n.dtype, inputs) {
+                    pool::count(|s| s.inplace_bytes += bytes);
+                    return Ok(t);
+                }
+                // the kernel reads the old values through its output: start from a copy of them
+                pool::count(|s| s.inplace_fallbacks += 1);
+                let out = pool::fresh(&n.shape, n.dtype)?;
+                out.assign(&t)?;
+                Ok(out)
+            }
         }
     }
 
@@ -65,6 +117,9 @@ impl CompiledCpu {
                 format!("graph takes {} inputs, got {}", g.num_inputs, inputs.len()),
             ));
         }
+        pool::count(|s| s.calls += 1);
+        // declared before the values: dropped after them, so it sees which buffers escaped
+        let mut bufs = self.pool.take();
         let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         for (id, n) in g.nodes.iter().enumerate() {
             if let Op::Input(i) = n.op {
@@ -78,30 +133,40 @@ impl CompiledCpu {
         };
         for (s, step) in self.steps.iter().enumerate() {
             match step {
-                Exec::Kernel { node, f, inputs } => {
-                    let n = &g.nodes[*node];
-                    let mut bufs = Vec::with_capacity(inputs.len());
-                    for &i in inputs {
+                Exec::Kernel {
+                    outs,
+                    f,
+                    inputs: reads,
+                } => {
+                    let mut args_t = Vec::with_capacity(reads.len());
+                    for &i in reads {
                         let t = get(&vals, i)?;
-                        bufs.push(if t.is_contiguous() {
+                        args_t.push(if t.is_contiguous() {
                             t
                         } else {
                             t.contiguous()?
                         });
                     }
-                    let out = Tensor::zeros(n.shape.as_slice(), n.dtype)?;
-                    if out.numel() > 0 {
-                        // SAFETY: every buffer is alive (held in `bufs`/`out`) and contiguous with
-                        // the shape and dtype the kernel was generated for; `out` is a fresh
-                        // allocation no other handle reaches.
-                        let mut args: Vec<*mut c_void> = bufs
+                    let mut out_t = Vec::with_capacity(outs.len());
+                    for &(node, alloc) in outs {
+                        out_t.push(self.output_buffer(node, alloc, &vals, inputs, &mut bufs)?);
+                    }
+                    if out_t.iter().all(|t| t.numel() > 0) {
+                        // SAFETY: every buffer is alive (held in `args_t`/`out_t`) and contiguous
+                        // with the shape and dtype the kernel was generated for. Each output is a buffer
+                        // no live value reads (new, a pooled buffer with no other handle, or a
+                        // mutated input that `writable_in_place` found overlapping no other input
+                        // and that the plan found no later step reading).
+                        let mut args: Vec<*mut c_void> = args_t
                             .iter()
                             .map(|t| unsafe { t.data_ptr() } as *mut c_void)
                             .collect();
-                        args.push(unsafe { out.data_ptr() } as *mut c_void);
+                        args.extend(out_t.iter().map(|t| unsafe { t.data_ptr() } as *mut c_void));
                         unsafe { f(args.as_ptr()) };
                     }
-                    vals[*node] = Some(out);
+                    for (&(node, _), t) in outs.iter().zip(out_t) {
+                        vals[node] = Some(t);
+                    }
                 }
                 Exec::Extern { node } => {
                     let n = &g.nodes[*node];
@@ -122,6 +187,49 @@ impl CompiledCpu {
         }
         g.outputs.iter().map(|&o| get(&vals, o)).collect()
     }
+}
+
+/// Whether a kernel may overwrite graph input `index` element by element: contiguous, of the
+/// kernel's shape and dtype, and sharing no memory with any other graph input — not even by being
+/// the same tensor fed to a second input (guards pin which arguments are the same tensor, not
+/// whether two views overlap, nor whether an argument is a tensor the graph also captured).
+fn writable_in_place(
+    index: usize,
+    shape: &[usize],
+    dtype: kiln_core::DType,
+    inputs: &[Tensor],
+) -> bool {
+    let Some(t) = inputs.get(index) else {
+        return false;
+    };
+    if !t.is_contiguous() || t.shape() != shape || t.dtype() != dtype || t.is_deferred() {
+        return false;
+    }
+    let (lo, hi) = span(t);
+    inputs
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != index)
+        .all(|(_, o)| {
+            let (a, b) = span(o);
+            a >= b || b <= lo || a >= hi
+        })
+}
+
+/// The byte range a tensor's elements occupy (empty when it has none).
+fn span(t: &Tensor) -> (usize, usize) {
+    if t.numel() == 0 {
+        return (0, 0);
+    }
+    let last: usize = t
+        .shape()
+        .iter()
+        .zip(t.strides())
+        .map(|(&n, &s)| (n - 1) * s)
+        .sum();
+    // SAFETY: only the address is used, to compare ranges; nothing is read through it
+    let start = unsafe { t.data_ptr() } as usize;
+    (start, start + (last + 1) * t.dtype().size_in_bytes())
 }
 
 impl CompiledGraph for CompiledCpu {

@@ -2,3 +2,5 @@
 
 pub mod cc;
 pub mod exec;
+pub mod plan;
+pub mod pool;
