@@ -101,3 +101,30 @@ fn compiled_adam_and_sgd_update_parameters_and_state_in_place() -> Result<()> {
     );
     Ok(())
 }
+
+/// SGD's momentum state changes after the first step; a compiled step must still equal eager on
+/// every step, with dampening (a first-step flag) and without, per-parameter and foreach.
+#[test]
+fn compiled_sgd_momentum_equals_eager_every_step() -> Result<()> {
+    for (dampening, foreach) in [(0.0, false), (0.5, false), (0.0, true), (0.5, true)] {
+        check(|ps| {
+            SGD::new(
+                ps,
+                SGDConfig {
+                    lr: 0.1,
+                    momentum: 0.9,
+                    dampening,
+                    foreach,
+                    ..SGDConfig::default()
+                },
+            )
+        })
+        .map_err(|e| {
+            kiln::Error::arg(
+                "sgd",
+                format!("dampening {dampening} foreach {foreach}: {e}"),
+            )
+        })?;
+    }
+    Ok(())
+}

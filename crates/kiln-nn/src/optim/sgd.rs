@@ -36,10 +36,15 @@ impl Default for SGDConfig {
 ///   g ← ±g + wd·p;  buf ← g (first step) or m·buf + (1−d)·g;  g ← g + m·buf (Nesterov) or buf;
 ///   p ← p − lr·g.
 /// Returns the new parameter values and the new momentum buffer.
+///
+/// `buf: None` is a first step. A buffer that exists from the start (zeros) makes the rule the
+/// same on every step, so a compiled step replays it: with no dampening m·0 + g is exactly g, the
+/// first-step value; with dampening, `started` (a bool scalar) selects g on the first step.
 pub(crate) fn update(
     p: &Tensor,
     g: &Tensor,
     buf: Option<&Tensor>,
+    started: Option<&Tensor>,
     h: &SGDConfig,
     lr: f64,
 ) -> Result<(Tensor, Option<Tensor>)> {
@@ -56,7 +61,13 @@ pub(crate) fn update(
                 b.assign(&g)?;
                 b
             }
-            Some(b) => b.mul(h.momentum)?.add(&g.mul(1.0 - h.dampening)?)?,
+            Some(b) => {
+                let next = b.mul(h.momentum)?.add(&g.mul(1.0 - h.dampening)?)?;
+                match started {
+                    Some(s) => Tensor::where_(s, &next, &g)?,
+                    None => next,
+                }
+            }
         };
         g = if h.nesterov {
             g.add(&b.mul(h.momentum)?)?
@@ -72,8 +83,11 @@ pub struct SGD {
     params: Vec<Tensor>,
     config: SGDConfig,
     lr: LrHandle,
-    /// Per-parameter momentum buffers (for-loop mode); None until a parameter's first step.
-    bufs: Vec<Option<Tensor>>,
+    /// Per-parameter momentum buffers (for-loop mode with momentum): zeros from the start and
+    /// written in place, so a compiled step sees the same tensors on every call.
+    bufs: Vec<Tensor>,
+    /// With dampening: per parameter, whether its buffer has had a first step (bool scalars).
+    started: Vec<Tensor>,
     /// Foreach mode: dtype groups, one flat momentum buffer each, and which parameters have one yet.
     groups: Vec<FlatGroup>,
     flat_bufs: Vec<Tensor>,
@@ -114,14 +128,30 @@ impl SGD {
         } else {
             (Vec::new(), Vec::new())
         };
+        let loop_momentum = !config.foreach && config.momentum != 0.0;
+        let bufs = match loop_momentum {
+            true => params
+                .iter()
+                .map(Tensor::zeros_like)
+                .collect::<Result<_>>()?,
+            false => Vec::new(),
+        };
+        let started = match loop_momentum && config.dampening != 0.0 {
+            true => (0..n)
+                .map(|_| Tensor::zeros(&[], kiln_core::DType::Bool))
+                .collect::<Result<_>>()?,
+            false => Vec::new(),
+        };
         Ok(SGD {
             lr: LrHandle::new(config.lr),
             params,
             config,
-            bufs: vec![None; n],
+            bufs,
+            started,
             groups,
             flat_bufs,
-            has_buf: vec![false; n],
+            // with no dampening, the zero buffers already behave as a first step (see `update`)
+            has_buf: vec![config.dampening == 0.0; n],
         })
     }
 
@@ -130,12 +160,16 @@ impl SGD {
     }
 
     fn step_loop(&mut self, lr: f64) -> Result<()> {
-        for (p, buf) in self.params.iter().zip(self.bufs.iter_mut()) {
+        for (i, p) in self.params.iter().enumerate() {
             let Some(g) = grad_of(p)? else { continue };
-            let (new_p, new_buf) = update(p, &g, buf.as_ref(), &self.config, lr)?;
+            let (buf, started) = (self.bufs.get(i), self.started.get(i));
+            let (new_p, new_buf) = update(p, &g, buf, started, &self.config, lr)?;
             p.assign(&new_p)?;
-            if new_buf.is_some() {
-                *buf = new_buf;
+            if let (Some(buf), Some(new_buf)) = (buf, new_buf) {
+                buf.assign(&new_buf)?;
+            }
+            if let Some(s) = started {
+                s.assign(&Tensor::ones(&[], kiln_core::DType::Bool)?)?;
             }
         }
         Ok(())
@@ -181,10 +215,18 @@ impl SGD {
                     true => Some(group.gather(&self.flat_bufs[gi], &ks)?),
                     false => None,
                 };
-                let (new_p, new_buf) = update(&p_cat, &g_cat, buf.as_ref(), &self.config, lr)?;
+                let (new_p, new_buf) =
+                    update(&p_cat, &g_cat, buf.as_ref(), None, &self.config, lr)?;
                 group.write_params(&self.params, &ks, &new_p)?;
+                if !with_buf {
+                    // which parameters have a buffer yet is Rust state a compiled replay cannot
+                    // see: a compiled step is traced again on every call
+                    if let Some(i) = kiln_core::intercept::current() {
+                        i.retrace_every_call("SGD(foreach, dampening) starts momentum buffers");
+                    }
+                }
                 if let Some(nb) = new_buf {
-                    group.scatter(&mut self.flat_bufs[gi], &ks, nb)?;
+                    group.scatter_in_place(&self.flat_bufs[gi], &ks, nb)?;
                     for &k in &ks {
                         self.has_buf[group.members[k]] = true;
                     }
