@@ -3,4 +3,5 @@
 
 pub mod bert;
 pub mod densenet;
+pub mod fetch;
 pub mod resnet;
