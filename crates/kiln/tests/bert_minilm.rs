@@ -123,6 +123,7 @@ fn max_err(got: &[f32], start: usize, want: &[f64]) -> f64 {
 fn check_embeddings(what: &str, m: &Minilm, emb: &Tensor, first: usize) {
     let hidden = m.model.config.hidden_size;
     let v = emb.to_vec::<f32>().unwrap();
+    let mut worst = 0.0f64;
     for (row, s) in m.fixture.sentences[first..]
         .iter()
         .take(emb.shape()[0])
@@ -135,7 +136,9 @@ fn check_embeddings(what: &str, m: &Minilm, emb: &Tensor, first: usize) {
             "{what}: embedding of {:?} off by {err:e} (tolerance {EMBEDDING_TOL:e})",
             s.text
         );
+        worst = worst.max(err);
     }
+    eprintln!("{what}: largest embedding error {worst:.2e} (row {first}..)");
 }
 
 /// Checks the first sentence's tokens in row 0 of a [batch, seq, hidden] state.
@@ -145,7 +148,7 @@ fn check_first_hidden(what: &str, m: &Minilm, hidden_state: &Tensor) {
         .as_ref()
         .expect("fixture: first sentence has last_hidden_state");
     let (seq, hidden) = (hidden_state.shape()[1], hidden_state.shape()[2]);
-    assert!(want.len() <= seq);
+    assert!(want.len() <= seq, "{what}: fewer tokens than the fixture");
     let v = hidden_state.to_vec::<f32>().unwrap();
     let err = want
         .iter()
@@ -156,7 +159,7 @@ fn check_first_hidden(what: &str, m: &Minilm, hidden_state: &Tensor) {
         err <= HIDDEN_TOL,
         "{what}: last_hidden_state off by {err:e} (tolerance {HIDDEN_TOL:e})"
     );
-    let _ = seq;
+    eprintln!("{what}: largest last_hidden_state error {err:.2e}");
 }
 
 #[test]
@@ -270,6 +273,8 @@ fn compiled_matches_the_reference() {
             check_embeddings("compiled module, alone", m, &emb, i);
         }
         let stats = compiled.stats();
+        eprintln!("compiled module, alone: {stats:?}");
+        assert!(stats.compiles >= 1, "{stats:?}");
         assert_eq!(stats.eager_fallbacks, 0, "{stats:?}");
         assert_eq!(stats.graph_breaks, 0, "{stats:?}");
     });
