@@ -279,3 +279,21 @@ fn compiled_matches_the_reference() {
         assert_eq!(stats.graph_breaks, 0, "{stats:?}");
     });
 }
+
+#[test]
+fn long_texts_are_truncated_to_the_chosen_length() {
+    let m = minilm();
+    let long = "token ".repeat(400);
+    // tokenizer.json truncates at 128 tokens; sentence-transformers' max_seq_length is 256
+    let enc = m.tokenizer.encode_batch(&[&long]).unwrap();
+    assert_eq!(enc.input_ids.shape(), &[1, 128]);
+    let dir = fetch_minilm().unwrap();
+    let tokenizer = BertTokenizer::from_file(dir.join("tokenizer.json"))
+        .unwrap()
+        .with_max_length(256)
+        .unwrap();
+    let enc = tokenizer.encode_batch(&[&long, "short"]).unwrap();
+    assert_eq!(enc.input_ids.shape(), &[2, 256]);
+    let ids = enc.input_ids.to_vec::<i64>().unwrap();
+    assert_eq!((ids[0], ids[255]), (101, 102), "[CLS] .. [SEP] kept");
+}

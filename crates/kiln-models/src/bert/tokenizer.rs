@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use kiln_core::{Error, Result, Tensor};
-use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer};
+use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
 /// A tokenized batch: three [batch, seq] int64 tensors, padded on the right to the longest text.
 pub struct BatchEncoding {
@@ -35,6 +35,20 @@ impl BertTokenizer {
         };
         inner.with_padding(Some(padding));
         Ok(BertTokenizer { inner })
+    }
+
+    /// Truncates every text to `max_len` tokens, special tokens included (sentence-transformers
+    /// uses the model's `max_seq_length`, e.g. 256 for all-MiniLM-L6-v2, where tokenizer.json
+    /// says 128).
+    pub fn with_max_length(mut self, max_len: usize) -> Result<BertTokenizer> {
+        let truncation = TruncationParams {
+            max_length: max_len,
+            ..self.inner.get_truncation().cloned().unwrap_or_default()
+        };
+        self.inner
+            .with_truncation(Some(truncation))
+            .map_err(|e| tok_err(&format!("truncation to {max_len} tokens"), e))?;
+        Ok(self)
     }
 
     /// The underlying `tokenizers::Tokenizer`, for anything this wrapper does not expose.
