@@ -297,3 +297,24 @@ fn long_texts_are_truncated_to_the_chosen_length() {
     let ids = enc.input_ids.to_vec::<i64>().unwrap();
     assert_eq!((ids[0], ids[255]), (101, 102), "[CLS] .. [SEP] kept");
 }
+
+#[test]
+fn padding_to_a_multiple_leaves_the_embeddings_unchanged() {
+    let m = minilm();
+    let dir = fetch_minilm().unwrap();
+    let tokenizer = BertTokenizer::from_file(dir.join("tokenizer.json"))
+        .unwrap()
+        .with_pad_to_multiple_of(8)
+        .unwrap();
+    let enc = tokenizer.encode_batch(&texts(m)).unwrap();
+    // the longest fixture sentence has 13 tokens
+    assert_eq!(enc.input_ids.shape(), &[m.fixture.sentences.len(), 16]);
+    no_grad(|| {
+        let hidden = m
+            .model
+            .encode(&enc.input_ids, Some(&enc.attention_mask), None)
+            .unwrap();
+        let emb = sentence_embedding(&hidden, &enc.attention_mask).unwrap();
+        check_embeddings("eager, padded to 16", m, &emb, 0);
+    });
+}

@@ -51,6 +51,23 @@ impl BertTokenizer {
         Ok(self)
     }
 
+    /// Pads each batch to a multiple of `n` tokens (still at least its longest text). Compiled
+    /// graphs are specialised to their shapes, so bucketing lengths bounds the recompiles.
+    pub fn with_pad_to_multiple_of(mut self, n: usize) -> Result<BertTokenizer> {
+        if n == 0 {
+            return Err(Error::arg(
+                "BertTokenizer::with_pad_to_multiple_of",
+                "the multiple must be positive",
+            ));
+        }
+        let padding = PaddingParams {
+            pad_to_multiple_of: Some(n),
+            ..self.inner.get_padding().cloned().unwrap_or_default()
+        };
+        self.inner.with_padding(Some(padding));
+        Ok(self)
+    }
+
     /// The underlying `tokenizers::Tokenizer`, for anything this wrapper does not expose.
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
