@@ -239,3 +239,25 @@ fn dropout_is_seeded_and_scales_kept_values() -> kiln_core::Result<()> {
     assert_eq!(x.dropout(0.0, true)?.to_vec::<f32>()?, x.to_vec::<f32>()?);
     Ok(())
 }
+
+/// A contiguous view that starts inside its storage (rows 2.. of a table): gather reads it in place,
+/// so positions must be taken from the view's offset, not the storage's start.
+#[test]
+fn gather_from_an_offset_contiguous_view() -> kiln_core::Result<()> {
+    let table = Tensor::arange(0.0, 30.0, 1.0, DType::F32)?.reshape([6, 5])?;
+    let rows = table.narrow(0, 2, 3)?; // values 10..25
+    assert!(rows.is_contiguous() && rows.offset() == 10);
+    let ids = Tensor::from_vec(vec![2i64, 0, 1], &[3])?;
+    let e = rows.embedding(&ids)?.to_vec::<f32>()?;
+    let want: Vec<f32> = [20.0, 10.0, 15.0]
+        .iter()
+        .flat_map(|&start: &f32| (0..5).map(move |j| start + j as f32))
+        .collect();
+    assert_eq!(e, want);
+    let idx = Tensor::from_vec(vec![4i64, 0, 3], &[3, 1])?;
+    assert_eq!(
+        rows.gather(1, &idx)?.to_vec::<f32>()?,
+        vec![14.0, 15.0, 23.0]
+    );
+    Ok(())
+}

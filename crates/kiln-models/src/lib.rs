@@ -3,5 +3,6 @@
 
 pub mod bert;
 pub mod densenet;
+pub mod fetch;
 pub mod resnet;
 mod vision_layers;

@@ -1,7 +1,7 @@
 //! Gather and scatter-add along one dim. Index values are checked: an out-of-range index is an `Err`
 //! naming the value and the dim size, never a panic or a wild read.
 
-use super::{materialize, typed};
+use super::{contig, materialize, typed};
 use crate::shape::contiguous_strides;
 use crate::storage::{CpuStorage, StorageElement};
 use crate::{with_storage, Error, Result, Tensor};
@@ -48,8 +48,13 @@ pub(super) fn gather(x: &Tensor, index: &Tensor, dim: usize) -> Result<CpuStorag
     let si = index.storage();
     let idx = typed::<i64>(&si, index.layout());
     let t = targets(&idx, index.shape(), x.shape(), dim, "gather")?;
-    let src = materialize(x);
-    Ok(with_storage!(&src, v => StorageElement::wrap(t.iter().map(|&o| v[o]).collect())))
+    // read a contiguous source in place: an embedding lookup gathers a few rows of a large table
+    // on every call, and copying the whole table first cost more than the lookup itself
+    let s = x.storage();
+    Ok(with_storage!(&*s, v => {
+        let src = contig(v, x.layout());
+        StorageElement::wrap(t.iter().map(|&o| src[o]).collect())
+    }))
 }
 
 pub(super) fn scatter_add(

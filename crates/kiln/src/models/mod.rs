@@ -4,4 +4,4 @@
 mod digits_cnn;
 
 pub use digits_cnn::DigitsCnn;
-pub use kiln_models::{bert, densenet, resnet};
+pub use kiln_models::{bert, densenet, fetch, resnet};
