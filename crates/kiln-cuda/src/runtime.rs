@@ -12,7 +12,7 @@ use kiln_core::{Device, Error, Result, Tensor};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 use crate::kernels::elementwise::{self as ew, Scalars};
-use crate::kernels::{reduce, MAX_RANK};
+use crate::kernels::{argreduce, index, movement, reduce, MAX_RANK};
 
 pub(crate) struct CudaRuntime;
 
@@ -119,6 +119,35 @@ impl DeviceRuntime for CudaRuntime {
                 let out = dev.alloc(n, meta.dtype)?;
                 let (b, l) = ops[0];
                 reduce::launch(&dev, *op, dims, b, l, &out)?;
+                Ok(Arc::new(out))
+            }
+            Prim::ArgReduce { op, dim } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                let (b, l) = ops[0];
+                argreduce::launch(&dev, *op, *dim, b, l, &out)?;
+                Ok(Arc::new(out))
+            }
+            Prim::Pad { pads, value } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                movement::pad(&dev, ops[0], pads, *value, &out, &meta.shape)?;
+                Ok(Arc::new(out))
+            }
+            Prim::Cat { dim } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                movement::cat(&dev, &ops, *dim, &out, &meta.shape)?;
+                Ok(Arc::new(out))
+            }
+            Prim::Gather { dim } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                index::gather(&dev, ops[0], ops[1], *dim, &out)?;
+                Ok(Arc::new(out))
+            }
+            Prim::ScatterAdd { dim }
+                if index::scatter_supported(meta.dtype)
+                    && inputs[1].shape() == inputs[2].shape() =>
+            {
+                let out = dev.alloc(n, meta.dtype)?;
+                index::scatter_add(&dev, ops[0], ops[1], ops[2], *dim, &out)?;
                 Ok(Arc::new(out))
             }
             Prim::Matmul if meta.dtype.is_float() => {

@@ -273,7 +273,7 @@ fn source(
         }
     }
     if out_contig {
-        s.push_str("    idx o3 = i;\n");
+        s.push_str("    idx o3 = (idx)g.off[3] + i;\n");
     } else {
         s.push_str("    idx o3 = (idx)g.off[3];\n");
     }

@@ -6,7 +6,10 @@
 //! contiguous, whether 32-bit indexing suffices) and takes everything else (sizes, strides,
 //! offsets, scalar values) as arguments, so one compiled kernel serves every shape of its signature.
 
+pub(crate) mod argreduce;
 pub(crate) mod elementwise;
+pub(crate) mod index;
+pub(crate) mod movement;
 pub(crate) mod reduce;
 
 use kiln_core::DType;
