@@ -318,6 +318,93 @@ fn gather_scatter_and_bad_index() -> std::result::Result<(), String> {
     }
 }
 
+/// A few optimizer steps on GPU parameters (f32) and CPU ones (f64), per-parameter and foreach.
+fn optimizers_on_device() -> std::result::Result<(), String> {
+    use kiln_nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
+    let e = |x: kiln_core::Error| x.to_string();
+    let mut rng = Rng::new(900);
+    let x = input(&mut rng, &[6, 8], -1.0, 1.0, false).map_err(e)?;
+    let w = input(&mut rng, &[8, 5], -0.5, 0.5, false).map_err(e)?;
+    let b = input(&mut rng, &[5], -0.5, 0.5, false).map_err(e)?;
+    for foreach in [false, true] {
+        for adam in [false, true] {
+            let mut finals = Vec::new();
+            for device in [Device::Cpu, CUDA] {
+                let cast = |t: &Tensor| -> Result<Tensor> {
+                    match device {
+                        Device::Cpu => t.to_dtype(DType::F64),
+                        d => t.to(d),
+                    }
+                };
+                let ps = vec![
+                    cast(&w).map_err(e)?.with_grad().map_err(e)?,
+                    cast(&b).map_err(e)?.with_grad().map_err(e)?,
+                ];
+                let xs = cast(&x).map_err(e)?;
+                let mut opt: Box<dyn Optimizer> = if adam {
+                    let cfg = AdamConfig {
+                        lr: 0.05,
+                        foreach,
+                        ..Default::default()
+                    };
+                    Box::new(Adam::new(ps.clone(), cfg).map_err(e)?)
+                } else {
+                    let cfg = SGDConfig {
+                        lr: 0.1,
+                        momentum: 0.9,
+                        foreach,
+                        ..Default::default()
+                    };
+                    Box::new(SGD::new(ps.clone(), cfg).map_err(e)?)
+                };
+                for _ in 0..3 {
+                    opt.zero_grad();
+                    let loss = xs
+                        .matmul(&ps[0])
+                        .map_err(e)?
+                        .add(&ps[1])
+                        .map_err(e)?
+                        .tanh()
+                        .map_err(e)?
+                        .sum_all()
+                        .map_err(e)?;
+                    loss.backward().map_err(e)?;
+                    opt.step().map_err(e)?;
+                }
+                if ps[0].device() != device {
+                    return Err(format!("parameter moved to {}", ps[0].device()));
+                }
+                finals.push(ps);
+            }
+            for (g, c) in finals[1].iter().zip(&finals[0]) {
+                let err = gpu::harness::rel_err(
+                    &g.to_vec_f64().map_err(e)?,
+                    &c.to_vec_f64().map_err(e)?,
+                )?;
+                if err > 1e-5 {
+                    return Err(format!(
+                        "adam={adam} foreach={foreach}: parameters differ by {err:.2e}"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn conv_host_path() -> std::result::Result<(), String> {
+    let mut rng = Rng::new(1000);
+    let e = |x: kiln_core::Error| x.to_string();
+    let x = input(&mut rng, &[2, 3, 7, 6], -1.0, 1.0, false).map_err(e)?;
+    let w = input(&mut rng, &[4, 3, 3, 3], -0.5, 0.5, false).map_err(e)?;
+    check_grad("conv2d", &[x.clone(), w], 1e-5, |t| {
+        t[0].conv2d(&t[1], None, [1, 2], [1, 1], [1, 1], 1)
+    })?;
+    check_grad("max_pool2d", &[x], 1e-6, |t| {
+        t[0].max_pool2d([2, 2], [2, 2], [0, 0])
+    })
+}
+
 fn casts_and_half() -> std::result::Result<(), String> {
     let mut rng = Rng::new(700);
     let e = |x: kiln_core::Error| x.to_string();
@@ -542,6 +629,8 @@ fn main() {
         ("mlp_training_step", mlp_training_step),
         ("views_cat_pad_gather", views_cat_pad_gather),
         ("casts_and_half", casts_and_half),
+        ("optimizers_on_device", optimizers_on_device),
+        ("conv_host_path", conv_host_path),
         ("random_matches_cpu", random_matches_cpu),
         ("assign_into_device_view", assign_into_device_view),
         ("allocator_steady_state", allocator_steady_state),
