@@ -41,6 +41,15 @@ fn main() -> kiln_core::Result<()> {
         total.push(t.elapsed().as_secs_f64() * 1e6 / N as f64);
         std::hint::black_box(&z);
     }
+    // device time per op, between events around the same loop
+    let mut z = x.clone();
+    let start = kiln_cuda::Event::record(dev)?;
+    for _ in 0..N {
+        z = z.add(&y)?;
+    }
+    let end = kiln_cuda::Event::record(dev)?;
+    let device_us = start.elapsed_ms(&end)? as f64 * 1e3 / N as f64;
+    std::hint::black_box(&z);
     queue.sort_by(f64::total_cmp);
     total.sort_by(f64::total_cmp);
     let xc = Tensor::ones(&[16], DType::F32)?;
@@ -54,6 +63,9 @@ fn main() -> kiln_core::Result<()> {
     let stats = kiln_cuda::memory_stats(dev)?;
     let (compiles, disk_hits) = kiln_cuda::kernel_cache_stats();
     println!("launch_overhead cuda add [16] x{N}: median {:.2} us/op queued, {:.2} us/op incl. sync (min {:.2}/{:.2})", queue[7], total[7], queue[0], total[0]);
+    println!(
+        "launch_overhead cuda add [16] x{N}: {device_us:.2} us/op of device time between events"
+    );
     println!("launch_overhead cpu  add [16] x{N}: {cpu:.2} us/op");
     println!("memory: allocated {} reserved {} peak {} driver allocs {}; nvrtc compiles {compiles}, disk hits {disk_hits}", stats.allocated, stats.reserved, stats.peak_allocated, stats.driver_allocs);
     Ok(())

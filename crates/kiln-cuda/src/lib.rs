@@ -13,6 +13,7 @@
 mod alloc;
 mod buffer;
 mod device;
+mod event;
 mod fallback;
 mod kernels;
 mod matmul;
@@ -23,6 +24,7 @@ mod runtime;
 use std::sync::Arc;
 
 pub use alloc::MemoryStats;
+pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
 pub use nvrtc::kernel_cache_stats;

@@ -559,6 +559,26 @@ fn allocator_steady_state() -> std::result::Result<(), String> {
     Ok(())
 }
 
+fn events_time_the_device() -> std::result::Result<(), String> {
+    let e = |x: kiln_core::Error| x.to_string();
+    let x = Tensor::ones(&[1 << 20], DType::F32)
+        .map_err(e)?
+        .to(CUDA)
+        .map_err(e)?;
+    let start = kiln_cuda::Event::record(CUDA).map_err(e)?;
+    let y = x.exp().map_err(e)?.sum_all().map_err(e)?;
+    let end = kiln_cuda::Event::record(CUDA).map_err(e)?;
+    let ms = start.elapsed_ms(&end).map_err(e)?;
+    if !(ms > 0.0 && ms < 1000.0) {
+        return Err(format!("event time {ms} ms"));
+    }
+    let v = y.item::<f32>().map_err(e)?;
+    if (v - (1 << 20) as f32 * std::f32::consts::E).abs() > 1.0 {
+        return Err(format!("sum of exp(1) over 2^20: {v}"));
+    }
+    Ok(())
+}
+
 fn mixed_devices_error() -> std::result::Result<(), String> {
     let e = |x: kiln_core::Error| x.to_string();
     let a = Tensor::ones(&[3], DType::F32)
@@ -635,6 +655,7 @@ fn main() {
         ("assign_into_device_view", assign_into_device_view),
         ("allocator_steady_state", allocator_steady_state),
         ("mixed_devices_error", mixed_devices_error),
+        ("events_time_the_device", events_time_the_device),
     ];
     let trials = tests.iter().map(|(n, f)| trial(n, *f, available)).collect();
     let _ = Device::Cpu;
