@@ -42,15 +42,17 @@ pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor
     let dtypes: Vec<_> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = prim.infer(&shapes, &dtypes)?;
     if let Some(i) = crate::intercept::current() {
-        if device != Device::Cpu {
-            return Err(Error::unsupported(
-                prim.name(),
-                format!(
-                    "compiling code over {device} tensors is not supported yet; run it eagerly"
-                ),
-            ));
-        }
         if let Some(r) = i.apply(&prim, inputs, &meta) {
+            if device != Device::Cpu {
+                // a tracer took the prim: its graph would compute it on the CPU (an observer that
+                // declines the prim, returning None, lets device ops run)
+                return Err(Error::unsupported(
+                    prim.name(),
+                    format!(
+                        "compiling code over {device} tensors is not supported yet; run it eagerly"
+                    ),
+                ));
+            }
             let out = r?;
             if i.records_autograd() && autograd::needs_grad(&prim, inputs) {
                 let saved = SavedOutput::Traced(out.downgrade());
