@@ -1,28 +1,58 @@
 //! The single chokepoint every primitive op passes through: check the operands (`Prim::infer`),
 //! execute, and record an autograd node when gradients are wanted. High-level ops never execute
 //! anything themselves; they only call `apply`.
+//!
+//! Where a prim runs follows its operands: all on the CPU, the CPU kernels (`cpu/`); all on one
+//! device, that device's registered runtime (`device.rs`). Operand-less prims (creation) run where
+//! `apply_on` says. The CPU path costs one comparison more than before devices existed.
 
 use crate::autograd::{self, Node, SavedOutput};
-use crate::prim::Prim;
-use crate::{Error, Result, Tensor};
+use crate::device::runtime_for;
+use crate::prim::{OutMeta, Prim};
+use crate::shape::Layout;
+use crate::storage::{CpuStorage, Storage};
+use crate::{Device, Error, Result, Tensor};
 
 #[track_caller]
 pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
-    if let Some(first) = inputs.first() {
-        if let Some(other) = inputs.iter().find(|t| t.device() != first.device()) {
-            return Err(Error::Device {
-                op: prim.name(),
-                lhs: first.device(),
-                rhs: other.device(),
-                msg: "all operands must be on one device".into(),
-            });
+    apply_on(prim, inputs, Device::Cpu)
+}
+
+/// `apply`, with the device a creation prim (no operands) produces its tensor on; prims with
+/// operands run on their operands' device and ignore `device`.
+#[track_caller]
+pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
+    let device = match inputs.first() {
+        Some(first) => first.device(),
+        None => device,
+    };
+    let (lifted, lifted_refs);
+    let mut inputs = inputs;
+    if let Some(other) = inputs.iter().find(|t| t.device() != device) {
+        // PyTorch lets a CPU scalar meet device tensors; here that is a CPU operand that reads a
+        // single element (a 0-dim tensor, possibly expanded): it is copied to the device
+        if device == Device::Cpu || other.device() != Device::Cpu {
+            return Err(mismatch(&prim, device, other.device()));
         }
+        lifted = lift_scalars(&prim, inputs, device)?;
+        lifted_refs = lifted.iter().collect::<Vec<_>>();
+        inputs = &lifted_refs;
     }
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let dtypes: Vec<_> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = prim.infer(&shapes, &dtypes)?;
     if let Some(i) = crate::intercept::current() {
         if let Some(r) = i.apply(&prim, inputs, &meta) {
+            if device != Device::Cpu {
+                // a tracer took the prim: its graph would compute it on the CPU (an observer that
+                // declines the prim, returning None, lets device ops run)
+                return Err(Error::unsupported(
+                    prim.name(),
+                    format!(
+                        "compiling code over {device} tensors is not supported yet; run it eagerly"
+                    ),
+                ));
+            }
             let out = r?;
             if i.records_autograd() && autograd::needs_grad(&prim, inputs) {
                 let saved = SavedOutput::Traced(out.downgrade());
@@ -34,10 +64,14 @@ pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
     let _span = crate::profiler::span(crate::profiler::Category::Op, || {
         crate::profiler::prim_label(&prim)
     });
-    for t in inputs {
-        t.ready(prim.name(), std::panic::Location::caller())?;
-    }
-    let (storage, layout) = crate::cpu::execute(&prim, inputs, &meta)?;
+    let (storage, layout) = if device == Device::Cpu {
+        for t in inputs {
+            t.ready(prim.name(), std::panic::Location::caller())?;
+        }
+        crate::cpu::execute(&prim, inputs, &meta)?
+    } else {
+        execute_on_device(&prim, inputs, &meta, device)?
+    };
     let needs_grad = autograd::needs_grad(&prim, inputs);
     let out = Tensor::from_parts(storage, layout, meta.dtype, None);
     if !needs_grad {
@@ -45,4 +79,58 @@ pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
     }
     let node = Node::prim(prim, inputs, SavedOutput::Detached(out.clone()));
     Ok(out.with_grad_fn(node, 0))
+}
+
+fn mismatch(prim: &Prim, a: Device, b: Device) -> Error {
+    Error::Device {
+        op: prim.name(),
+        lhs: a,
+        rhs: b,
+        msg: "all operands must be on one device (move them with `.to(device)`)".into(),
+    }
+}
+
+/// View prims re-lay the operand's buffer wherever it lives; the rest go to the device's runtime.
+fn execute_on_device(
+    prim: &Prim,
+    inputs: &[&Tensor],
+    meta: &OutMeta,
+    device: Device,
+) -> Result<(Storage, Layout)> {
+    // views are re-laid over the same device buffer by the rule eager CPU execution uses
+    let view = inputs.first().and_then(|t| prim.view_layout(t.layout()));
+    if let Some(layout) = view {
+        return Ok((inputs[0].0.storage.clone(), layout));
+    }
+    let buf = runtime_for(prim.name(), device)?.execute(device, prim, inputs, meta)?;
+    Ok((Storage::Device(buf), Layout::contiguous(&meta.shape)))
+}
+
+/// Copies each single-element CPU operand to `device`, as a one-element buffer viewed with the
+/// operand's shape (zero strides); any other CPU operand is a device mismatch.
+fn lift_scalars(prim: &Prim, inputs: &[&Tensor], device: Device) -> Result<Vec<Tensor>> {
+    inputs
+        .iter()
+        .map(|t| {
+            if t.device() == device {
+                return Ok((*t).clone());
+            }
+            let l = t.layout();
+            let single = l.shape.iter().zip(&l.strides).all(|(&d, &s)| d <= 1 || s == 0);
+            // a lifted copy is a new leaf, so a scalar that wants its gradient cannot be lifted
+            if t.device() != Device::Cpu || !single || t.numel() == 0 || t.requires_grad() {
+                return Err(mismatch(prim, device, t.device()));
+            }
+            t.ready(prim.name(), std::panic::Location::caller())?;
+            let value = {
+                let s = t.storage();
+                crate::with_storage!(&*s, v => crate::storage::StorageElement::wrap(vec![v[l.offset]]))
+            };
+            let value: CpuStorage = value;
+            let buf = runtime_for(prim.name(), device)?.upload(device, &value)?;
+            let one = Layout::contiguous(&vec![1; l.rank()]);
+            let grad_free = Tensor::from_device_buffer(buf, one.expand(&l.shape));
+            Ok(grad_free)
+        })
+        .collect()
 }

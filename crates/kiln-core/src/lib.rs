@@ -6,7 +6,7 @@
 
 pub mod autograd;
 pub mod cpu;
-mod device;
+pub mod device;
 pub mod dispatch;
 mod display;
 mod dtype;
@@ -22,7 +22,7 @@ pub mod storage;
 mod tensor;
 
 pub use autograd::{no_grad, GradModeGuard};
-pub use device::Device;
+pub use device::{synchronize, Device};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use ops::norm::RunningStats;

@@ -18,27 +18,34 @@ impl Tensor {
                 rhs: T::DTYPE,
             });
         }
+        if self.device() != crate::Device::Cpu {
+            return self.to_vec(); // a download; the device buffer stays with any other handle
+        }
         let whole =
             self.is_contiguous() && self.offset() == 0 && self.storage().len() == self.numel();
         if whole && self.is_leaf() && !self.is_deferred() {
             let Tensor(inner) = self;
             match Arc::try_unwrap(inner) {
-                Ok(t) => match Arc::try_unwrap(t.storage) {
-                    Ok(lock) => {
-                        let mut s = lock.into_inner().unwrap_or_else(|e| e.into_inner());
-                        if let Some(v) = T::view_mut(&mut s) {
-                            return Ok(std::mem::take(v));
+                Ok(t) => match t.storage {
+                    crate::storage::Storage::Cpu(lock) => match Arc::try_unwrap(lock) {
+                        Ok(lock) => {
+                            let mut s = lock.into_inner().unwrap_or_else(|e| e.into_inner());
+                            if let Some(v) = T::view_mut(&mut s) {
+                                return Ok(std::mem::take(v));
+                            }
+                            return Err(Error::DTypeMismatch {
+                                op: "into_vec",
+                                lhs: s.dtype(),
+                                rhs: T::DTYPE,
+                            });
                         }
-                        return Err(Error::DTypeMismatch {
-                            op: "into_vec",
-                            lhs: s.dtype(),
-                            rhs: T::DTYPE,
-                        });
-                    }
-                    Err(shared) => {
-                        let t = Tensor::from_parts(shared, t.layout, t.dtype, None);
-                        return t.to_vec();
-                    }
+                        Err(shared) => {
+                            let shared = crate::storage::Storage::Cpu(shared);
+                            let t = Tensor::from_parts(shared, t.layout, t.dtype, None);
+                            return t.to_vec();
+                        }
+                    },
+                    device => return Tensor::from_parts(device, t.layout, t.dtype, None).to_vec(),
                 },
                 Err(shared) => return Tensor(shared).to_vec(),
             }

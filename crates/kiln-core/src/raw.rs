@@ -4,7 +4,8 @@
 use crate::Tensor;
 
 impl Tensor {
-    /// Address of the tensor's first element (its layout offset applied).
+    /// Address of the tensor's first element (its layout offset applied), in host memory. A tensor on
+    /// a device has no host address: this returns null for it, so callers check `device()` first.
     ///
     /// # Safety
     /// The pointer is valid while `self` is alive and the storage is not replaced (only deferred
@@ -12,6 +13,9 @@ impl Tensor {
     /// concurrent in-place writes (`assign`); writing through it is only sound for a tensor whose
     /// storage no other handle can reach (a fresh allocation).
     pub unsafe fn data_ptr(&self) -> *const u8 {
+        if self.device() != crate::Device::Cpu {
+            return std::ptr::null();
+        }
         let s = self.storage();
         let base: *const u8 = crate::with_storage!(&*s, v => v.as_ptr().cast::<u8>());
         base.wrapping_add(self.offset() * self.dtype().size_in_bytes())

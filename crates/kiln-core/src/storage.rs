@@ -1,8 +1,48 @@
 //! Typed CPU buffers. A tensor's storage is shared between views (`Arc`) and mutable in place (`RwLock`)
 //! so optimizer steps and running-stat updates change parameters without changing their identity.
 
-use crate::{DType, Element};
+use std::sync::{Arc, RwLock};
+
+use crate::device::DeviceBuffer;
+use crate::{DType, Device, Element};
 use half::{bf16, f16};
+
+/// A tensor's memory: a host buffer the CPU kernels lock to read or write, or a buffer in a device's
+/// memory that only the registered device runtime touches (`device.rs`). Views share either by `Arc`.
+#[derive(Clone)]
+pub enum Storage {
+    Cpu(Arc<RwLock<CpuStorage>>),
+    Device(Arc<dyn DeviceBuffer>),
+}
+
+impl Storage {
+    pub fn cpu(s: CpuStorage) -> Storage {
+        Storage::Cpu(Arc::new(RwLock::new(s)))
+    }
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+            Storage::Device(b) => b.device(),
+        }
+    }
+    /// Identity of the underlying buffer (equal for views of one buffer).
+    pub fn key(&self) -> usize {
+        match self {
+            Storage::Cpu(a) => Arc::as_ptr(a) as *const u8 as usize,
+            Storage::Device(b) => Arc::as_ptr(b) as *const u8 as usize,
+        }
+    }
+    /// Capacity in elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Storage::Cpu(a) => a.read().unwrap_or_else(|e| e.into_inner()).len(),
+            Storage::Device(b) => b.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 #[derive(Clone, Debug)]
 pub enum CpuStorage {

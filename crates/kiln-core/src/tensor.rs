@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
 use crate::autograd::{GradEdge, Node};
 use crate::intercept::Deferred;
 use crate::shape::Layout;
-use crate::storage::{CpuStorage, StorageElement};
+use crate::storage::{CpuStorage, Storage, StorageElement};
 use crate::{DType, Device, Error, Result};
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -18,7 +18,7 @@ pub(crate) struct TensorImpl {
     pub(crate) layout: Layout,
     pub(crate) dtype: DType,
     pub(crate) device: Device,
-    pub(crate) storage: Arc<RwLock<CpuStorage>>,
+    pub(crate) storage: Storage,
     pub(crate) requires_grad: AtomicBool,
     pub(crate) grad: Mutex<Option<Tensor>>,
     pub(crate) grad_fn: OnceLock<GradEdge>,
@@ -31,7 +31,7 @@ pub struct Tensor(pub(crate) Arc<TensorImpl>);
 
 impl Tensor {
     pub(crate) fn from_parts(
-        storage: Arc<RwLock<CpuStorage>>,
+        storage: Storage,
         layout: Layout,
         dtype: DType,
         grad_fn: Option<GradEdge>,
@@ -40,7 +40,7 @@ impl Tensor {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             layout,
             dtype,
-            device: Device::Cpu,
+            device: storage.device(),
             storage,
             requires_grad: AtomicBool::new(grad_fn.is_some()),
             grad: Mutex::new(None),
@@ -63,7 +63,7 @@ impl Tensor {
         }
         let dtype = storage.dtype();
         Ok(Tensor::from_parts(
-            Arc::new(RwLock::new(storage)),
+            Storage::cpu(storage),
             Layout::contiguous(shape),
             dtype,
             None,
@@ -82,7 +82,7 @@ impl Tensor {
     /// A 0-dim tensor.
     pub fn scalar<T: StorageElement>(v: T) -> Tensor {
         Tensor::from_parts(
-            Arc::new(RwLock::new(T::wrap(vec![v]))),
+            Storage::cpu(T::wrap(vec![v])),
             Layout::contiguous(&[]),
             T::DTYPE,
             None,
@@ -130,11 +130,41 @@ impl Tensor {
     }
     /// True when both handles view the same storage buffer.
     pub fn shares_storage(&self, other: &Tensor) -> bool {
-        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+        self.0.storage.key() == other.0.storage.key()
     }
+    /// The host buffer of a CPU tensor, locked for reading. Only CPU code calls this: dispatch sends
+    /// device operands to their runtime, and every value reader in this file copies a device tensor to
+    /// the host first; a device tensor that slipped through reads as an empty buffer.
     pub(crate) fn storage(&self) -> RwLockReadGuard<'_, CpuStorage> {
+        static NO_HOST_BUFFER: RwLock<CpuStorage> = RwLock::new(CpuStorage::F32(Vec::new()));
+        let lock = match &self.0.storage {
+            Storage::Cpu(lock) => &**lock,
+            Storage::Device(_) => {
+                debug_assert!(
+                    false,
+                    "host storage of a {} tensor requested",
+                    self.device()
+                );
+                &NO_HOST_BUFFER
+            }
+        };
         // A poisoned lock means a kernel panicked mid-write; the data is still the best we have.
-        self.0.storage.read().unwrap_or_else(|e| e.into_inner())
+        lock.read().unwrap_or_else(|e| e.into_inner())
+    }
+    /// The device buffer of a tensor on a device (`None` on the CPU), for device runtimes.
+    pub fn device_buffer(&self) -> Option<&Arc<dyn crate::device::DeviceBuffer>> {
+        match &self.0.storage {
+            Storage::Device(b) => Some(b),
+            Storage::Cpu(_) => None,
+        }
+    }
+    /// A tensor over `buf` with `layout` (a device runtime's results; views use `dispatch`).
+    pub fn from_device_buffer(buf: Arc<dyn crate::device::DeviceBuffer>, layout: Layout) -> Tensor {
+        let dtype = buf.dtype();
+        Tensor::from_parts(Storage::Device(buf), layout, dtype, None)
+    }
+    fn is_on_device(&self) -> bool {
+        !matches!(self.0.storage, Storage::Cpu(_))
     }
 
     // ---- autograd metadata ----
@@ -230,6 +260,9 @@ impl Tensor {
     #[track_caller]
     pub fn to_vec<T: StorageElement>(&self) -> Result<Vec<T>> {
         self.ready("to_vec", Location::caller())?;
+        if self.is_on_device() {
+            return self.to_device(Device::Cpu)?.to_vec();
+        }
         let t = if self.dtype() == T::DTYPE {
             self.clone()
         } else {
@@ -246,6 +279,9 @@ impl Tensor {
     #[track_caller]
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
         self.ready("to_vec", Location::caller())?;
+        if self.is_on_device() {
+            return self.to_device(Device::Cpu)?.to_vec_f64();
+        }
         let s = self.storage();
         let mut out = Vec::with_capacity(self.numel());
         self.layout().for_each_offset(|o| out.push(s.get_f64(o)));
@@ -295,24 +331,52 @@ impl Tensor {
         let at = Location::caller();
         src.ready("assign", at)?;
         self.ready("assign", at)?;
-        if self.is_contiguous()
-            && src.is_contiguous()
-            && !Arc::ptr_eq(&self.0.storage, &src.0.storage)
-        {
+        if self.is_on_device() || src.is_on_device() {
+            return self.assign_across(&src);
+        }
+        if self.is_contiguous() && src.is_contiguous() && !self.shares_storage(&src) {
             // the common case (optimizer and running-stat updates): one memcpy, no staging copy
             let (n, from, to) = (self.numel(), src.offset(), self.offset());
             if n == 0 {
                 return Ok(()); // an empty view may carry an offset past its buffer
             }
             let values = src.storage();
-            let mut dst = self.0.storage.write().unwrap_or_else(|e| e.into_inner());
+            let mut dst = self.host_write();
             crate::cpu::copy_range(&mut dst, to, &values, from, n);
             return Ok(());
         }
         let values = crate::cpu::materialize(&src);
-        let mut dst = self.0.storage.write().unwrap_or_else(|e| e.into_inner());
+        let mut dst = self.host_write();
         crate::cpu::write_strided(&mut dst, self.layout(), &values);
         Ok(())
+    }
+
+    /// The host buffer of a CPU tensor, locked for writing (callers checked the device).
+    fn host_write(&self) -> std::sync::RwLockWriteGuard<'_, CpuStorage> {
+        static NO_HOST_BUFFER: RwLock<CpuStorage> = RwLock::new(CpuStorage::F32(Vec::new()));
+        match &self.0.storage {
+            Storage::Cpu(lock) => lock.write(),
+            Storage::Device(_) => NO_HOST_BUFFER.write(),
+        }
+        .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `assign` where either side lives on a device: the source moves to the destination's device
+    /// (a copy), then the destination's runtime writes it in place.
+    fn assign_across(&self, src: &Tensor) -> Result<()> {
+        let src = if src.device() == self.device() {
+            src.clone()
+        } else {
+            src.to_device(self.device())?
+        };
+        if !self.is_on_device() {
+            // a device source, now downloaded: an ordinary host write
+            let values = crate::cpu::materialize(&src);
+            let mut dst = self.host_write();
+            crate::cpu::write_strided(&mut dst, self.layout(), &values);
+            return Ok(());
+        }
+        crate::device::runtime_for("assign", self.device())?.assign(self, &src)
     }
 
     // ---- deferred values (see intercept.rs) ----
@@ -320,7 +384,7 @@ impl Tensor {
     /// A tensor whose values will be produced later by `source` (a traced tensor).
     pub fn deferred(shape: &[usize], dtype: DType, source: Arc<dyn Deferred>) -> Tensor {
         let t = Tensor::from_parts(
-            Arc::new(RwLock::new(CpuStorage::full(dtype, 0, 0.0))),
+            Storage::cpu(CpuStorage::full(dtype, 0, 0.0)),
             Layout::contiguous(shape),
             dtype,
             None,
@@ -363,8 +427,18 @@ impl Tensor {
                 ),
             ));
         }
+        if value.is_on_device() || self.is_on_device() {
+            return Err(Error::unsupported(
+                "fill_deferred",
+                format!(
+                    "traced values live on the CPU; a computed value on {} cannot fill one (compiling \
+                     code over device tensors is not supported yet)",
+                    value.device()
+                ),
+            ));
+        }
         let data = crate::cpu::materialize(value);
-        *self.0.storage.write().unwrap_or_else(|e| e.into_inner()) = data;
+        *self.host_write() = data;
         if let Some(f) = value.grad_fn() {
             let _ = self.0.grad_fn.set(f.clone());
             self.0.requires_grad.store(true, Ordering::Relaxed);
@@ -375,16 +449,43 @@ impl Tensor {
         Ok(())
     }
 
+    /// `tensor.to(device)`: the same values on `device` (this handle when already there). Reading a
+    /// device tensor back waits for the ops queued before (the runtime's `download` synchronizes).
+    /// The copy is a new leaf: gradients do not flow across it yet.
+    #[track_caller]
     pub fn to_device(&self, device: Device) -> Result<Tensor> {
-        match device {
-            Device::Cpu => Ok(self.clone()),
-            Device::Cuda(_) => Err(Error::Device {
-                op: "to",
-                lhs: self.device(),
-                rhs: device,
-                msg: "this build of kiln has no CUDA runtime; tensors live on the CPU".into(),
-            }),
+        if device == self.device() {
+            return Ok(self.clone());
         }
+        self.ready("to", Location::caller())?;
+        let host = match &self.0.storage {
+            Storage::Device(buf) => {
+                let rt = crate::device::runtime_for("to", self.device())?;
+                let data = rt.download(buf, self.layout())?;
+                Tensor::from_parts(
+                    Storage::cpu(data),
+                    Layout::contiguous(self.shape()),
+                    self.dtype(),
+                    None,
+                )
+            }
+            Storage::Cpu(_) => self.clone(),
+        };
+        if device == Device::Cpu {
+            return Ok(host);
+        }
+        let rt = crate::device::runtime_for("to", device)?;
+        let data = crate::cpu::materialize(&host);
+        let buf = rt.upload(device, &data)?;
+        Ok(Tensor::from_device_buffer(
+            buf,
+            Layout::contiguous(self.shape()),
+        ))
+    }
+    /// `tensor.to(device)` (PyTorch's name; `to_device` is the same).
+    #[track_caller]
+    pub fn to(&self, device: Device) -> Result<Tensor> {
+        self.to_device(device)
     }
 }
 

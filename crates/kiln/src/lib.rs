@@ -24,6 +24,11 @@ pub use kiln_compile::{
 /// Loop IR, fusion and C code generation (the `kiln` backend).
 pub use kiln_inductor as inductor;
 
+/// The CUDA runtime: `kiln::cuda::init()` makes `Device::Cuda(n)` usable (`is_available`,
+/// `memory_stats`, `empty_cache`, `synchronize`, `set_allow_tf32`). Without CUDA it is still
+/// there, and says why it cannot run.
+pub use kiln_cuda as cuda;
+
 /// `use kiln::prelude::*;` brings in what a training script needs.
 pub mod prelude {
     pub use crate::ndarray_interop::NdarrayExt;

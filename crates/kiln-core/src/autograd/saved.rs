@@ -50,16 +50,16 @@ pub fn saved_bytes(roots: &[Tensor]) -> SavedBytes {
     let leaf_storages: HashSet<usize> = held
         .iter()
         .filter(|(_, leaf)| *leaf)
-        .map(|(t, _)| Arc::as_ptr(&t.0.storage) as usize)
+        .map(|(t, _)| t.0.storage.key())
         .collect();
     let mut counted = HashSet::new();
     let mut out = SavedBytes::default();
     for (t, _) in &held {
-        let key = Arc::as_ptr(&t.0.storage) as usize;
+        let key = t.0.storage.key();
         if !counted.insert(key) {
             continue;
         }
-        let bytes = t.storage().len() * t.dtype().size_in_bytes();
+        let bytes = t.0.storage.len() * t.dtype().size_in_bytes();
         if leaf_storages.contains(&key) {
             out.leaves += bytes;
         } else {

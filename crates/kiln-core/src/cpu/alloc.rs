@@ -163,7 +163,10 @@ impl Tensor {
     pub fn is_sole_handle(&self) -> bool {
         Arc::strong_count(&self.0) == 1
             && Arc::weak_count(&self.0) == 0
-            && Arc::strong_count(&self.0.storage) == 1
+            && match &self.0.storage {
+                crate::storage::Storage::Cpu(s) => Arc::strong_count(s) == 1,
+                crate::storage::Storage::Device(b) => Arc::strong_count(b) == 1,
+            }
     }
 }
 

@@ -13,11 +13,10 @@ mod random;
 mod reduce;
 
 use std::borrow::Cow;
-use std::sync::{Arc, RwLock};
 
 use crate::prim::{OutMeta, Prim};
 use crate::shape::Layout;
-use crate::storage::{CpuStorage, StorageElement};
+use crate::storage::{CpuStorage, Storage, StorageElement};
 use crate::{with_storage, Result, Tensor};
 
 pub use random::{normal_sample, uniform_sample};
@@ -25,13 +24,16 @@ pub use random::{normal_sample, uniform_sample};
 /// Below this many elements a kernel runs on the calling thread: rayon's fork costs more.
 pub(crate) const PAR_THRESHOLD: usize = 1 << 15;
 
-pub(crate) type Shared = Arc<RwLock<CpuStorage>>;
-
-fn owned(s: CpuStorage, shape: &[usize]) -> (Shared, Layout) {
-    (Arc::new(RwLock::new(s)), Layout::contiguous(shape))
+fn owned(s: CpuStorage, shape: &[usize]) -> (Storage, Layout) {
+    (Storage::cpu(s), Layout::contiguous(shape))
 }
 
-pub(crate) fn execute(prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Result<(Shared, Layout)> {
+/// Runs a prim whose operands are all CPU tensors (dispatch routed device operands elsewhere).
+pub(crate) fn execute(
+    prim: &Prim,
+    inputs: &[&Tensor],
+    meta: &OutMeta,
+) -> Result<(Storage, Layout)> {
     let shape = &meta.shape;
     Ok(match prim {
         Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_) => {
@@ -147,7 +149,7 @@ pub(crate) fn from_f32_like(like: crate::DType, v: Vec<f32>) -> CpuStorage {
     }
 }
 
-/// A contiguous copy of a tensor's elements.
+/// A contiguous copy of a CPU tensor's elements (device tensors: `to_device(Device::Cpu)` first).
 pub fn materialize(t: &Tensor) -> CpuStorage {
     let s = t.storage();
     with_storage!(&*s, v => StorageElement::wrap(contig(v, t.layout()).into_owned()))

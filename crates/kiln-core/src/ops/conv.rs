@@ -138,8 +138,13 @@ impl Tensor {
         if count_include_pad || padding == [0, 0] {
             return acc.div((kernel[0] * kernel[1]) as f64);
         }
-        let ones =
-            Tensor::ones(&[1, 1, self.shape()[2], self.shape()[3]], x.dtype())?.pad(&pads, 0.0)?;
+        let ones = Tensor::full_on(
+            &[1, 1, self.shape()[2], self.shape()[3]],
+            1.0,
+            x.dtype(),
+            x.device(),
+        )?
+        .pad(&pads, 0.0)?;
         let counts = windows(&ones, kernel, stride, out)?;
         let mut c = counts[0].clone();
         for v in &counts[1..] {

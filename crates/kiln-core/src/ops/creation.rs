@@ -2,9 +2,9 @@
 
 use std::sync::Mutex;
 
-use crate::dispatch::apply;
+use crate::dispatch::{apply, apply_on};
 use crate::prim::{Prim, RandDist};
-use crate::{DType, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// A seedable source of (seed, offset) pairs for the counter-based `Rand` prim. Each draw advances
 /// the offset by the number of values drawn, so results depend only on the seed and the call order.
@@ -52,14 +52,22 @@ pub fn set_default_generator_state(seed: u64, offset: u64) {
 
 impl Tensor {
     pub fn full(shape: &[usize], value: f64, dtype: DType) -> Result<Tensor> {
-        apply(
+        Tensor::full_on(shape, value, dtype, Device::Cpu)
+    }
+    /// `torch.full(shape, value, dtype=dtype, device=device)`.
+    pub fn full_on(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        apply_on(
             Prim::Full {
                 shape: shape.to_vec(),
                 value,
                 dtype,
             },
             &[],
+            device,
         )
+    }
+    pub fn zeros_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full_on(shape, 0.0, dtype, device)
     }
     pub fn zeros(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 0.0, dtype)
@@ -67,14 +75,15 @@ impl Tensor {
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype)
     }
+    /// Like PyTorch's `*_like`: the shape, dtype and device of `t`.
     pub fn zeros_like(t: &Tensor) -> Result<Tensor> {
-        Tensor::full(t.shape(), 0.0, t.dtype())
+        Tensor::full_on(t.shape(), 0.0, t.dtype(), t.device())
     }
     pub fn ones_like(t: &Tensor) -> Result<Tensor> {
-        Tensor::full(t.shape(), 1.0, t.dtype())
+        Tensor::full_on(t.shape(), 1.0, t.dtype(), t.device())
     }
     pub fn full_like(t: &Tensor, value: f64) -> Result<Tensor> {
-        Tensor::full(t.shape(), value, t.dtype())
+        Tensor::full_on(t.shape(), value, t.dtype(), t.device())
     }
     /// `torch.arange(start, end, step)`.
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType) -> Result<Tensor> {
@@ -110,6 +119,7 @@ impl Tensor {
         dtype: DType,
         dist: RandDist,
         gen: Option<&mut Generator>,
+        device: Device,
     ) -> Result<Tensor> {
         if !dtype.is_float() {
             return Err(Error::dtype(
@@ -132,7 +142,7 @@ impl Tensor {
             }
             None => default_draw(n),
         };
-        apply(
+        apply_on(
             Prim::Rand {
                 shape: shape.to_vec(),
                 dtype,
@@ -141,21 +151,29 @@ impl Tensor {
                 offset,
             },
             &[],
+            device,
         )
     }
     /// Uniform on [0, 1), from the default generator.
     pub fn rand(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        Tensor::random(shape, dtype, RandDist::Uniform, None)
+        Tensor::random(shape, dtype, RandDist::Uniform, None, Device::Cpu)
     }
     /// Standard normal, from the default generator.
     pub fn randn(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        Tensor::random(shape, dtype, RandDist::Normal, None)
+        Tensor::random(shape, dtype, RandDist::Normal, None, Device::Cpu)
+    }
+    /// `torch.rand(shape, device=device)`: the same values on every device for one (seed, offset).
+    pub fn rand_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::random(shape, dtype, RandDist::Uniform, None, device)
+    }
+    pub fn randn_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::random(shape, dtype, RandDist::Normal, None, device)
     }
     pub fn rand_with(shape: &[usize], dtype: DType, gen: &mut Generator) -> Result<Tensor> {
-        Tensor::random(shape, dtype, RandDist::Uniform, Some(gen))
+        Tensor::random(shape, dtype, RandDist::Uniform, Some(gen), Device::Cpu)
     }
     pub fn randn_with(shape: &[usize], dtype: DType, gen: &mut Generator) -> Result<Tensor> {
-        Tensor::random(shape, dtype, RandDist::Normal, Some(gen))
+        Tensor::random(shape, dtype, RandDist::Normal, Some(gen), Device::Cpu)
     }
     /// Uniform on [low, high).
     pub fn uniform(shape: &[usize], low: f64, high: f64, dtype: DType) -> Result<Tensor> {

@@ -142,7 +142,7 @@ impl Tensor {
 fn pick(lp: &Tensor, t: &Tensor, ignore_index: Option<i64>) -> Result<(Tensor, Tensor)> {
     let valid = match ignore_index {
         Some(ig) => t.ne(ig)?,
-        None => Tensor::ones(t.shape(), DType::Bool)?,
+        None => Tensor::full_on(t.shape(), 1.0, DType::Bool, t.device())?,
     };
     let safe_t = Tensor::where_(&valid, t, 0i64)?;
     // out-of-range targets are caught by the gather kernel, which names the index and the size

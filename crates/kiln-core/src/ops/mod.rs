@@ -57,7 +57,9 @@ macro_rules! scalar_operand {
     ($float:expr; $($t:ty),*) => {$(
         impl Operand for $t {
             fn to_operand(self, like: &Tensor) -> Result<Tensor> {
-                Tensor::full(&[], self as f64, scalar_dtype($float, like.dtype()))
+                // made where `like` lives, so the op needs no host-to-device copy
+                let dtype = scalar_dtype($float, like.dtype());
+                Tensor::full_on(&[], self as f64, dtype, like.device())
             }
             fn is_scalar(&self) -> bool {
                 true

@@ -1,7 +1,6 @@
 //! batch_norm, layer_norm, dropout.
 
 use crate::autograd::no_grad;
-use crate::dispatch::apply;
 use crate::prim::{Prim, RandDist};
 use crate::{Error, Result, Tensor};
 
@@ -116,7 +115,7 @@ impl Tensor {
             return self.mul(0.0);
         }
         let (seed, offset) = super::creation::default_draw(self.numel());
-        let u = apply(
+        let u = crate::dispatch::apply_on(
             Prim::Rand {
                 shape: self.shape().to_vec(),
                 dtype: self.dtype().to_float(),
@@ -125,6 +124,7 @@ impl Tensor {
                 offset,
             },
             &[],
+            self.device(),
         )?;
         let keep = u.ge(p)?;
         Tensor::where_(&keep, &self.mul(1.0 / (1.0 - p))?, 0.0)

@@ -154,7 +154,7 @@ impl Tensor {
             // an empty slice has no max; its logsumexp is log(0) = -inf
             let mut keep = x.shape().to_vec();
             d.iter().for_each(|&i| keep[i] = 1);
-            Tensor::zeros(&keep, x.dtype())?
+            Tensor::zeros_on(&keep, x.dtype(), x.device())?
         } else {
             x.max(dims, true)?.detach()
         };

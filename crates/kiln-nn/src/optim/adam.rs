@@ -95,12 +95,17 @@ pub(crate) struct Moments {
 }
 
 impl Moments {
-    fn zeros(shape: &[usize], dtype: kiln_core::DType, amsgrad: bool) -> Result<Moments> {
+    fn zeros(
+        shape: &[usize],
+        dtype: kiln_core::DType,
+        device: kiln_core::Device,
+        amsgrad: bool,
+    ) -> Result<Moments> {
         Ok(Moments {
-            exp_avg: Tensor::zeros(shape, dtype)?,
-            exp_avg_sq: Tensor::zeros(shape, dtype)?,
+            exp_avg: Tensor::zeros_on(shape, dtype, device)?,
+            exp_avg_sq: Tensor::zeros_on(shape, dtype, device)?,
             max_exp_avg_sq: match amsgrad {
-                true => Some(Tensor::zeros(shape, dtype)?),
+                true => Some(Tensor::zeros_on(shape, dtype, device)?),
                 false => None,
             },
         })
@@ -239,14 +244,14 @@ impl AdamCore {
                 let groups = group_by_dtype(&params);
                 let flat = groups
                     .iter()
-                    .map(|g| Moments::zeros(&[g.total], g.dtype, h.amsgrad))
+                    .map(|g| Moments::zeros(&[g.total], g.dtype, g.device, h.amsgrad))
                     .collect::<Result<_>>()?;
                 (groups, flat, Vec::new())
             }
             false => {
                 let states = params
                     .iter()
-                    .map(|p| Moments::zeros(p.shape(), p.dtype(), h.amsgrad))
+                    .map(|p| Moments::zeros(p.shape(), p.dtype(), p.device(), h.amsgrad))
                     .collect::<Result<_>>()?;
                 (Vec::new(), Vec::new(), states)
             }

@@ -1,7 +1,7 @@
 //! The bookkeeping of the multi-tensor ("foreach") optimizers: parameters of one dtype laid end to end,
 //! so their gradients and optimizer states live in single flat tensors.
 
-use kiln_core::{DType, Result, Tensor};
+use kiln_core::{DType, Device, Result, Tensor};
 
 pub(crate) struct FlatGroup {
     /// Indices into the optimizer's parameter list.
@@ -11,13 +11,18 @@ pub(crate) struct FlatGroup {
     pub numels: Vec<usize>,
     pub total: usize,
     pub dtype: DType,
+    /// Where the members live: a flat state sits beside them.
+    pub device: Device,
 }
 
 /// One group per dtype (concatenation needs one dtype), in first-appearance order.
 pub(crate) fn group_by_dtype(params: &[Tensor]) -> Vec<FlatGroup> {
     let mut groups: Vec<FlatGroup> = Vec::new();
     for (i, p) in params.iter().enumerate() {
-        let g = match groups.iter_mut().position(|g| g.dtype == p.dtype()) {
+        let g = match groups
+            .iter_mut()
+            .position(|g| g.dtype == p.dtype() && g.device == p.device())
+        {
             Some(k) => &mut groups[k],
             None => {
                 groups.push(FlatGroup {
@@ -26,6 +31,7 @@ pub(crate) fn group_by_dtype(params: &[Tensor]) -> Vec<FlatGroup> {
                     numels: Vec::new(),
                     total: 0,
                     dtype: p.dtype(),
+                    device: p.device(),
                 });
                 let k = groups.len() - 1;
                 &mut groups[k]
@@ -51,7 +57,7 @@ pub(crate) fn cat_flat(ts: &[Tensor]) -> Result<Tensor> {
 impl FlatGroup {
     /// A zero-filled flat state tensor for this group.
     pub fn zeros(&self) -> Result<Tensor> {
-        Tensor::zeros(&[self.total], self.dtype)
+        Tensor::zeros_on(&[self.total], self.dtype, self.device)
     }
 
     fn is_whole(&self, sel: &[usize]) -> bool {

@@ -1,0 +1,324 @@
+//! Elementwise kernels: unary, binary, where, cast, copies (contiguous, strided, into a strided
+//! destination), and the creation prims (full, iota, rand). One generator: a grid-stride loop over
+//! the output's elements, each operand addressed through its own strides (or directly when it is
+//! contiguous), the op's C expression over the loaded values `x0, x1, x2`.
+
+use std::ffi::c_void;
+use std::fmt::Write;
+use std::sync::Arc;
+
+use kiln_core::prim::{BinaryOp, RandDist, UnaryOp};
+use kiln_core::shape::Layout;
+use kiln_core::{DType, Result};
+
+use super::{c_type, compute_type, grid_for, load, math, store, tag, Geo, MAX_RANK, PRELUDE};
+use crate::buffer::CudaBuffer;
+use crate::device::CudaDevice;
+
+/// What an elementwise kernel computes: its signature tag and its C expression.
+pub(crate) struct Op {
+    pub tag: String,
+    pub expr: String,
+}
+
+/// Scalar arguments every elementwise kernel takes (unused ones are ignored).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Scalars {
+    pub value: f64,
+    pub seed: u64,
+    pub offset: u64,
+}
+
+pub(crate) fn unary(op: UnaryOp, d: DType) -> Op {
+    let ct = compute_type(d);
+    let float = d.is_float();
+    let f = |name: &str| format!("{}(x0)", math(d, name));
+    let expr = match op {
+        UnaryOp::Neg if float => "-x0".to_string(),
+        UnaryOp::Neg => format!("({ct})(0 - x0)"),
+        UnaryOp::Abs if float => f("fabs"),
+        UnaryOp::Abs => format!("(x0 < 0 ? ({ct})(0 - x0) : x0)"),
+        UnaryOp::Exp => f("exp"),
+        UnaryOp::Log => f("log"),
+        UnaryOp::Log1p => f("log1p"),
+        UnaryOp::Sqrt => f("sqrt"),
+        UnaryOp::Sin => f("sin"),
+        UnaryOp::Cos => f("cos"),
+        UnaryOp::Tanh => f("tanh"),
+        UnaryOp::Erf => f("erf"),
+        UnaryOp::Floor if float => f("floor"),
+        UnaryOp::Floor => "x0".to_string(),
+        // NaN keeps its sign's place: sign(NaN) is NaN, as on the CPU
+        UnaryOp::Sign => {
+            format!("(x0 > 0 ? ({ct})1 : (x0 < 0 ? ({ct})(0 - 1) : (x0 != x0 ? x0 : ({ct})0)))")
+        }
+        UnaryOp::Recip => format!("(({ct})1 / x0)"),
+        UnaryOp::Not => "(u8)(!x0)".to_string(),
+    };
+    Op {
+        tag: format!("u{op:?}"),
+        expr,
+    }
+}
+
+pub(crate) fn binary(op: BinaryOp, d: DType) -> Op {
+    let ct = compute_type(d);
+    let float = d.is_float();
+    let expr = match op {
+        BinaryOp::Add => format!("({ct})(x0 + x1)"),
+        BinaryOp::Sub => format!("({ct})(x0 - x1)"),
+        BinaryOp::Mul => format!("({ct})(x0 * x1)"),
+        BinaryOp::Div if float => "(x0 / x1)".to_string(),
+        // integer division by zero is 0 on the CPU too (no trap)
+        BinaryOp::Div => format!("(x1 == 0 ? ({ct})0 : ({ct})(x0 / x1))"),
+        BinaryOp::Pow if float => format!("{}(x0, x1)", math(d, "pow")),
+        BinaryOp::Pow => format!("ipow<{ct}>(x0, x1)"),
+        // NaN in the first operand wins, as in the CPU kernels
+        BinaryOp::Max => "((x0 != x0 || x0 >= x1) ? x0 : x1)".to_string(),
+        BinaryOp::Min => "((x0 != x0 || x0 <= x1) ? x0 : x1)".to_string(),
+        BinaryOp::Eq => "(x0 == x1)".to_string(),
+        BinaryOp::Ne => "(x0 != x1)".to_string(),
+        BinaryOp::Lt => "(x0 < x1)".to_string(),
+        BinaryOp::Le => "(x0 <= x1)".to_string(),
+        BinaryOp::Gt => "(x0 > x1)".to_string(),
+        BinaryOp::Ge => "(x0 >= x1)".to_string(),
+        BinaryOp::And => "(x0 & x1)".to_string(),
+        BinaryOp::Or => "(x0 | x1)".to_string(),
+    };
+    Op {
+        tag: format!("b{op:?}"),
+        expr,
+    }
+}
+
+pub(crate) fn where_op() -> Op {
+    Op {
+        tag: "where".into(),
+        expr: "(x0 ? x1 : x2)".into(),
+    }
+}
+
+/// Identity: copies and casts (the store converts to the output's dtype).
+pub(crate) fn identity() -> Op {
+    Op {
+        tag: "id".into(),
+        expr: "x0".into(),
+    }
+}
+
+pub(crate) fn full() -> Op {
+    Op {
+        tag: "full".into(),
+        expr: "v".into(),
+    }
+}
+
+pub(crate) fn iota() -> Op {
+    Op {
+        tag: "iota".into(),
+        expr: "(double)i".into(),
+    }
+}
+
+/// The core's counter-based generator (`cpu/random.rs`), bit for bit: splitmix64 of (seed,
+/// offset + i), so a device draws the same values as the CPU for one (seed, offset).
+pub(crate) fn rand(dist: RandDist) -> Op {
+    let expr = match dist {
+        RandDist::Uniform => "(double)(rbits(seed, roff + i) >> 11) * (1.0 / 9007199254740992.0)",
+        RandDist::Normal => "rnormal(rbits(seed, roff + i))",
+    };
+    Op {
+        tag: format!("rand{dist:?}"),
+        expr: expr.into(),
+    }
+}
+
+const HELPERS: &str = r#"
+template <typename T> __device__ __forceinline__ T ipow(T a, T b) {
+  if ((long long)b < 0) return 0;
+  T r = 1; unsigned long long e = (unsigned long long)b;
+  while (e) { if (e & 1) r = (T)(r * a); a = (T)(a * a); e >>= 1; }
+  return r;
+}
+__device__ __forceinline__ unsigned long long rmix(unsigned long long z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ unsigned long long rbits(unsigned long long s, unsigned long long c) {
+  return rmix(rmix(s) + c * 0x9e3779b97f4a7c15ULL);
+}
+__device__ __forceinline__ double rnormal(unsigned long long b) {
+  double u1 = ((double)(b >> 32) + 0.5) / 4294967296.0;
+  double u2 = (double)(b & 0xffffffffULL) / 4294967296.0;
+  return sqrt(-2.0 * log(u1)) * cos(2.0 * 3.141592653589793 * u2);
+}
+"#;
+
+/// The largest element offset a layout reaches (for the 32-bit indexing decision).
+fn max_offset(l: &Layout) -> usize {
+    l.offset
+        + l.shape
+            .iter()
+            .zip(&l.strides)
+            .map(|(&d, &s)| d.saturating_sub(1) * s)
+            .sum::<usize>()
+}
+
+/// Runs `op` over `inputs` (each with the output's shape), writing `out` at `out_layout`'s
+/// positions (a fresh contiguous buffer, or an `assign` destination).
+pub(crate) fn launch(
+    dev: &Arc<CudaDevice>,
+    op: &Op,
+    inputs: &[(&CudaBuffer, &Layout)],
+    out: &CudaBuffer,
+    out_layout: &Layout,
+    scalars: Scalars,
+) -> Result<()> {
+    let n = out_layout.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let rank = out_layout.rank();
+    let contig: Vec<bool> = inputs.iter().map(|(_, l)| l.is_contiguous()).collect();
+    let out_contig = out_layout.is_contiguous();
+    let small = n < (1 << 31)
+        && inputs.iter().all(|(_, l)| max_offset(l) < (1 << 31))
+        && max_offset(out_layout) < (1 << 31);
+    let dtypes: Vec<DType> = inputs.iter().map(|(b, _)| b.dtype).collect();
+    let mut sig = format!("ew:{}:{}:r{rank}:{}:", op.tag, tag(out.dtype), small as u8);
+    for (d, c) in dtypes.iter().zip(&contig) {
+        let _ = write!(sig, "{}{},", tag(*d), *c as u8);
+    }
+    let _ = write!(sig, "o{}", out_contig as u8);
+    let f = crate::nvrtc::kernel(dev, &sig, || {
+        source(op, &dtypes, &contig, out.dtype, out_contig, rank, small)
+    })?;
+    let mut geo = Geo {
+        n: n as i64,
+        ..Geo::default()
+    };
+    for (d, &s) in out_layout.shape.iter().enumerate() {
+        geo.shape[d] = s as i64;
+    }
+    let slots = inputs
+        .iter()
+        .map(|(_, l)| *l)
+        .chain(std::iter::once(out_layout));
+    for (j, l) in slots.enumerate() {
+        let j = if j == inputs.len() { 3 } else { j };
+        geo.off[j] = l.offset as i64;
+        for (d, &s) in l.strides.iter().enumerate() {
+            geo.st[j][d] = s as i64;
+        }
+    }
+    let mut ptrs: Vec<u64> = Vec::with_capacity(4);
+    ptrs.push(out.ptr);
+    ptrs.extend(inputs.iter().map(|(b, _)| b.ptr));
+    let Scalars {
+        mut value,
+        mut seed,
+        mut offset,
+    } = scalars;
+    let mut params: Vec<*mut c_void> = ptrs
+        .iter_mut()
+        .map(|p| (p as *mut u64).cast::<c_void>())
+        .collect();
+    params.push((&mut geo as *mut Geo).cast());
+    params.push((&mut value as *mut f64).cast());
+    params.push((&mut seed as *mut u64).cast());
+    params.push((&mut offset as *mut u64).cast());
+    let (grid, block) = grid_for(n, dev.sm_count);
+    dev.launch(f, grid, block, 0, &mut params)
+}
+
+fn source(
+    op: &Op,
+    dtypes: &[DType],
+    contig: &[bool],
+    out: DType,
+    out_contig: bool,
+    rank: usize,
+    small: bool,
+) -> String {
+    let idx = if small {
+        "unsigned int"
+    } else {
+        "unsigned long long"
+    };
+    let mut s = String::from(PRELUDE);
+    s.push_str(HELPERS);
+    let _ = write!(
+        s,
+        "extern \"C\" __global__ void k({}* __restrict__ out",
+        c_type(out)
+    );
+    for (j, d) in dtypes.iter().enumerate() {
+        let _ = write!(s, ", const {}* __restrict__ in{j}", c_type(*d));
+    }
+    s.push_str(", Geo g, double v, unsigned long long seed, unsigned long long roff) {\n");
+    let _ = writeln!(s, "  typedef {idx} idx;");
+    s.push_str("  for (unsigned long long i0 = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i0 < (unsigned long long)g.n; i0 += (unsigned long long)gridDim.x * blockDim.x) {\n");
+    s.push_str("    idx i = (idx)i0;\n");
+    // operand slots addressed by strides: inputs that are not contiguous, and a strided output
+    let mut strided: Vec<usize> = (0..dtypes.len()).filter(|&j| !contig[j]).collect();
+    if !out_contig {
+        strided.push(3);
+    }
+    for (j, &c) in contig.iter().enumerate() {
+        if c {
+            let _ = writeln!(s, "    idx o{j} = (idx)g.off[{j}] + i;");
+        } else {
+            let _ = writeln!(s, "    idx o{j} = (idx)g.off[{j}];");
+        }
+    }
+    if out_contig {
+        s.push_str("    idx o3 = (idx)g.off[3] + i;\n");
+    } else {
+        s.push_str("    idx o3 = (idx)g.off[3];\n");
+    }
+    if !strided.is_empty() && rank > 0 {
+        s.push_str("    { idx r = i;\n");
+        for d in (0..rank.min(MAX_RANK)).rev() {
+            let _ = write!(
+                s,
+                "      {{ idx c = r % (idx)g.shape[{d}]; r /= (idx)g.shape[{d}];"
+            );
+            for &j in &strided {
+                let _ = write!(s, " o{j} += c * (idx)g.st[{j}][{d}];");
+            }
+            s.push_str(" }\n");
+        }
+        s.push_str("    }\n");
+    }
+    for (j, d) in dtypes.iter().enumerate() {
+        let _ = writeln!(
+            s,
+            "    {} x{j} = {};",
+            compute_type(*d),
+            load(*d, &format!("in{j}[o{j}]"))
+        );
+    }
+    let _ = writeln!(s, "    out[o3] = {};", store(out, &op.expr));
+    s.push_str("  }\n}\n");
+    s
+}
+
+/// A contiguous copy of the elements `layout` addresses in `buf`.
+pub(crate) fn copy_strided(
+    dev: &Arc<CudaDevice>,
+    buf: &CudaBuffer,
+    layout: &Layout,
+) -> Result<CudaBuffer> {
+    let out = dev.alloc(layout.numel(), buf.dtype)?;
+    let dst = Layout::contiguous(&layout.shape);
+    launch(
+        dev,
+        &identity(),
+        &[(buf, layout)],
+        &out,
+        &dst,
+        Scalars::default(),
+    )?;
+    Ok(out)
+}

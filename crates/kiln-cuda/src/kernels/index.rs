@@ -1,0 +1,201 @@
+//! gather and scatter_add along one dim. Index values are checked on the device: an index out of
+//! range sets a flag instead of touching memory, and the flag is read back after the launch (one
+//! synchronization) so the op returns the same `Err` as on the CPU.
+//! scatter_add accumulates with atomics: for floats the order of additions, and so the rounding,
+//! can differ from the CPU's sequential loop.
+
+use std::ffi::c_void;
+use std::fmt::Write;
+use std::sync::Arc;
+
+use cudarc::driver::result;
+use kiln_core::shape::Layout;
+use kiln_core::{DType, Error, Result};
+
+use super::elementwise::{self as ew, Scalars};
+use super::{c_type, tag, Geo, PRELUDE};
+use crate::buffer::CudaBuffer;
+use crate::device::{cu_err, CudaDevice};
+
+/// Whether scatter_add has an atomic add for `d` here (others take the host path).
+pub(crate) fn scatter_supported(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::F64 | DType::I32 | DType::I64)
+}
+
+/// out[p] = x[p with coordinate `dim` replaced by index[p]]; `out` has the index's shape.
+pub(crate) fn gather(
+    dev: &Arc<CudaDevice>,
+    (x, lx): (&CudaBuffer, &Layout),
+    (idx, li): (&CudaBuffer, &Layout),
+    dim: usize,
+    out: &CudaBuffer,
+) -> Result<()> {
+    let mut g = geo(li);
+    for (d, &s) in lx.strides.iter().enumerate() {
+        g.st[1][d] = s as i64;
+    }
+    g.off[1] = lx.offset as i64;
+    run(
+        dev,
+        "gather",
+        x.dtype,
+        dim,
+        &mut g,
+        lx.shape[dim],
+        out.ptr,
+        idx.ptr,
+        x.ptr,
+    )
+}
+
+/// out = x; out[p with coordinate `dim` replaced by index[p]] += src[p].
+pub(crate) fn scatter_add(
+    dev: &Arc<CudaDevice>,
+    (x, lx): (&CudaBuffer, &Layout),
+    (idx, li): (&CudaBuffer, &Layout),
+    (src, ls): (&CudaBuffer, &Layout),
+    dim: usize,
+    out: &CudaBuffer,
+) -> Result<()> {
+    let full = Layout::contiguous(&lx.shape);
+    ew::launch(
+        dev,
+        &ew::identity(),
+        &[(x, lx)],
+        out,
+        &full,
+        Scalars::default(),
+    )?;
+    let mut g = geo(li);
+    for (d, &s) in ls.strides.iter().enumerate() {
+        g.st[1][d] = s as i64;
+    }
+    g.off[1] = ls.offset as i64;
+    for (d, &s) in full.strides.iter().enumerate() {
+        g.st[3][d] = s as i64;
+    }
+    run(
+        dev,
+        "scatter",
+        x.dtype,
+        dim,
+        &mut g,
+        lx.shape[dim],
+        out.ptr,
+        idx.ptr,
+        src.ptr,
+    )
+}
+
+fn geo(li: &Layout) -> Geo {
+    let mut g = Geo {
+        n: li.numel() as i64,
+        off: [li.offset as i64, 0, 0, 0],
+        ..Geo::default()
+    };
+    for d in 0..li.rank() {
+        g.shape[d] = li.shape[d] as i64;
+        g.st[0][d] = li.strides[d] as i64;
+    }
+    g
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    dev: &Arc<CudaDevice>,
+    mode: &'static str,
+    d: DType,
+    dim: usize,
+    g: &mut Geo,
+    dim_size: usize,
+    out: u64,
+    idx: u64,
+    data: u64,
+) -> Result<()> {
+    let n = g.n as usize;
+    if n == 0 {
+        return Ok(());
+    }
+    let rank = (0..8)
+        .rposition(|k| g.shape[k] != 0)
+        .map_or(0, |k| k + 1)
+        .max(dim + 1);
+    let sig = format!("{mode}:{}:r{rank}:d{dim}", tag(d));
+    let f = crate::nvrtc::kernel(dev, &sig, || source(mode, d, rank, dim))?;
+    let flag = dev.alloc(1, DType::I32)?;
+    // SAFETY: a live 4-byte block; the memset is queued before the kernel on the same stream
+    unsafe { result::memset_d8_async(flag.ptr, 0, 4, dev.stream) }
+        .map_err(|e| cu_err("memset", dev.ordinal, e))?;
+    let (mut o, mut i, mut x, mut fl) = (out, idx, data, flag.ptr);
+    let mut ds = dim_size as i64;
+    let mut params: Vec<*mut c_void> = vec![
+        (&mut o as *mut u64).cast(),
+        (&mut i as *mut u64).cast(),
+        (&mut x as *mut u64).cast(),
+        (g as *mut Geo).cast(),
+        (&mut ds as *mut i64).cast(),
+        (&mut fl as *mut u64).cast(),
+    ];
+    let (grid, block) = super::grid_for(n, dev.sm_count);
+    dev.launch(f, grid, block, 0, &mut params)?;
+    let mut bad = [0i32];
+    // SAFETY: `bad` is a live host array of one i32; the sync completes the copy before the read
+    unsafe { result::memcpy_dtoh_async(&mut bad[..], flag.ptr, dev.stream) }
+        .map_err(|e| cu_err("copy to host", dev.ordinal, e))?;
+    dev.synchronize()?;
+    if bad[0] != 0 {
+        let op = if mode == "gather" {
+            "gather"
+        } else {
+            "scatter_add"
+        };
+        return Err(Error::index(
+            op,
+            format!("an index is out of range for dim {dim} of size {dim_size}"),
+        ));
+    }
+    Ok(())
+}
+
+fn source(mode: &str, d: DType, rank: usize, dim: usize) -> String {
+    let t = c_type(d);
+    let mut s = String::from(PRELUDE);
+    let _ = writeln!(
+        s,
+        "extern \"C\" __global__ void k({t}* __restrict__ out, const long long* __restrict__ idx, const {t}* __restrict__ data, Geo g, long long dsize, int* bad) {{
+  for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < g.n; i += (long long)gridDim.x * blockDim.x) {{
+    long long r = i, oi = g.off[0], od = g.off[1], oo = 0;"
+    );
+    for k in (0..rank).rev() {
+        let _ = write!(
+            s,
+            "    {{ long long c = r % g.shape[{k}]; r /= g.shape[{k}]; oi += c * g.st[0][{k}];"
+        );
+        if mode == "gather" {
+            if k != dim {
+                let _ = write!(s, " od += c * g.st[1][{k}];");
+            }
+        } else {
+            let _ = write!(s, " od += c * g.st[1][{k}];");
+            if k != dim {
+                let _ = write!(s, " oo += c * g.st[3][{k}];");
+            }
+        }
+        s.push_str(" }\n");
+    }
+    s.push_str(
+        "    long long j = idx[oi];\n    if (j < 0 || j >= dsize) { *bad = 1; continue; }\n",
+    );
+    if mode == "gather" {
+        let _ = writeln!(s, "    out[i] = data[od + j * g.st[1][{dim}]];");
+    } else {
+        let _ = writeln!(s, "    oo += j * g.st[3][{dim}];");
+        let add = match d {
+            DType::I64 => "atomicAdd((unsigned long long*)&out[oo], (unsigned long long)data[od]);",
+            _ => "atomicAdd(&out[oo], data[od]);",
+        };
+        let _ = writeln!(s, "    {add}");
+    }
+    s.push_str("  }\n}\n");
+    s
+}

@@ -1,0 +1,198 @@
+//! kiln-core's `DeviceRuntime` for CUDA: maps each prim to a generated kernel, cuBLAS, or the host
+//! path, on the operands' device.
+
+use std::sync::Arc;
+
+use kiln_core::device::{DeviceBuffer, DeviceRuntime};
+use kiln_core::prim::{OutMeta, Prim};
+use kiln_core::shape::Layout;
+use kiln_core::storage::CpuStorage;
+use kiln_core::{Device, Error, Result, Tensor};
+
+use crate::buffer::CudaBuffer;
+use crate::device::CudaDevice;
+use crate::kernels::elementwise::{self as ew, Scalars};
+use crate::kernels::{argreduce, index, movement, reduce, MAX_RANK};
+
+pub(crate) struct CudaRuntime;
+
+pub(crate) fn ordinal(op: &'static str, device: Device) -> Result<usize> {
+    match device {
+        Device::Cuda(n) => Ok(n),
+        Device::Cpu => Err(Error::Device {
+            op,
+            lhs: device,
+            rhs: Device::Cuda(0),
+            msg: "the CUDA runtime was handed a CPU device".into(),
+        }),
+    }
+}
+
+fn cuda_buf<'a>(op: &'static str, b: &'a Arc<dyn DeviceBuffer>) -> Result<&'a CudaBuffer> {
+    b.as_any()
+        .downcast_ref::<CudaBuffer>()
+        .ok_or_else(|| Error::Device {
+            op,
+            lhs: b.device(),
+            rhs: b.device(),
+            msg: "buffer was not allocated by kiln's CUDA runtime".into(),
+        })
+}
+
+fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBuffer, &'a Layout)> {
+    let b = t.device_buffer().ok_or_else(|| Error::Device {
+        op,
+        lhs: t.device(),
+        rhs: Device::Cuda(0),
+        msg: format!("operand of shape {:?} is not on a CUDA device", t.shape()),
+    })?;
+    Ok((cuda_buf(op, b)?, t.layout()))
+}
+
+impl DeviceRuntime for CudaRuntime {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload(&self, device: Device, data: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>> {
+        let dev = CudaDevice::get(ordinal("to", device)?)?;
+        Ok(Arc::new(dev.upload(data)?))
+    }
+
+    fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage> {
+        let b = cuda_buf("to", buf)?;
+        b.dev.download(b, layout)
+    }
+
+    fn execute(
+        &self,
+        device: Device,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+    ) -> Result<Arc<dyn DeviceBuffer>> {
+        let name = prim.name();
+        let dev = CudaDevice::get(ordinal(name, device)?)?;
+        let n: usize = meta.shape.iter().product();
+        let rank_ok = meta.shape.len() <= MAX_RANK && inputs.iter().all(|t| t.rank() <= MAX_RANK);
+        let ops = inputs
+            .iter()
+            .map(|t| operand(name, t))
+            .collect::<Result<Vec<_>>>()?;
+        let out_layout = Layout::contiguous(&meta.shape);
+        let elementwise = |op: ew::Op, scalars: Scalars| -> Result<Arc<dyn DeviceBuffer>> {
+            let out = dev.alloc(n, meta.dtype)?;
+            ew::launch(&dev, &op, &ops, &out, &out_layout, scalars)?;
+            Ok(Arc::new(out))
+        };
+        let dt = |i: usize| inputs[i].dtype();
+        match prim {
+            _ if !rank_ok => crate::fallback::run(&dev, prim, inputs),
+            Prim::Unary(op) => elementwise(ew::unary(*op, dt(0)), Scalars::default()),
+            Prim::Binary(op) => elementwise(ew::binary(*op, dt(0)), Scalars::default()),
+            Prim::Where => elementwise(ew::where_op(), Scalars::default()),
+            Prim::Cast(_) | Prim::Contiguous => elementwise(ew::identity(), Scalars::default()),
+            Prim::Reshape(_) => {
+                // not viewable: a contiguous copy in the input's own shape, re-laid by dispatch
+                let (b, l) = ops[0];
+                Ok(Arc::new(ew::copy_strided(&dev, b, l)?))
+            }
+            Prim::Full { value, .. } => elementwise(
+                ew::full(),
+                Scalars {
+                    value: *value,
+                    ..Scalars::default()
+                },
+            ),
+            Prim::Iota { .. } => elementwise(ew::iota(), Scalars::default()),
+            Prim::Rand {
+                dist, seed, offset, ..
+            } => elementwise(
+                ew::rand(*dist),
+                Scalars {
+                    seed: *seed,
+                    offset: *offset,
+                    ..Scalars::default()
+                },
+            ),
+            Prim::Reduce { op, dims } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                let (b, l) = ops[0];
+                reduce::launch(&dev, *op, dims, b, l, &out)?;
+                Ok(Arc::new(out))
+            }
+            Prim::ArgReduce { op, dim } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                let (b, l) = ops[0];
+                argreduce::launch(&dev, *op, *dim, b, l, &out)?;
+                Ok(Arc::new(out))
+            }
+            Prim::Pad { pads, value } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                movement::pad(&dev, ops[0], pads, *value, &out, &meta.shape)?;
+                Ok(Arc::new(out))
+            }
+            Prim::Cat { dim } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                movement::cat(&dev, &ops, *dim, &out, &meta.shape)?;
+                Ok(Arc::new(out))
+            }
+            Prim::Gather { dim } => {
+                let out = dev.alloc(n, meta.dtype)?;
+                index::gather(&dev, ops[0], ops[1], *dim, &out)?;
+                Ok(Arc::new(out))
+            }
+            Prim::ScatterAdd { dim }
+                if index::scatter_supported(meta.dtype)
+                    && inputs[1].shape() == inputs[2].shape() =>
+            {
+                let out = dev.alloc(n, meta.dtype)?;
+                index::scatter_add(&dev, ops[0], ops[1], ops[2], *dim, &out)?;
+                Ok(Arc::new(out))
+            }
+            Prim::Matmul if meta.dtype.is_float() => {
+                let out = dev.alloc(n, meta.dtype)?;
+                crate::matmul::matmul(&dev, ops[0], ops[1], &out)?;
+                Ok(Arc::new(out))
+            }
+            _ => crate::fallback::run(&dev, prim, inputs),
+        }
+    }
+
+    fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
+        let (db, dl) = operand("assign", dst)?;
+        let (sb, sl) = operand("assign", src)?;
+        let dev = db.dev.clone();
+        if dl.rank() > MAX_RANK {
+            return Err(Error::unsupported(
+                "assign",
+                format!("CUDA tensors of rank {} (at most {MAX_RANK})", dl.rank()),
+            ));
+        }
+        if dst.shares_storage(src) {
+            // the source may overlap the destination: read it all before writing
+            let tmp = ew::copy_strided(&dev, sb, sl)?;
+            let tl = Layout::contiguous(&sl.shape);
+            return ew::launch(
+                &dev,
+                &ew::identity(),
+                &[(&tmp, &tl)],
+                db,
+                dl,
+                Scalars::default(),
+            );
+        }
+        ew::launch(
+            &dev,
+            &ew::identity(),
+            &[(sb, sl)],
+            db,
+            dl,
+            Scalars::default(),
+        )
+    }
+
+    fn synchronize(&self, device: Device) -> Result<()> {
+        CudaDevice::get(ordinal("synchronize", device)?)?.synchronize()
+    }
+}
