@@ -593,7 +593,10 @@ fn mixed_devices_error() -> std::result::Result<(), String> {
 }
 
 fn main() {
-    let args = Arguments::from_args();
+    let mut args = Arguments::from_args();
+    // one trial at a time: the allocator and NVRTC counters some trials check are per device, and
+    // trials running side by side would move them (allocator_steady_state saw others' cuMemAllocs)
+    args.test_threads = Some(1);
     kiln_cuda::init();
     let available = kiln_cuda::is_available();
     if !available {
