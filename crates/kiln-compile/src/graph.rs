@@ -154,7 +154,7 @@ impl Graph {
     /// A readable listing, like torch.fx's `print_readable`.
     pub fn to_code(&self, name: &str) -> String {
         let mut s = String::new();
-        let ty = |n: &Node| format!("{}{:?}", short(n.dtype), n.shape);
+        let ty = |n: &Node| format!("{}{:?}", n.dtype.tag(), n.shape);
         let inputs: Vec<String> = self
             .input_nodes()
             .iter()
@@ -190,26 +190,13 @@ impl Graph {
     }
 }
 
-fn short(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::U8 => "u8",
-        DType::Bool => "b8",
-    }
-}
-
 fn prim_text(p: &Prim) -> String {
     match p {
         Prim::Unary(u) => format!("{u:?}").to_lowercase(),
         Prim::Binary(b) => format!("{b:?}").to_lowercase(),
         Prim::Reduce { op, dims } => format!("{}[dims={dims:?}]", format!("{op:?}").to_lowercase()),
         Prim::ArgReduce { op, dim } => format!("{}[dim={dim}]", format!("{op:?}").to_lowercase()),
-        Prim::Cast(d) => format!("cast[{}]", short(*d)),
+        Prim::Cast(d) => format!("cast[{}]", d.tag()),
         other => {
             let d = format!("{other:?}");
             // `Reshape([2, 3])` -> `reshape[[2, 3]]`, `Slice { dim: 0, .. }` -> `slice[dim: 0, ..]`

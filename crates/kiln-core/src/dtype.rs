@@ -57,6 +57,20 @@ impl DType {
         }
     }
     /// The safetensors dtype tag.
+    /// A short tag (`f32`, `bf16`, `b8`) for kernel signatures and graph listings.
+    pub fn tag(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+            DType::Bool => "b8",
+        }
+    }
+
     pub fn safetensors_name(self) -> &'static str {
         match self {
             DType::F32 => "F32",

@@ -9,7 +9,7 @@ use kiln_core::prim::ArgReduceOp;
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Result};
 
-use super::{c_type, compute_type, load, tag, Geo, PRELUDE};
+use super::{c_type, compute_type, load, Geo, PRELUDE};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
@@ -40,7 +40,7 @@ pub(crate) fn launch(
         return Ok(());
     }
     let d = x.dtype;
-    let sig = format!("arg:{op:?}:{}:r{rank}", tag(d));
+    let sig = format!("arg:{op:?}:{}:r{rank}", d.tag());
     let f = crate::nvrtc::kernel(dev, &sig, || source(op, d, rank))?;
     let (mut o, mut i) = (out.ptr, x.ptr);
     let mut params: Vec<*mut c_void> = vec![

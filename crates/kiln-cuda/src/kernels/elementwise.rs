@@ -11,7 +11,7 @@ use kiln_core::prim::{BinaryOp, RandDist, UnaryOp};
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Result};
 
-use super::{c_type, compute_type, grid_for, load, math, store, tag, Geo, MAX_RANK, PRELUDE};
+use super::{c_type, compute_type, grid_for, load, math, store, Geo, MAX_RANK, PRELUDE};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
@@ -186,9 +186,9 @@ pub(crate) fn launch(
         && inputs.iter().all(|(_, l)| max_offset(l) < (1 << 31))
         && max_offset(out_layout) < (1 << 31);
     let dtypes: Vec<DType> = inputs.iter().map(|(b, _)| b.dtype).collect();
-    let mut sig = format!("ew:{}:{}:r{rank}:{}:", op.tag, tag(out.dtype), small as u8);
+    let mut sig = format!("ew:{}:{}:r{rank}:{}:", op.tag, out.dtype.tag(), small as u8);
     for (d, c) in dtypes.iter().zip(&contig) {
-        let _ = write!(sig, "{}{},", tag(*d), *c as u8);
+        let _ = write!(sig, "{}{},", d.tag(), *c as u8);
     }
     let _ = write!(sig, "o{}", out_contig as u8);
     let f = crate::nvrtc::kernel(dev, &sig, || {

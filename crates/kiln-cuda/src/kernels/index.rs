@@ -13,7 +13,7 @@ use kiln_core::shape::Layout;
 use kiln_core::{DType, Error, Result};
 
 use super::elementwise::{self as ew, Scalars};
-use super::{c_type, tag, Geo, PRELUDE};
+use super::{c_type, Geo, PRELUDE};
 use crate::buffer::CudaBuffer;
 use crate::device::{cu_err, CudaDevice};
 
@@ -120,7 +120,7 @@ fn run(
         .rposition(|k| g.shape[k] != 0)
         .map_or(0, |k| k + 1)
         .max(dim + 1);
-    let sig = format!("{mode}:{}:r{rank}:d{dim}", tag(d));
+    let sig = format!("{mode}:{}:r{rank}:d{dim}", d.tag());
     let f = crate::nvrtc::kernel(dev, &sig, || source(mode, d, rank, dim))?;
     let flag = dev.alloc(1, DType::I32)?;
     // SAFETY: a live 4-byte block; the memset is queued before the kernel on the same stream

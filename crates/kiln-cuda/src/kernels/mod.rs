@@ -87,20 +87,6 @@ pub(crate) fn math(d: DType, name: &str) -> String {
     }
 }
 
-/// Short dtype tag for kernel signatures.
-pub(crate) fn tag(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::U8 => "u8",
-        DType::Bool => "b",
-    }
-}
-
 /// Threads per block for elementwise work, and a grid that covers `n` with grid-stride loops.
 pub(crate) fn grid_for(n: usize, sm_count: u32) -> (u32, u32) {
     let block = 256u32;

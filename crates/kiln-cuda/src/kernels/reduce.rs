@@ -13,7 +13,7 @@ use kiln_core::prim::ReduceOp;
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Result};
 
-use super::{c_type, compute_type, load, store, tag, PRELUDE};
+use super::{c_type, compute_type, load, store, PRELUDE};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
@@ -112,7 +112,7 @@ pub(crate) fn launch(
     } else {
         (g.nred as usize).next_power_of_two().clamp(32, 256) as u32
     };
-    let sig = format!("red:{op:?}:{}:k{kr}:r{rr}:t{}", tag(d), per_thread as u8);
+    let sig = format!("red:{op:?}:{}:k{kr}:r{rr}:t{}", d.tag(), per_thread as u8);
     let f = crate::nvrtc::kernel(dev, &sig, || source(op, d, kr, rr, per_thread))?;
     let (mut o, mut i) = (out.ptr, x.ptr);
     let mut params: Vec<*mut c_void> = vec![
