@@ -201,6 +201,7 @@ impl Backend for CpuCodegen {
                         kiln_core::Error::arg("kiln backend", "kernel count mismatch")
                     })?,
                     inputs: kernel.inputs,
+                    name: kernel.name.into(),
                 }),
                 Planned::Extern { node } => Ok(Exec::Extern { node }),
             })

@@ -86,3 +86,33 @@ fn compiled_regions_and_their_backward_nest_the_work_they_run() -> Result<()> {
     assert!(bad.unwrap_err().to_string().contains("cannot write"));
     Ok(())
 }
+
+#[test]
+fn generated_kernels_get_their_own_rows() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    if kiln::inductor::runtime::cc::toolchain().is_none() {
+        eprintln!("SKIPPED: no C compiler, so no generated kernels to profile");
+        return Ok(());
+    }
+    let f = kiln::compile_fn(
+        |a: &[Tensor]| Ok(vec![a[0].sin()?.add(&a[0].cos()?)?]),
+        CompileOptions::default(),
+    )?;
+    let x = Tensor::randn(&[1024], DType::F32)?;
+    f.call(std::slice::from_ref(&x))?;
+    let (r, p) = kiln::profile(|| f.call(std::slice::from_ref(&x)));
+    r?;
+    let rows = p.rows();
+    let kernel = rows
+        .iter()
+        .find(|r| r.category == Category::Kernel)
+        .unwrap_or_else(|| panic!("no kernel row: {rows:?}"));
+    assert_eq!(kernel.calls, 1);
+    // the fused sin+cos+add is one kernel inside the compiled region
+    let region = rows
+        .iter()
+        .find(|r| r.category == Category::CompiledRegion)
+        .expect("a compiled-region row");
+    assert!(region.total_ns >= kernel.total_ns);
+    Ok(())
+}

@@ -3,11 +3,13 @@
 //! pooled buffer behind an intermediate is free for a later kernel (see `plan.rs`, `pool.rs`).
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use kiln_compile::graph::{rand_at, Graph, NodeId, Op};
 use kiln_compile::CompiledGraph;
 use kiln_core::dispatch::apply;
 use kiln_core::ops::default_draw;
+use kiln_core::profiler;
 use kiln_core::{no_grad, Error, Result, Tensor};
 
 use super::cc::KernelFn;
@@ -21,6 +23,8 @@ pub enum Exec {
         outs: Vec<(NodeId, Alloc)>,
         f: KernelFn,
         inputs: Vec<NodeId>,
+        /// The kernel's C name (the hash of its source), for the profiler.
+        name: Arc<str>,
     },
     Extern {
         node: NodeId,
@@ -137,6 +141,7 @@ impl CompiledCpu {
                     outs,
                     f,
                     inputs: reads,
+                    name,
                 } => {
                     let mut args_t = Vec::with_capacity(reads.len());
                     for &i in reads {
@@ -162,6 +167,8 @@ impl CompiledCpu {
                             .map(|t| unsafe { t.data_ptr() } as *mut c_void)
                             .collect();
                         args.extend(out_t.iter().map(|t| unsafe { t.data_ptr() } as *mut c_void));
+                        let _span =
+                            profiler::span(profiler::Category::Kernel, || name.to_string().into());
                         unsafe { f(args.as_ptr()) };
                     }
                     for (&(node, _), t) in outs.iter().zip(out_t) {
