@@ -8,7 +8,7 @@ use kiln::inductor::with_fresh_cache;
 use kiln::{DType, Tensor};
 
 use super::BenchResult;
-use crate::harness::{once, Ctx};
+use crate::harness::{once, Ctx, Timing};
 
 const W: &str = "sincos";
 const BIG: usize = 1 << 26;
@@ -25,6 +25,14 @@ fn par_copy(dst: &mut [f32], src: &[f32], threads: usize) {
             s.spawn(move || d.copy_from_slice(x));
         }
     });
+}
+
+/// One pass over the 2^26 elements: its time per call, and the bandwidth of reading and writing
+/// them once.
+fn emit_pass(ctx: &mut Ctx, variant: &str, t: &Timing) {
+    let bytes = (2 * BIG * 4) as f64; // read 4 B and write 4 B per element
+    ctx.emit(W, variant, "call", t.us(), "us");
+    ctx.emit(W, variant, "bandwidth", bytes / t.s() / 1e9, "GB/s");
 }
 
 pub fn run(ctx: &mut Ctx) -> BenchResult {
@@ -44,18 +52,14 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
     ctx.emit(W, mode, "call", t.us(), "us");
 
     // 2^26 elements: bandwidth
-    let bytes = (2 * BIG * 4) as f64; // read 4 B and write 4 B per element
-    let gbs = |secs: f64| bytes / secs / 1e9;
     let xb = Tensor::randn(&[BIG], DType::F32)?;
     let t = timer.time("sincos: eager 64M", || f(&xb))?;
-    ctx.emit(W, "eager_64M", "call", t.us(), "us");
-    ctx.emit(W, "eager_64M", "bandwidth", gbs(t.s()), "GB/s");
+    emit_pass(ctx, "eager_64M", &t);
     let g = kiln::compile_fn(|a: &[Tensor]| Ok(vec![f(&a[0])?]), ctx.opts())?;
     let args = [xb.clone()];
     let compiled = timer.time("sincos: compiled 64M", || g.call(&args))?;
     let variant = format!("{mode}_64M");
-    ctx.emit(W, &variant, "call", compiled.us(), "us");
-    ctx.emit(W, &variant, "bandwidth", gbs(compiled.s()), "GB/s");
+    emit_pass(ctx, &variant, &compiled);
 
     // the copies: memcpy into a buffer allocated once (the floor), with one thread and with all;
     // memcpy into a new buffer each call (what an output allocation costs without a caching
@@ -66,53 +70,30 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
         dst.copy_from_slice(&src);
         Ok::<_, kiln::Error>(dst[BIG / 2])
     })?;
-    ctx.emit(W, "copy_64M_memcpy_1thread", "call", one.us(), "us");
-    ctx.emit(
-        W,
-        "copy_64M_memcpy_1thread",
-        "bandwidth",
-        gbs(one.s()),
-        "GB/s",
-    );
+    emit_pass(ctx, "copy_64M_memcpy_1thread", &one);
     let n = crate::threads();
     let all = timer.time("sincos: memcpy, all threads", || {
         par_copy(&mut dst, &src, n);
         Ok::<_, kiln::Error>(dst[BIG / 2])
     })?;
     let v = format!("copy_64M_memcpy_{n}threads");
-    ctx.emit(W, &v, "call", all.us(), "us");
-    ctx.emit(W, &v, "bandwidth", gbs(all.s()), "GB/s");
+    emit_pass(ctx, &v, &all);
     drop(dst);
     let fresh = timer.time("sincos: memcpy into a new buffer", || {
         let mut d = Vec::<f32>::with_capacity(BIG);
         d.extend_from_slice(&src);
         Ok::<_, kiln::Error>(d)
     })?;
-    ctx.emit(W, "copy_64M_new_buffer", "call", fresh.us(), "us");
-    ctx.emit(
-        W,
-        "copy_64M_new_buffer",
-        "bandwidth",
-        gbs(fresh.s()),
-        "GB/s",
-    );
+    emit_pass(ctx, "copy_64M_new_buffer", &fresh);
     drop(src);
     let view = xb.reshape([2, BIG / 2])?.permute(&[1, 0])?;
     let t = timer.time("sincos: eager contiguous copy", || view.contiguous())?;
-    ctx.emit(W, "copy_64M_eager_contiguous", "call", t.us(), "us");
-    ctx.emit(
-        W,
-        "copy_64M_eager_contiguous",
-        "bandwidth",
-        gbs(t.s()),
-        "GB/s",
-    );
+    emit_pass(ctx, "copy_64M_eager_contiguous", &t);
     let c = kiln::compile_fn(|a: &[Tensor]| Ok(vec![a[0].contiguous()?]), ctx.opts())?;
     let cargs = [view.clone()];
     let t = timer.time("sincos: compiled contiguous copy", || c.call(&cargs))?;
     let v = format!("copy_64M_{mode}_contiguous");
-    ctx.emit(W, &v, "call", t.us(), "us");
-    ctx.emit(W, &v, "bandwidth", gbs(t.s()), "GB/s");
+    emit_pass(ctx, &v, &t);
 
     let floor = one.s().min(all.s());
     ctx.emit(
