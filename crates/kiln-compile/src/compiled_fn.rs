@@ -5,14 +5,14 @@ use std::sync::{Arc, Mutex, TryLockError};
 
 use kiln_core::intercept;
 use kiln_core::profiler;
-use kiln_core::{no_grad, Error, Result, Tensor};
+use kiln_core::{Error, Result, Tensor};
 
 use crate::backends::{lookup_backend, Backend, BackendContext, CompiledGraph};
 use crate::cache;
 use crate::guards::Guards;
 use crate::logs::{self, Channel};
 use crate::options::{BackendChoice, CompileOptions};
-use crate::trace::{SegmentRecord, Source, Tracer};
+use crate::trace::{write_back, SegmentRecord, Source, Tracer};
 
 type UserFn<'f> = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'f>;
 
@@ -265,12 +265,13 @@ impl<'f> CompiledFn<'f> {
         st.stats.traces += 1;
         let breaks = records.iter().filter(|r| r.ended_by.is_some()).count();
         st.stats.graph_breaks += breaks;
-        if let Some(why) = tracer.retrace_reason() {
+        let retrace = tracer.retrace_reason();
+        if let Some(why) = retrace {
             logs::emit(Channel::GraphBreaks, || {
                 format!("{} is traced on every call: {why}", self.name)
             });
         }
-        if breaks > 0 || st.has_breaks || tracer.retrace_reason().is_some() {
+        if breaks > 0 || st.has_breaks || retrace.is_some() {
             // the Rust code between graphs must run each call: trace every call, graphs come from cache
             st.has_breaks = true;
             return Ok(outs);
@@ -337,11 +338,7 @@ fn replay(e: &Entry, args: &[Tensor]) -> Result<Vec<Tensor>> {
         None => Vec::new(),
     };
     for (dst, k) in &e.mutations {
-        let dst = dst.resolve(args)?;
-        // a backend that wrote in place (`Graph::mutated_inputs`) hands the destination back
-        if !results[*k].same_tensor(&dst) {
-            no_grad(|| dst.assign(&results[*k]))?;
-        }
+        write_back(&dst.resolve(args)?, &results[*k])?;
     }
     Ok(e.outputs
         .iter()

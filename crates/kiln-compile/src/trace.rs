@@ -49,6 +49,15 @@ impl Source {
     }
 }
 
+/// Gives `dst` a graph's new value for it. A backend that wrote in place
+/// (`Graph::mutated_inputs`) hands the destination itself back: nothing to copy.
+pub(crate) fn write_back(dst: &Tensor, new: &Tensor) -> Result<()> {
+    if new.same_tensor(dst) {
+        return Ok(());
+    }
+    kiln_core::no_grad(|| dst.assign(new))
+}
+
 /// Why a graph ended early.
 #[derive(Clone, Debug)]
 pub struct GraphBreak {
@@ -223,11 +232,7 @@ impl Tracer {
                 t.fill_deferred(v)?;
             }
             for (k, (dst, _)) in mutations.iter().enumerate() {
-                let new = &outs[live.len() + k];
-                // a backend that wrote in place hands the destination itself back
-                if !new.same_tensor(dst) {
-                    kiln_core::no_grad(|| dst.assign(new))?;
-                }
+                write_back(dst, &outs[live.len() + k])?;
             }
             outs
         };
@@ -248,8 +253,8 @@ impl Tracer {
         Ok(())
     }
 
-    /// The graph's `mutated_inputs`: for each in-place write whose destination is a graph input
-    /// written exactly once in the segment, (its output index, that input's index).
+    /// The graph's `mutated_inputs`: for each in-place write whose destination is a graph input,
+    /// (its output index, that input's index). `set_value` keeps one write per destination.
     fn mutated_inputs(
         &self,
         sources: &[Source],
@@ -264,9 +269,6 @@ impl Tracer {
         mutations
             .iter()
             .enumerate()
-            .filter(|(_, (dst, _))| {
-                mutations.iter().filter(|(d, _)| d.same_tensor(dst)).count() == 1
-            })
             .filter_map(|(k, (dst, _))| {
                 let input = sources.iter().position(|s| is(s, dst))?;
                 Some((first_output + k, input))
