@@ -160,6 +160,11 @@ impl SGD {
     }
 
     fn step_loop(&mut self, lr: f64) -> Result<()> {
+        // the value every first-step flag takes: made once per step, not once per parameter
+        let yes = match self.started.is_empty() {
+            true => None,
+            false => Some(Tensor::ones(&[], kiln_core::DType::Bool)?),
+        };
         for (i, p) in self.params.iter().enumerate() {
             let Some(g) = grad_of(p)? else { continue };
             let (buf, started) = (self.bufs.get(i), self.started.get(i));
@@ -168,8 +173,8 @@ impl SGD {
             if let (Some(buf), Some(new_buf)) = (buf, new_buf) {
                 buf.assign(&new_buf)?;
             }
-            if let Some(s) = started {
-                s.assign(&Tensor::ones(&[], kiln_core::DType::Bool)?)?;
+            if let (Some(s), Some(yes)) = (started, &yes) {
+                s.assign(yes)?;
             }
         }
         Ok(())
