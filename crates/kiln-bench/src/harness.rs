@@ -10,7 +10,10 @@ use kiln::{CompileOptions, Mode};
 
 /// Settings every workload reads.
 pub struct Ctx {
+    /// The device's name as given (`cpu`, `cuda`, `cuda:1`), for the report.
     pub device: String,
+    /// Where the workload's tensors live.
+    pub dev: kiln::Device,
     pub mode: Mode,
     pub quick: bool,
     pub report: Report,
@@ -37,7 +40,13 @@ impl Ctx {
             .emit(workload, variant, metric, value, unit, &self.device)
     }
     pub fn timer(&self) -> Timer {
-        Timer { quick: self.quick }
+        Timer {
+            quick: self.quick,
+            device: self.dev,
+        }
+    }
+    pub fn on_gpu(&self) -> bool {
+        self.dev != kiln::Device::Cpu
     }
 }
 
@@ -214,9 +223,19 @@ impl Timing {
 /// runs' mean per-call time (torch_baseline.py's `bench_ms` takes the median of 5 batches).
 pub struct Timer {
     pub quick: bool,
+    /// Waited for at the end of every timed run (work queued on a GPU counts when it finishes).
+    pub device: kiln::Device,
 }
 
 impl Timer {
+    /// Waits for the device's queued work (a timing error would only make the GPU look faster:
+    /// a failed wait is reported and the run continues).
+    fn sync(&self) {
+        if let Err(e) = kiln::core::device::synchronize(self.device) {
+            eprintln!("kiln-bench: synchronize {}: {e}", self.device);
+        }
+    }
+
     /// How long one run should last, and how many runs.
     fn plan(&self) -> (Duration, usize) {
         match self.quick {
@@ -248,6 +267,7 @@ impl Timer {
         loop {
             let t = Instant::now();
             result = black_box(f()?);
+            self.sync();
             last = last.min(t.elapsed());
             warm_calls += 1;
             let more = (warm_calls < 2 && warm.elapsed() < Duration::from_secs(1))
@@ -278,6 +298,7 @@ impl Timer {
             for _ in 0..iters {
                 result = black_box(f()?);
             }
+            self.sync();
             times.push(t.elapsed() / iters as u32);
             pb.inc(iters as u64);
         }

@@ -24,9 +24,12 @@ const WORKLOADS: &[&str] = &[
     "resnet18",
 ];
 
-const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu] [--mode MODE] [--quick]
+/// The workloads that run with `--device cuda` so far.
+const GPU_WORKLOADS: &[&str] = &["sincos", "adam"];
+
+const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | all
-  --device  cpu (the default; cuda is not built yet)
+  --device  cpu (the default) or cuda / cuda:N (sincos and adam so far)
   --mode    default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
 
@@ -81,6 +84,20 @@ fn parse_args() -> Result<Args, String> {
     })
 }
 
+/// `cpu`, `cuda` or `cuda:N`; a CUDA device must be usable (its libraries found, a GPU present).
+fn parse_device(s: &str) -> Result<kiln::Device, String> {
+    let dev = match s {
+        "cpu" => return Ok(kiln::Device::Cpu),
+        "cuda" => kiln::Device::Cuda(0),
+        d => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => kiln::Device::Cuda(n),
+            _ => return Err(format!("unknown device {d:?} (cpu, cuda or cuda:N)")),
+        },
+    };
+    kiln::cuda::check().map_err(|e| format!("--device {s}: {e}"))?;
+    Ok(dev)
+}
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => a,
@@ -92,17 +109,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match args.device.as_str() {
-        "cpu" => {}
-        d if d == "cuda" || d.starts_with("cuda:") => {
-            eprintln!("kiln-bench: CUDA backend not built yet (only --device cpu runs today)");
+    let dev = match parse_device(&args.device) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("kiln-bench: {e}");
             return ExitCode::from(2);
         }
-        d => {
-            eprintln!("kiln-bench: unknown device {d:?} (cpu, or cuda once its backend is built)");
-            return ExitCode::from(2);
-        }
-    }
+    };
     if args.workload == WARM_CHILD {
         return match workloads::regional::warm_child(args.mode) {
             Ok(()) => ExitCode::SUCCESS,
@@ -118,6 +131,7 @@ fn main() -> ExitCode {
     };
     let mut ctx = Ctx {
         device: args.device.clone(),
+        dev,
         mode: args.mode,
         quick: args.quick,
         report: Report::default(),
@@ -134,6 +148,9 @@ fn main() -> ExitCode {
     let mut failed = false;
     for w in selected {
         let r = match w {
+            w if ctx.on_gpu() && !GPU_WORKLOADS.contains(&w) => {
+                Err(format!("{w} does not run on {} yet", ctx.device).into())
+            }
             "regional" => workloads::regional::run(&mut ctx),
             "adam" => workloads::adam::run(&mut ctx),
             "sincos" => workloads::sincos::run(&mut ctx),

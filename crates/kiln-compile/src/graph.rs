@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use kiln_core::prim::Prim;
-use kiln_core::DType;
+use kiln_core::{DType, Device};
 
 pub type NodeId = usize;
 
@@ -25,6 +25,10 @@ pub struct Node {
     pub grad_enabled: bool,
     /// For inputs: whether the tensor fed here requires grad (a guarded fact). False on prims.
     pub requires_grad: bool,
+    /// Where the value lives: an input's device (guarded), where a prim runs (its operands' device,
+    /// or the device a creation prim was asked for). A device prim may read a single-element CPU
+    /// input (PyTorch's CPU-scalar rule); nothing else mixes devices.
+    pub device: Device,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -70,6 +74,18 @@ impl Graph {
     pub fn push(&mut self, node: Node) -> NodeId {
         self.nodes.push(node);
         self.nodes.len() - 1
+    }
+
+    /// The device the graph computes on: the device any of its values lives on, else the CPU.
+    /// Values of one graph share a device, but for single-element CPU tensors a device graph
+    /// reads (PyTorch's CPU-scalar rule) and what the graph computes from them alone (their
+    /// broadcasts, say): a backend computes those on the device too, from a copy.
+    pub fn device(&self) -> Device {
+        self.nodes
+            .iter()
+            .map(|n| n.device)
+            .find(|&d| d != Device::Cpu)
+            .unwrap_or(Device::Cpu)
     }
 
     /// Number of prim nodes (inputs excluded).
@@ -125,8 +141,8 @@ impl Graph {
             }
             let _ = write!(
                 k,
-                "{:?}{:?}{:?}{}{};",
-                n.args, n.shape, n.dtype, n.grad_enabled as u8, n.requires_grad as u8
+                "{:?}{:?}{:?}{}{}{};",
+                n.args, n.shape, n.dtype, n.grad_enabled as u8, n.requires_grad as u8, n.device
             );
         }
         let _ = write!(

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, Weak};
 use kiln_core::autograd::is_grad_enabled;
 use kiln_core::intercept::{self, Deferred, Interceptor};
 use kiln_core::prim::{OutMeta, Prim};
-use kiln_core::{Error, Result, Tensor, WeakTensor};
+use kiln_core::{Device, Error, Result, Tensor, WeakTensor};
 
 use crate::alias::{scatter_maps, Root, Views};
 use crate::backends::{Backend, BackendContext, CompiledGraph};
@@ -168,6 +168,7 @@ impl Tracer {
             dtype: t.dtype(),
             grad_enabled: true,
             requires_grad: t.requires_grad(),
+            device: t.device(),
         });
         let grad_of = self
             .grads
@@ -289,7 +290,13 @@ impl Tracer {
 }
 
 impl Interceptor for Tracer {
-    fn apply(&self, prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Option<Result<Tensor>> {
+    fn apply(
+        &self,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+        device: Device,
+    ) -> Option<Result<Tensor>> {
         // a deferred tensor of another (finished) trace is computed before it joins this one
         for t in inputs {
             if t.is_deferred() && !self.lock().seg.known.contains_key(&t.id()) {
@@ -332,8 +339,9 @@ impl Interceptor for Tracer {
             dtype: meta.dtype,
             grad_enabled: is_grad_enabled(),
             requires_grad: false,
+            device,
         });
-        let out = Tensor::deferred(&meta.shape, meta.dtype, me);
+        let out = Tensor::deferred(&meta.shape, meta.dtype, device, me);
         seg.known.insert(out.id(), id);
         seg.pending.push((out.downgrade(), id, out.id()));
         let view_prim = match &seg.graph.nodes[id].op {
@@ -433,6 +441,9 @@ impl Tracer {
         let Some((pos, mask)) = scatter_maps(&shape, chain)? else {
             return Ok(root);
         };
+        // the index maps are constants made on the CPU; a device graph reads them on its device
+        let device = seg.graph.nodes[root].device;
+        let (pos, mask) = (pos.to_device(device)?, mask.to_device(device)?);
         let n = pos.numel();
         let m = seg.graph.nodes[src].shape.iter().product();
         let pos = self.value_of(seg, &pos);
@@ -454,6 +465,9 @@ fn push(seg: &mut Segment, prim: Prim, args: Vec<NodeId>) -> Result<NodeId> {
         .collect();
     let dtypes: Vec<_> = args.iter().map(|&a| seg.graph.nodes[a].dtype).collect();
     let meta = prim.infer(&shapes, &dtypes)?;
+    let device = args
+        .last()
+        .map_or(Device::Cpu, |&a| seg.graph.nodes[a].device);
     Ok(seg.graph.push(Node {
         op: Op::Prim(prim),
         args,
@@ -461,6 +475,7 @@ fn push(seg: &mut Segment, prim: Prim, args: Vec<NodeId>) -> Result<NodeId> {
         dtype: meta.dtype,
         grad_enabled: false,
         requires_grad: false,
+        device,
     }))
 }
 

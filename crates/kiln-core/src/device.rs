@@ -41,8 +41,26 @@ pub trait DeviceBuffer: Send + Sync + Any {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// The device address of element 0: generated kernels take it as an argument, and the
+    /// compiler compares address ranges to decide whether a write in place is safe.
+    fn address(&self) -> u64;
     /// For the owning runtime to recover its own buffer type.
     fn as_any(&self) -> &dyn Any;
+}
+
+/// Work recorded from a device's stream (`DeviceRuntime::begin_capture`), replayed as one
+/// launch: CUDA graphs. Buffers allocated while recording belong to it while it lives (a replay
+/// writes them again).
+pub trait DeviceGraph: Send + Sync {
+    /// Queues the recorded work again, on the same buffers.
+    fn replay(&self) -> Result<()>;
+}
+
+/// A compiled generated kernel, loaded on its device (`DeviceRuntime::load_kernels`).
+pub trait DeviceKernel: Send + Sync {
+    /// Queues the kernel on its device's stream: `grid` blocks of `block` threads, with `params`
+    /// the kernel's arguments in order, each eight bytes (device addresses and 64-bit integers).
+    fn launch(&self, grid: [u32; 3], block: u32, params: &[u64]) -> Result<()>;
 }
 
 /// What a device runtime provides. All work is queued in order on the device's stream; the methods
@@ -69,6 +87,62 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
     /// Waits for all work queued on `device`.
     fn synchronize(&self, device: Device) -> Result<()>;
+    /// An uninitialized buffer of `len` elements (a generated kernel's output).
+    fn empty(&self, device: Device, dtype: DType, len: usize) -> Result<Arc<dyn DeviceBuffer>>;
+    /// Compiles generated source (one translation unit; the runtime caches by its text) and
+    /// loads the kernels named `names` from it, in that order.
+    fn load_kernels(
+        &self,
+        device: Device,
+        source: &str,
+        names: &[String],
+    ) -> Result<Vec<Arc<dyn DeviceKernel>>>;
+    /// The multiprocessor count of `device` (generated kernels size their grids by it).
+    fn multiprocessors(&self, device: Device) -> Result<u32>;
+    /// Starts recording the work queued on `device` instead of running it. Nothing may read
+    /// values back to the host until `end_capture`.
+    fn begin_capture(&self, device: Device) -> Result<()> {
+        Err(Error::unsupported(
+            "begin_capture",
+            format!("{device}'s runtime cannot record work for replay"),
+        ))
+    }
+    /// Ends the recording begun by `begin_capture`: the work, ready to replay. On `Err` nothing
+    /// was recorded (and the stream runs work again).
+    fn end_capture(&self, device: Device) -> Result<Arc<dyn DeviceGraph>> {
+        Err(Error::unsupported(
+            "end_capture",
+            format!("{device}'s runtime cannot record work for replay"),
+        ))
+    }
+}
+
+/// The buffer of a traced (deferred) tensor on a device: it has no memory until the compiled
+/// graph computes the value, which `Tensor::fill_deferred` puts here. Until then it reads as
+/// empty; the tensor is deferred, so nothing reads it before it is filled.
+pub(crate) struct PendingBuffer {
+    pub(crate) device: Device,
+    pub(crate) dtype: DType,
+    pub(crate) len: usize,
+    pub(crate) filled: std::sync::OnceLock<Arc<dyn DeviceBuffer>>,
+}
+
+impl DeviceBuffer for PendingBuffer {
+    fn device(&self) -> Device {
+        self.device
+    }
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn address(&self) -> u64 {
+        self.filled.get().map_or(0, |b| b.address())
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
 static RUNTIME: RwLock<Option<Arc<dyn DeviceRuntime>>> = RwLock::new(None);

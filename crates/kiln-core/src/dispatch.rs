@@ -26,33 +26,21 @@ pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor
         Some(first) => first.device(),
         None => device,
     };
-    let (lifted, lifted_refs);
-    let mut inputs = inputs;
-    if let Some(other) = inputs.iter().find(|t| t.device() != device) {
+    let mixed = inputs.iter().find(|t| t.device() != device);
+    if let Some(other) = mixed {
         // PyTorch lets a CPU scalar meet device tensors; here that is a CPU operand that reads a
         // single element (a 0-dim tensor, possibly expanded): it is copied to the device
         if device == Device::Cpu || other.device() != Device::Cpu {
             return Err(mismatch(&prim, device, other.device()));
         }
-        lifted = lift_scalars(&prim, inputs, device)?;
-        lifted_refs = lifted.iter().collect::<Vec<_>>();
-        inputs = &lifted_refs;
     }
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let dtypes: Vec<_> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = prim.infer(&shapes, &dtypes)?;
     if let Some(i) = crate::intercept::current() {
-        if let Some(r) = i.apply(&prim, inputs, &meta) {
-            if device != Device::Cpu {
-                // a tracer took the prim: its graph would compute it on the CPU (an observer that
-                // declines the prim, returning None, lets device ops run)
-                return Err(Error::unsupported(
-                    prim.name(),
-                    format!(
-                        "compiling code over {device} tensors is not supported yet; run it eagerly"
-                    ),
-                ));
-            }
+        // offered before any scalar is lifted: a tracer records the CPU scalar itself (a copy
+        // made now would be a stale constant on replay)
+        if let Some(r) = i.apply(&prim, inputs, &meta, device) {
             let out = r?;
             if i.records_autograd() && autograd::needs_grad(&prim, inputs) {
                 let saved = SavedOutput::Traced(out.downgrade());
@@ -60,6 +48,13 @@ pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor
             }
             return Ok(out);
         }
+    }
+    let (lifted, lifted_refs);
+    let mut inputs = inputs;
+    if mixed.is_some() {
+        lifted = lift_scalars(&prim, inputs, device)?;
+        lifted_refs = lifted.iter().collect::<Vec<_>>();
+        inputs = &lifted_refs;
     }
     let _span = crate::profiler::span(crate::profiler::Category::Op, || {
         crate::profiler::prim_label(&prim)
@@ -91,12 +86,16 @@ fn mismatch(prim: &Prim, a: Device, b: Device) -> Error {
 }
 
 /// View prims re-lay the operand's buffer wherever it lives; the rest go to the device's runtime.
+#[track_caller]
 fn execute_on_device(
     prim: &Prim,
     inputs: &[&Tensor],
     meta: &OutMeta,
     device: Device,
 ) -> Result<(Storage, Layout)> {
+    for t in inputs {
+        t.ready(prim.name(), std::panic::Location::caller())?;
+    }
     // views are re-laid over the same device buffer by the rule eager CPU execution uses
     let view = inputs.first().and_then(|t| prim.view_layout(t.layout()));
     if let Some(layout) = view {

@@ -11,11 +11,20 @@ use std::panic::Location;
 use std::sync::Arc;
 
 use crate::prim::{OutMeta, Prim};
-use crate::{Result, Tensor};
+use crate::{Device, Result, Tensor};
 
 pub trait Interceptor: Send + Sync {
-    /// Offered every prim while installed; `None` lets the core execute it eagerly.
-    fn apply(&self, prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Option<Result<Tensor>>;
+    /// Offered every prim while installed; `None` lets the core execute it eagerly. `device` is
+    /// where the prim runs: its operands' device, or the device a creation prim was asked for. An
+    /// operand may be a single-element CPU tensor meeting device operands (PyTorch's CPU-scalar
+    /// rule); executed eagerly, it is copied to `device` first.
+    fn apply(
+        &self,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+        device: Device,
+    ) -> Option<Result<Tensor>>;
     /// Offered every in-place copy (`Tensor::assign`) while installed; `None` copies eagerly.
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Option<Result<()>>;
     /// Whether the dispatcher records autograd nodes on the deferred tensors this interceptor

@@ -20,4 +20,14 @@ impl Tensor {
         let base: *const u8 = crate::with_storage!(&*s, v => v.as_ptr().cast::<u8>());
         base.wrapping_add(self.offset() * self.dtype().size_in_bytes())
     }
+
+    /// Address of the tensor's first element (its layout offset applied) in its device's memory;
+    /// `None` on the CPU and for a traced tensor not computed yet. Same validity rules as
+    /// `data_ptr`; device work is queued in stream order, so a buffer freed after a launch is
+    /// only reused by work queued after it.
+    pub fn device_address(&self) -> Option<u64> {
+        let buf = self.device_buffer()?;
+        let base = buf.address();
+        (base != 0).then(|| base + (self.offset() * self.dtype().size_in_bytes()) as u64)
+    }
 }

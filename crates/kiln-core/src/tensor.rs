@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
 
 use crate::autograd::{GradEdge, Node};
+use crate::device::PendingBuffer;
 use crate::intercept::Deferred;
+use crate::prim::Prim;
 use crate::shape::Layout;
 use crate::storage::{CpuStorage, Storage, StorageElement};
 use crate::{DType, Device, Error, Result};
@@ -151,10 +153,14 @@ impl Tensor {
         // A poisoned lock means a kernel panicked mid-write; the data is still the best we have.
         lock.read().unwrap_or_else(|e| e.into_inner())
     }
-    /// The device buffer of a tensor on a device (`None` on the CPU), for device runtimes.
+    /// The device buffer of a tensor on a device (`None` on the CPU, and for a traced tensor not
+    /// computed yet), for device runtimes.
     pub fn device_buffer(&self) -> Option<&Arc<dyn crate::device::DeviceBuffer>> {
         match &self.0.storage {
-            Storage::Device(b) => Some(b),
+            Storage::Device(b) => match b.as_any().downcast_ref::<PendingBuffer>() {
+                Some(p) => p.filled.get(),
+                None => Some(b),
+            },
             Storage::Cpu(_) => None,
         }
     }
@@ -381,14 +387,23 @@ impl Tensor {
 
     // ---- deferred values (see intercept.rs) ----
 
-    /// A tensor whose values will be produced later by `source` (a traced tensor).
-    pub fn deferred(shape: &[usize], dtype: DType, source: Arc<dyn Deferred>) -> Tensor {
-        let t = Tensor::from_parts(
-            Storage::cpu(CpuStorage::full(dtype, 0, 0.0)),
-            Layout::contiguous(shape),
-            dtype,
-            None,
-        );
+    /// A tensor on `device` whose values will be produced later by `source` (a traced tensor).
+    pub fn deferred(
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        source: Arc<dyn Deferred>,
+    ) -> Tensor {
+        let storage = match device {
+            Device::Cpu => Storage::cpu(CpuStorage::full(dtype, 0, 0.0)),
+            device => Storage::Device(Arc::new(PendingBuffer {
+                device,
+                dtype,
+                len: shape.iter().product(),
+                filled: OnceLock::new(),
+            })),
+        };
+        let t = Tensor::from_parts(storage, Layout::contiguous(shape), dtype, None);
         *t.0.deferred.lock().unwrap_or_else(|e| e.into_inner()) = Some(source);
         t
     }
@@ -427,18 +442,28 @@ impl Tensor {
                 ),
             ));
         }
-        if value.is_on_device() || self.is_on_device() {
-            return Err(Error::unsupported(
-                "fill_deferred",
-                format!(
-                    "traced values live on the CPU; a computed value on {} cannot fill one (compiling \
-                     code over device tensors is not supported yet)",
-                    value.device()
-                ),
-            ));
+        if value.device() != self.device() {
+            return Err(Error::Device {
+                op: "fill_deferred",
+                lhs: self.device(),
+                rhs: value.device(),
+                msg: "a traced value was computed on another device than it was traced on".into(),
+            });
         }
-        let data = crate::cpu::materialize(value);
-        *self.host_write() = data;
+        match &self.0.storage {
+            Storage::Cpu(_) => {
+                let data = crate::cpu::materialize(value);
+                *self.host_write() = data;
+            }
+            Storage::Device(pending) => {
+                let Some(pending) = pending.as_any().downcast_ref::<PendingBuffer>() else {
+                    return Err(Error::arg("fill_deferred", "device tensor is not deferred"));
+                };
+                let buf = device_contiguous(value)?;
+                // a second fill (never made by the tracer) keeps the first value
+                let _ = pending.filled.set(buf);
+            }
+        }
         if let Some(f) = value.grad_fn() {
             let _ = self.0.grad_fn.set(f.clone());
             self.0.requires_grad.store(true, Ordering::Relaxed);
@@ -458,8 +483,8 @@ impl Tensor {
             return Ok(self.clone());
         }
         self.ready("to", Location::caller())?;
-        let host = match &self.0.storage {
-            Storage::Device(buf) => {
+        let host = match self.device_buffer() {
+            Some(buf) => {
                 let rt = crate::device::runtime_for("to", self.device())?;
                 let data = rt.download(buf, self.layout())?;
                 Tensor::from_parts(
@@ -469,7 +494,7 @@ impl Tensor {
                     None,
                 )
             }
-            Storage::Cpu(_) => self.clone(),
+            None => self.clone(),
         };
         if device == Device::Cpu {
             return Ok(host);
@@ -481,6 +506,16 @@ impl Tensor {
             buf,
             Layout::contiguous(self.shape()),
         ))
+    }
+    /// `torch.empty(shape, device=...)`: a contiguous tensor on `device` whose values are
+    /// unspecified, for a producer that writes every element (a generated kernel).
+    pub fn empty_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        if device == Device::Cpu {
+            return Tensor::empty(shape, dtype);
+        }
+        let n = shape.iter().product();
+        let buf = crate::device::runtime_for("empty", device)?.empty(device, dtype, n)?;
+        Ok(Tensor::from_device_buffer(buf, Layout::contiguous(shape)))
     }
     /// `tensor.to(device)` (PyTorch's name; `to_device` is the same).
     #[track_caller]
@@ -499,4 +534,29 @@ impl std::fmt::Debug for Tensor {
             self.device()
         )
     }
+}
+
+/// The buffer of a device tensor's elements laid out contiguously from element 0: its own buffer
+/// when it already is, else a copy made by its runtime (not through `dispatch`, so no interceptor
+/// sees it).
+fn device_contiguous(t: &Tensor) -> Result<Arc<dyn crate::device::DeviceBuffer>> {
+    let buf = t.device_buffer().ok_or_else(|| {
+        Error::arg(
+            "fill_deferred",
+            "a device value has no buffer (a traced value not computed)",
+        )
+    })?;
+    if t.is_contiguous() && t.offset() == 0 {
+        return Ok(buf.clone());
+    }
+    let meta = crate::prim::OutMeta {
+        shape: t.shape().to_vec(),
+        dtype: t.dtype(),
+    };
+    crate::device::runtime_for("fill_deferred", t.device())?.execute(
+        t.device(),
+        &Prim::Contiguous,
+        &[t],
+        &meta,
+    )
 }

@@ -3,92 +3,13 @@
 //! is the core: which prims reach the runtime, views over device buffers, CPU scalars meeting device
 //! tensors, value readers, autograd on device tensors.
 
-use std::any::Any;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+#[path = "support/mock_device.rs"]
+mod mock_device;
 
-use kiln_core::device::{register_runtime, DeviceBuffer, DeviceRuntime};
-use kiln_core::prim::{OutMeta, Prim};
-use kiln_core::shape::Layout;
-use kiln_core::storage::CpuStorage;
-use kiln_core::{DType, Device, Error, Result, Tensor};
+use std::sync::atomic::Ordering;
 
-const DEV: Device = Device::Cuda(0);
-
-struct HostBuf(Mutex<CpuStorage>);
-
-impl DeviceBuffer for HostBuf {
-    fn device(&self) -> Device {
-        DEV
-    }
-    fn dtype(&self) -> DType {
-        self.0.lock().unwrap().dtype()
-    }
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
-static EXECS: AtomicUsize = AtomicUsize::new(0);
-
-struct Mock;
-
-fn read(buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage> {
-    let b = buf
-        .as_any()
-        .downcast_ref::<HostBuf>()
-        .ok_or_else(|| Error::unsupported("mock", "foreign buffer"))?;
-    let s = b.0.lock().unwrap();
-    let mut vals = Vec::new();
-    layout.for_each_offset(|o| vals.push(s.get_f64(o)));
-    Ok(CpuStorage::from_f64s(s.dtype(), vals.into_iter()))
-}
-
-impl DeviceRuntime for Mock {
-    fn name(&self) -> &'static str {
-        "mock"
-    }
-    fn upload(&self, _: Device, data: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>> {
-        Ok(Arc::new(HostBuf(Mutex::new(data.clone()))))
-    }
-    fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage> {
-        read(buf, layout)
-    }
-    fn execute(
-        &self,
-        _: Device,
-        prim: &Prim,
-        inputs: &[&Tensor],
-        _: &OutMeta,
-    ) -> Result<Arc<dyn DeviceBuffer>> {
-        EXECS.fetch_add(1, Ordering::SeqCst);
-        let host = inputs
-            .iter()
-            .map(|t| {
-                let buf = t
-                    .device_buffer()
-                    .ok_or_else(|| Error::unsupported("mock", "host operand"))?;
-                Tensor::from_storage(read(buf, t.layout())?, t.shape())
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let refs: Vec<&Tensor> = host.iter().collect();
-        let out = kiln_core::no_grad(|| kiln_core::dispatch::apply(prim.clone(), &refs))?;
-        self.upload(DEV, &kiln_core::cpu::materialize(&out))
-    }
-    fn assign(&self, _: &Tensor, _: &Tensor) -> Result<()> {
-        Err(Error::unsupported("mock", "assign"))
-    }
-    fn synchronize(&self, _: Device) -> Result<()> {
-        Ok(())
-    }
-}
-
-fn setup() {
-    register_runtime(Arc::new(Mock));
-}
+use kiln_core::{DType, Device, Tensor};
+use mock_device::{setup, DEV, EXECS};
 
 #[test]
 fn prims_on_device_operands_run_on_the_runtime_and_views_do_not() {

@@ -31,6 +31,17 @@ pub struct MemoryStats {
 pub(crate) struct Pool {
     free: HashMap<usize, Vec<sys::CUdeviceptr>>,
     pub(crate) stats: MemoryStats,
+    /// The graph being recorded (`capture.rs`), whose allocations it owns.
+    pub(crate) capturing: Option<u64>,
+    /// Blocks allocated while a graph was recorded: its replays write them, so while the graph
+    /// lives they never return to the free lists (a freed one waits for the graph's end).
+    graph_blocks: HashMap<sys::CUdeviceptr, GraphBlock>,
+}
+
+struct GraphBlock {
+    graph: u64,
+    class: usize,
+    freed: bool,
 }
 
 pub(crate) fn size_class(bytes: usize) -> usize {
@@ -71,12 +82,41 @@ impl Pool {
         };
         self.stats.allocated += class;
         self.stats.peak_allocated = self.stats.peak_allocated.max(self.stats.allocated);
+        if let Some(graph) = self.capturing {
+            let block = GraphBlock {
+                graph,
+                class,
+                freed: false,
+            };
+            self.graph_blocks.insert(ptr, block);
+        }
         Ok((ptr, class))
     }
 
     pub(crate) fn free(&mut self, ptr: sys::CUdeviceptr, class: usize) {
         self.stats.allocated -= class;
-        self.free.entry(class).or_default().push(ptr);
+        match self.graph_blocks.get_mut(&ptr) {
+            Some(b) => b.freed = true,
+            None => self.free.entry(class).or_default().push(ptr),
+        }
+    }
+
+    /// A recorded graph ended: its freed blocks return to the free lists; its live ones go
+    /// back when their buffers drop.
+    pub(crate) fn release_graph(&mut self, graph: u64) {
+        let mine: Vec<sys::CUdeviceptr> = self
+            .graph_blocks
+            .iter()
+            .filter(|(_, b)| b.graph == graph)
+            .map(|(&p, _)| p)
+            .collect();
+        for p in mine {
+            if let Some(b) = self.graph_blocks.remove(&p) {
+                if b.freed {
+                    self.free.entry(b.class).or_default().push(p);
+                }
+            }
+        }
     }
 
     /// Returns every cached free block to the driver (`torch.cuda.empty_cache`). The caller has

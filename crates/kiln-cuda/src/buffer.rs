@@ -40,6 +40,9 @@ impl DeviceBuffer for CudaBuffer {
     fn len(&self) -> usize {
         self.len
     }
+    fn address(&self) -> u64 {
+        self.ptr
+    }
     fn as_any(&self) -> &dyn Any {
         self
     }

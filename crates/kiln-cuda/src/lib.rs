@@ -12,9 +12,11 @@
 
 mod alloc;
 mod buffer;
+mod capture;
 mod device;
 mod event;
 mod fallback;
+mod generated;
 mod kernels;
 mod matmul;
 mod nvrtc;

@@ -52,6 +52,40 @@ pub(crate) fn kernel(
     Ok(f)
 }
 
+/// The kernels `names` of a generated translation unit (the compiler's code generator), loaded
+/// once per device and source text: the module is kept by the hash of `src`.
+pub(crate) fn module_kernels(
+    dev: &Arc<CudaDevice>,
+    src: &str,
+    names: &[String],
+) -> Result<Vec<sys::CUfunction>> {
+    let key = format!("gen:{}", checksum(src.as_bytes()));
+    let mut table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
+    let have: Option<Vec<sys::CUfunction>> = names
+        .iter()
+        .map(|n| table.get(&format!("{key}:{n}")).copied())
+        .collect();
+    if let Some(fs) = have {
+        return Ok(fs);
+    }
+    let ptx = ptx_for(dev, &key, src)?;
+    dev.bind()?;
+    let c = CString::new(ptx).map_err(|_| compile_err(&key, "PTX holds a NUL byte"))?;
+    // SAFETY: `c` is NUL-terminated PTX; the module stays loaded for the process
+    let module = unsafe { result::module::load_data(c.as_ptr().cast()) }
+        .map_err(|e| cu_err("cuModuleLoadData", dev.ordinal, e))?;
+    let mut out = Vec::with_capacity(names.len());
+    for n in names {
+        let name = CString::new(n.as_str()).map_err(|_| compile_err(&key, "bad kernel name"))?;
+        // SAFETY: the module is loaded; the name is NUL-terminated
+        let f = unsafe { result::module::get_function(module, name) }
+            .map_err(|e| cu_err("cuModuleGetFunction", dev.ordinal, e))?;
+        table.insert(format!("{key}:{n}"), f);
+        out.push(f);
+    }
+    Ok(out)
+}
+
 fn compile_err(signature: &str, msg: impl std::fmt::Display) -> Error {
     Error::Device {
         op: "cuda kernel",

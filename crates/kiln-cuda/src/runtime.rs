@@ -3,14 +3,15 @@
 
 use std::sync::Arc;
 
-use kiln_core::device::{DeviceBuffer, DeviceRuntime};
+use kiln_core::device::{DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime};
 use kiln_core::prim::{OutMeta, Prim};
 use kiln_core::shape::Layout;
 use kiln_core::storage::CpuStorage;
-use kiln_core::{Device, Error, Result, Tensor};
+use kiln_core::{DType, Device, Error, Result, Tensor};
 
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
+use crate::generated::GeneratedKernel;
 use crate::kernels::elementwise::{self as ew, Scalars};
 use crate::kernels::{argreduce, index, movement, reduce, MAX_RANK};
 
@@ -194,5 +195,43 @@ impl DeviceRuntime for CudaRuntime {
 
     fn synchronize(&self, device: Device) -> Result<()> {
         CudaDevice::get(ordinal("synchronize", device)?)?.synchronize()
+    }
+
+    fn empty(&self, device: Device, dtype: DType, len: usize) -> Result<Arc<dyn DeviceBuffer>> {
+        let dev = CudaDevice::get(ordinal("empty", device)?)?;
+        Ok(Arc::new(dev.alloc(len, dtype)?))
+    }
+
+    fn load_kernels(
+        &self,
+        device: Device,
+        source: &str,
+        names: &[String],
+    ) -> Result<Vec<Arc<dyn DeviceKernel>>> {
+        let dev = CudaDevice::get(ordinal("compiled kernels", device)?)?;
+        let fs = crate::nvrtc::module_kernels(&dev, source, names)?;
+        Ok(fs
+            .into_iter()
+            .zip(names)
+            .map(|(f, name)| {
+                Arc::new(GeneratedKernel {
+                    f,
+                    dev: dev.clone(),
+                    name: name.clone(),
+                }) as Arc<dyn DeviceKernel>
+            })
+            .collect())
+    }
+
+    fn multiprocessors(&self, device: Device) -> Result<u32> {
+        Ok(CudaDevice::get(ordinal("multiprocessors", device)?)?.sm_count)
+    }
+
+    fn begin_capture(&self, device: Device) -> Result<()> {
+        crate::capture::begin(&CudaDevice::get(ordinal("begin_capture", device)?)?)
+    }
+
+    fn end_capture(&self, device: Device) -> Result<Arc<dyn DeviceGraph>> {
+        crate::capture::end(&CudaDevice::get(ordinal("end_capture", device)?)?)
     }
 }

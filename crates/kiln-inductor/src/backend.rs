@@ -9,33 +9,72 @@ use kiln_core::Result;
 
 use kiln_compile::graph::NodeId;
 
-use crate::codegen::c::{
-    group_kernel, pointwise_kernel, pointwise_kernel_inplace, reduction_kernel, Kernel,
-};
+use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
 use crate::ir::lower::Kind;
 use crate::runtime::cc::{self, toolchain};
-use crate::runtime::exec::{CompiledCpu, Exec};
+use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::runtime::plan::{self, Alloc};
 use crate::schedule::{schedule, Schedule, Step};
 
 /// Generates and compiles C/OpenMP kernels for a graph (forward or backward; `kiln` wraps it in AOT
-/// autograd).
+/// autograd). A graph on a CUDA device goes to the CUDA generator instead (`codegen/cuda.rs`).
 pub struct CpuCodegen;
 
-/// The kernels of a graph, in step order, and the steps that run them.
-pub fn generate(graph: &Graph) -> (Vec<Step>, Vec<Option<Kernel>>) {
-    kernels_of(graph, &schedule(graph))
+/// What a code generator provides to the shared planning (`plan_graph`): the kernel computing
+/// several values of one shape in one loop (each into its own output or in place into a graph
+/// input; with whether that is sound, see `codegen::c::pointwise_body`), and a reduction's kernel.
+pub trait Target {
+    type Kernel: Clone;
+    fn pointwise(
+        &self,
+        g: &Graph,
+        sched: &Schedule,
+        roots: &[(NodeId, Option<NodeId>)],
+    ) -> (Self::Kernel, bool);
+    fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Self::Kernel;
+    /// The buffers a kernel reads, in argument order.
+    fn inputs<'k>(&self, k: &'k Self::Kernel) -> &'k [NodeId];
 }
 
-fn kernels_of(graph: &Graph, sched: &Schedule) -> (Vec<Step>, Vec<Option<Kernel>>) {
+/// The C target (`codegen/c.rs`).
+pub struct C;
+
+impl Target for C {
+    type Kernel = Kernel;
+    fn pointwise(
+        &self,
+        g: &Graph,
+        sched: &Schedule,
+        roots: &[(NodeId, Option<NodeId>)],
+    ) -> (Kernel, bool) {
+        pointwise_kernels(g, sched, roots)
+    }
+    fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
+        reduction_kernel(g, sched, root)
+    }
+    fn inputs<'k>(&self, k: &'k Kernel) -> &'k [NodeId] {
+        &k.inputs
+    }
+}
+
+/// The C kernels of a graph, in step order, and the steps that run them.
+pub fn generate(graph: &Graph) -> (Vec<Step>, Vec<Option<Kernel>>) {
+    kernels_of(&C, graph, &schedule(graph))
+}
+
+fn kernels_of<T: Target>(
+    t: &T,
+    graph: &Graph,
+    sched: &Schedule,
+) -> (Vec<Step>, Vec<Option<T::Kernel>>) {
     let kernels = sched
         .steps
         .iter()
         .map(|s| match s {
             Step::Kernel { node } if sched.kinds[*node] == Kind::Reduction => {
-                Some(reduction_kernel(graph, sched, *node))
+                Some(t.reduction(graph, sched, *node))
             }
-            Step::Kernel { node } => Some(pointwise_kernel(graph, sched, *node)),
+            Step::Kernel { node } => Some(t.pointwise(graph, sched, &[(*node, None)]).0),
             Step::Extern { .. } => None,
         })
         .collect();
@@ -44,9 +83,9 @@ fn kernels_of(graph: &Graph, sched: &Schedule) -> (Vec<Step>, Vec<Option<Kernel>
 
 /// A step of the executor as planned: a generated kernel and the values it writes (with where),
 /// or an extern call.
-pub enum Planned {
+pub enum Planned<K> {
     Kernel {
-        kernel: Kernel,
+        kernel: K,
         outs: Vec<(NodeId, Alloc)>,
     },
     Extern {
@@ -54,21 +93,21 @@ pub enum Planned {
     },
 }
 
-/// Most values one grouped kernel computes (`group_kernel`).
+/// Most values one grouped kernel computes.
 const MAX_GROUP: usize = 8;
 
 /// The executor's steps: each kernel with where it writes (`runtime/plan.rs`) — in place into a
 /// mutated input where that is safe (with the in-place variant of its kernel), a new buffer for
 /// what the caller receives, a pooled buffer otherwise — and consecutive kernels of one shape
-/// grouped into one loop where they can be (`group_kernel`).
-pub fn plan_graph(graph: &Graph) -> Vec<Planned> {
+/// grouped into one loop where they can be.
+pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
     let sched = schedule(graph);
-    let (steps, kernels) = kernels_of(graph, &sched);
+    let (steps, kernels) = kernels_of(t, graph, &sched);
     let reads: Vec<Vec<NodeId>> = steps
         .iter()
         .zip(&kernels)
         .map(|(s, k)| match (s, k) {
-            (_, Some(k)) => k.inputs.clone(),
+            (_, Some(k)) => t.inputs(k).to_vec(),
             (Step::Kernel { node } | Step::Extern { node }, None) => {
                 graph.nodes[*node].args.clone()
             }
@@ -86,14 +125,18 @@ pub fn plan_graph(graph: &Graph) -> Vec<Planned> {
                 continue;
             }
         };
+        // the in-place variant reads its input through the output: sound only when every read
+        // of the old value is at the element being written
         let inplace = graph.mutated_inputs.iter().find_map(|&(k, i)| {
             let input = *input_nodes.get(i)?;
             let ok = graph.outputs.get(k) == Some(&node)
                 && sched.kinds[node] != Kind::Reduction
                 && plan::inplace_allowed(graph, &steps, &reads, &roots, at, k, input);
-            ok.then(|| pointwise_kernel_inplace(graph, &sched, node, input))
-                .flatten()
-                .map(|kernel| (input, kernel))
+            if !ok {
+                return None;
+            }
+            let (kernel, sound) = t.pointwise(graph, &sched, &[(node, Some(input))]);
+            sound.then_some((input, kernel))
         });
         planned.push(match inplace {
             Some((input, kernel)) => Planned::Kernel {
@@ -113,18 +156,25 @@ pub fn plan_graph(graph: &Graph) -> Vec<Planned> {
             },
         });
     }
-    group(graph, &sched, planned)
+    group(t, graph, &sched, planned)
 }
 
-/// Merges runs of consecutive single-value pointwise kernels of one shape into grouped kernels.
-fn group(graph: &Graph, sched: &Schedule, planned: Vec<Planned>) -> Vec<Planned> {
-    let groupable = |p: &Planned| match p {
+/// Merges runs of consecutive single-value pointwise kernels of one shape into grouped kernels:
+/// one loop, several outputs, where no value of the group reads another one (or an in-place
+/// input) at another element than the one being written.
+fn group<T: Target>(
+    t: &T,
+    graph: &Graph,
+    sched: &Schedule,
+    planned: Vec<Planned<T::Kernel>>,
+) -> Vec<Planned<T::Kernel>> {
+    let groupable = |p: &Planned<T::Kernel>| match p {
         Planned::Kernel { outs, .. } => {
             outs.len() == 1 && sched.kinds[outs[0].0] != Kind::Reduction
         }
         Planned::Extern { .. } => false,
     };
-    let mut out: Vec<Planned> = Vec::with_capacity(planned.len());
+    let mut out: Vec<Planned<T::Kernel>> = Vec::with_capacity(planned.len());
     for p in planned {
         let joined = match (out.last(), &p) {
             (
@@ -143,7 +193,12 @@ fn group(graph: &Graph, sched: &Schedule, planned: Vec<Planned>) -> Vec<Planned>
                         _ => (n, None),
                     })
                     .collect();
-                group_kernel(graph, sched, &roots).map(|kernel| Planned::Kernel { kernel, outs })
+                let (kernel, sound) = t.pointwise(graph, sched, &roots);
+                let reads_group = t
+                    .inputs(&kernel)
+                    .iter()
+                    .any(|i| roots.iter().any(|(r, _)| r == i));
+                (sound && !reads_group).then_some(Planned::Kernel { kernel, outs })
             }
             _ => None,
         };
@@ -182,7 +237,24 @@ impl Backend for CpuCodegen {
             });
             return Ok(Arc::new(Interpreter::new(graph.clone())));
         };
-        let planned = plan_graph(graph);
+        if graph.device() != kiln_core::Device::Cpu {
+            return match crate::codegen::cuda::compile(graph) {
+                Ok(compiled) => Ok(compiled),
+                Err(e) if !ctx.fullgraph => {
+                    static WARN: Once = Once::new();
+                    WARN.call_once(|| {
+                        eprintln!(
+                            "kiln: kernels for {} could not be generated ({e}); compiled graphs \
+                             there run on the interpreter (eager device kernels)",
+                            graph.device()
+                        )
+                    });
+                    Ok(Arc::new(Interpreter::new(graph.clone())))
+                }
+                Err(e) => Err(e),
+            };
+        }
+        let planned = plan_graph(&C, graph);
         let wanted: Vec<Kernel> = planned
             .iter()
             .filter_map(|p| match p {
@@ -197,9 +269,9 @@ impl Backend for CpuCodegen {
             .map(|p| match p {
                 Planned::Kernel { kernel, outs } => Ok(Exec::Kernel {
                     outs,
-                    f: fns.next().ok_or_else(|| {
+                    f: Launch::Cpu(fns.next().ok_or_else(|| {
                         kiln_core::Error::arg("kiln backend", "kernel count mismatch")
-                    })?,
+                    })?),
                     inputs: kernel.inputs,
                     name: kernel.name.into(),
                 }),

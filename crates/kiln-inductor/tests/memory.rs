@@ -157,6 +157,7 @@ fn a_mutated_input_is_written_in_its_own_storage() -> Result<()> {
         dtype: DType::F32,
         grad_enabled: false,
         requires_grad: false,
+        device: kiln_core::Device::Cpu,
     };
     let mut g = Graph::default();
     let p = g.push(node(Op::Input(0), vec![]));

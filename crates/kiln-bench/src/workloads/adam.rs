@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use kiln::inductor::with_fresh_cache;
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
 use kiln::nn::Linear;
-use kiln::{CompiledFn, DType, Tensor};
+use kiln::{CompiledFn, DType, Device, Tensor};
 
 use super::BenchResult;
 use crate::harness::{once, Ctx};
@@ -29,12 +29,17 @@ fn config(foreach: bool) -> AdamConfig {
     }
 }
 
-/// The parameters of `layers` Linear(1024, 1024, bias=False), each with a random gradient set.
-fn params_with_grads(layers: usize) -> kiln::Result<Vec<Tensor>> {
+/// The parameters of `layers` Linear(1024, 1024, bias=False) on `dev`, each with a random
+/// gradient set.
+fn params_with_grads(layers: usize, dev: Device) -> kiln::Result<Vec<Tensor>> {
     let mut ps = Vec::new();
     for _ in 0..layers {
-        let w = Linear::new(WIDTH, WIDTH, false)?.weight;
-        w.set_grad(Some(Tensor::randn(w.shape(), DType::F32)?));
+        let w = Linear::new(WIDTH, WIDTH, false)?
+            .weight
+            .detach()
+            .to(dev)?
+            .with_grad()?;
+        w.set_grad(Some(Tensor::randn(w.shape(), DType::F32)?.to(dev)?));
         ps.push(w);
     }
     Ok(ps)
@@ -55,7 +60,9 @@ fn compiled_step<'a>(ctx: &Ctx, opt: &'a Mutex<Adam>) -> kiln::Result<CompiledFn
 fn copies(ps: &[Tensor]) -> kiln::Result<Vec<Tensor>> {
     ps.iter()
         .map(|p| {
-            let c = Tensor::from_vec(p.to_vec::<f32>()?, p.shape())?.with_grad()?;
+            let c = Tensor::from_vec(p.to_vec::<f32>()?, p.shape())?
+                .to(p.device())?
+                .with_grad()?;
             c.set_grad(p.grad());
             Ok(c)
         })
@@ -76,7 +83,7 @@ enum NewGrads {
 /// state: Adam's bias-corrected update is then the same at every step).
 fn drift_from_eager(ctx: &Ctx, foreach: bool, grads: NewGrads) -> BenchResult<f64> {
     kiln::manual_seed(7);
-    let base = params_with_grads(CHECK_LAYERS)?;
+    let base = params_with_grads(CHECK_LAYERS, ctx.dev)?;
     let eager_ps = copies(&base)?;
     let compiled_ps = copies(&base)?;
     let mut eager = Adam::new(eager_ps.clone(), config(foreach))?;
@@ -85,7 +92,7 @@ fn drift_from_eager(ctx: &Ctx, foreach: bool, grads: NewGrads) -> BenchResult<f6
     for k in 0..CHECK_STEPS {
         if k > 0 {
             for (a, b) in eager_ps.iter().zip(&compiled_ps) {
-                let g = Tensor::randn(a.shape(), DType::F32)?;
+                let g = Tensor::randn(a.shape(), DType::F32)?.to(ctx.dev)?;
                 match grads {
                     NewGrads::InPlace => {
                         let ga = a.grad().ok_or("no gradient")?;
@@ -97,7 +104,8 @@ fn drift_from_eager(ctx: &Ctx, foreach: bool, grads: NewGrads) -> BenchResult<f6
                     }
                     NewGrads::Replaced => {
                         a.set_grad(Some(g.clone()));
-                        b.set_grad(Some(Tensor::from_vec(g.to_vec::<f32>()?, g.shape())?));
+                        let copy = Tensor::from_vec(g.to_vec::<f32>()?, g.shape())?;
+                        b.set_grad(Some(copy.to(ctx.dev)?));
                     }
                 }
             }
@@ -117,7 +125,7 @@ fn drift_from_eager(ctx: &Ctx, foreach: bool, grads: NewGrads) -> BenchResult<f6
 
 pub fn run(ctx: &mut Ctx) -> BenchResult {
     kiln::manual_seed(0);
-    let params = params_with_grads(LAYERS)?;
+    let params = params_with_grads(LAYERS, ctx.dev)?;
     let nparam: usize = params.iter().map(|p| p.numel()).sum();
     // floor: read p, g, m, v; write p, m, v (fp32), as torch_baseline.py counts it
     let floor_bytes = (nparam * 28) as f64;

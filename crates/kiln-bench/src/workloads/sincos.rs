@@ -35,12 +35,29 @@ fn emit_pass(ctx: &mut Ctx, variant: &str, t: &Timing) {
     ctx.emit(W, variant, "bandwidth", bytes / t.s() / 1e9, "GB/s");
 }
 
+/// On a GPU the floor is a device copy of the same bytes (a contiguous copy of a permuted view:
+/// read 4 B, write 4 B per element); torch_baseline.py's figure is bytes over its `bw` rating.
+fn gpu_floor(ctx: &mut Ctx, xb: &Tensor, variant: &str, compiled: &Timing) -> BenchResult {
+    let timer = ctx.timer();
+    let view = xb.reshape([2, BIG / 2])?.permute(&[1, 0])?;
+    let copy = timer.time("sincos: device copy", || view.contiguous())?;
+    emit_pass(ctx, "copy_64M_device", &copy);
+    ctx.emit(
+        W,
+        variant,
+        "ratio_to_copy_floor",
+        compiled.s() / copy.s(),
+        "x",
+    );
+    Ok(())
+}
+
 pub fn run(ctx: &mut Ctx) -> BenchResult {
     let timer = ctx.timer();
     let mode = ctx.mode_name();
 
     // the scalar: overhead per call
-    let x = Tensor::scalar(1.0f32);
+    let x = Tensor::scalar(1.0f32).to(ctx.dev)?;
     let t = timer.time("sincos: eager call", || f(&x))?;
     ctx.emit(W, "eager", "call", t.us(), "us");
     let g = kiln::compile_fn(|a: &[Tensor]| Ok(vec![f(&a[0])?]), ctx.opts())?;
@@ -52,7 +69,7 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
     ctx.emit(W, mode, "call", t.us(), "us");
 
     // 2^26 elements: bandwidth
-    let xb = Tensor::randn(&[BIG], DType::F32)?;
+    let xb = Tensor::randn(&[BIG], DType::F32)?.to(ctx.dev)?;
     let t = timer.time("sincos: eager 64M", || f(&xb))?;
     emit_pass(ctx, "eager_64M", &t);
     let g = kiln::compile_fn(|a: &[Tensor]| Ok(vec![f(&a[0])?]), ctx.opts())?;
@@ -61,6 +78,9 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
     let variant = format!("{mode}_64M");
     emit_pass(ctx, &variant, &compiled);
 
+    if ctx.on_gpu() {
+        return gpu_floor(ctx, &xb, &variant, &compiled);
+    }
     // the copies: memcpy into a buffer allocated once (the floor), with one thread and with all;
     // memcpy into a new buffer each call (what an output allocation costs without a caching
     // allocator: fresh pages fault in); kiln's own copies (a permuted view made contiguous)

@@ -8,10 +8,10 @@ use std::panic::Location;
 use std::sync::{Arc, Mutex, Weak};
 
 use kiln_core::autograd::{self, is_differentiable, GradModeGuard};
-use kiln_core::dispatch::apply;
+use kiln_core::dispatch::apply_on;
 use kiln_core::intercept::{self, Deferred, Interceptor};
 use kiln_core::prim::{OutMeta, Prim};
-use kiln_core::{Error, Result, Tensor};
+use kiln_core::{Device, Error, Result, Tensor};
 
 use crate::graph::{Graph, Node, NodeId, Op};
 
@@ -62,7 +62,7 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
     for (id, n) in fwd.nodes.iter().enumerate() {
         let v = match &n.op {
             Op::Input(i) => {
-                let t = rec.placeholder(&n.shape, n.dtype, n.requires_grad);
+                let t = rec.placeholder(&n.shape, n.dtype, n.device, n.requires_grad);
                 if n.requires_grad {
                     t.set_requires_grad(true)?;
                 }
@@ -76,7 +76,7 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
                     .map(|&a| vals[a].as_ref().ok_or_else(|| internal("operand missing")))
                     .collect::<Result<_>>()?;
                 let _mode = GradModeGuard::new(n.grad_enabled);
-                apply(p.clone(), &args)?
+                apply_on(p.clone(), &args, n.device)?
             }
         };
         vals[id] = Some(v);
@@ -93,7 +93,7 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
     let diff: Vec<Tensor> = diff_outputs.iter().map(|&k| outs[k].clone()).collect();
     let tangents: Vec<Option<Tensor>> = diff
         .iter()
-        .map(|o| Some(rec.placeholder(o.shape(), o.dtype(), false)))
+        .map(|o| Some(rec.placeholder(o.shape(), o.dtype(), o.device(), false)))
         .collect();
     let wrt: Vec<usize> = (0..primals.len())
         .filter(|&i| primals[i].requires_grad())
@@ -161,9 +161,9 @@ impl Recorder {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn deferred(&self, shape: &[usize], dtype: kiln_core::DType) -> Option<Tensor> {
+    fn deferred(&self, shape: &[usize], dtype: kiln_core::DType, device: Device) -> Option<Tensor> {
         let me: Arc<dyn Deferred> = self.me.upgrade()?;
-        Some(Tensor::deferred(shape, dtype, me))
+        Some(Tensor::deferred(shape, dtype, device, me))
     }
 
     /// A new graph input (a primal or a tangent).
@@ -171,10 +171,11 @@ impl Recorder {
         self: &Arc<Self>,
         shape: &[usize],
         dtype: kiln_core::DType,
+        device: Device,
         requires_grad: bool,
     ) -> Tensor {
         let me: Arc<dyn Deferred> = self.clone();
-        let t = Tensor::deferred(shape, dtype, me);
+        let t = Tensor::deferred(shape, dtype, device, me);
         let mut st = self.lock();
         let i = st.graph.num_inputs;
         st.graph.num_inputs += 1;
@@ -185,6 +186,7 @@ impl Recorder {
             dtype,
             grad_enabled: false,
             requires_grad,
+            device,
         });
         st.known.insert(t.id(), id);
         t
@@ -192,7 +194,13 @@ impl Recorder {
 }
 
 impl Interceptor for Recorder {
-    fn apply(&self, prim: &Prim, inputs: &[&Tensor], meta: &OutMeta) -> Option<Result<Tensor>> {
+    fn apply(
+        &self,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+        device: Device,
+    ) -> Option<Result<Tensor>> {
         let mut st = self.lock();
         let mut args = Vec::with_capacity(inputs.len());
         for t in inputs {
@@ -216,9 +224,10 @@ impl Interceptor for Recorder {
             dtype: meta.dtype,
             grad_enabled: kiln_core::autograd::is_grad_enabled(),
             requires_grad: false,
+            device,
         });
         drop(st);
-        let out = self.deferred(&meta.shape, meta.dtype)?;
+        let out = self.deferred(&meta.shape, meta.dtype, device)?;
         self.lock().known.insert(out.id(), id);
         Some(Ok(out))
     }

@@ -145,6 +145,7 @@ fn extract(g: &Graph, inputs: &[NodeId], outputs: &[NodeId]) -> Result<Graph> {
             dtype: src.dtype,
             grad_enabled: false,
             requires_grad: src.requires_grad,
+            device: src.device,
         });
     }
     for (id, node) in g.nodes.iter().enumerate() {

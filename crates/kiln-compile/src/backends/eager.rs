@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kiln_core::autograd::{is_grad_enabled, GradModeGuard};
-use kiln_core::dispatch::apply;
+use kiln_core::dispatch::apply_on;
 use kiln_core::ops::default_draw;
 use kiln_core::{Error, Result, Tensor};
 
@@ -71,7 +71,7 @@ impl CompiledGraph for Interpreter {
                     let _mode = (n.grad_enabled != outer)
                         .then(|| GradModeGuard::new(n.grad_enabled && outer));
                     let p = rand_at(p, seed, base);
-                    apply(p, &args)?
+                    apply_on(p, &args, n.device)?
                 }
             };
             vals[id] = Some(v);

@@ -30,12 +30,15 @@ pub struct Kernel {
     pub inputs: Vec<NodeId>,
 }
 
-struct Builder<'a> {
+/// Builds the expressions of one kernel body, in C that is also CUDA C: one `const` temporary per
+/// value at an index, buffers read as `b<param>[offset]`, loop variables `i<dim>`. The loops
+/// around the body are the target's (`loops` here, `codegen/cuda.rs` on the GPU).
+pub(crate) struct Builder<'a> {
     g: &'a Graph,
     sched: &'a Schedule,
     ext: Vec<i64>,
-    params: Vec<NodeId>,
-    body: String,
+    pub(crate) params: Vec<NodeId>,
+    pub(crate) body: String,
     memo: HashMap<(NodeId, Vec<Ix>), String>,
     temps: usize,
     /// In an in-place kernel: each input whose storage an output is, the index written and that
@@ -51,7 +54,7 @@ fn ty(d: DType) -> &'static str {
 
 impl<'a> Builder<'a> {
     /// A builder for a kernel whose loop variable `v` runs over `0..ext[v]`.
-    fn new(g: &'a Graph, sched: &'a Schedule, ext: Vec<i64>) -> Self {
+    pub(crate) fn new(g: &'a Graph, sched: &'a Schedule, ext: Vec<i64>) -> Self {
         Builder {
             g,
             sched,
@@ -134,7 +137,7 @@ impl<'a> Builder<'a> {
     }
 
     /// The C expression for node `id` at index `idx` (buffers are loaded unless `id` is the root).
-    fn value(&mut self, id: NodeId, idx: &[Ix], root: bool) -> String {
+    pub(crate) fn value(&mut self, id: NodeId, idx: &[Ix], root: bool) -> String {
         if self.sched.realized[id] && !root {
             return self.load(id, idx);
         }
@@ -287,46 +290,37 @@ fn finish_outputs(
     }
 }
 
-/// The kernel computing realized node `root` (pointwise, view, pad, cat or constant).
-pub fn pointwise_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
-    build_pointwise(g, sched, &[(root, None)]).0
-}
-
-/// The kernel computing `root` into the storage of graph input `input` (its new value): it takes
-/// no argument for `input` and reads its old values through the output pointer, each element just
-/// before overwriting it. `None` when the computation reads the input at any other element (a
-/// transpose, a shift, a broadcast), where overwriting would change what later elements read.
-pub fn pointwise_kernel_inplace(
-    g: &Graph,
-    sched: &Schedule,
-    root: NodeId,
-    input: NodeId,
-) -> Option<Kernel> {
-    let (k, ok) = build_pointwise(g, sched, &[(root, Some(input))]);
-    ok.then_some(k)
-}
-
-/// One loop computing several realized values of one shape (each with its in-place input, if
-/// any), one output pointer each, in order: an optimizer's new moments and parameter in one pass
-/// over memory instead of one pass each, where the later ones read the earlier ones' values from
-/// registers instead of from the buffers just written. All loads of an iteration come before its
-/// stores, so in-place inputs are read before they are overwritten. `None` when a value reads an
-/// earlier one of the group (or an in-place input) at another element than the one being written.
-pub fn group_kernel(
-    g: &Graph,
-    sched: &Schedule,
-    roots: &[(NodeId, Option<NodeId>)],
-) -> Option<Kernel> {
-    let (k, ok) = build_pointwise(g, sched, roots);
-    let reads_group = k.inputs.iter().any(|i| roots.iter().any(|(r, _)| r == i));
-    (ok && !reads_group).then_some(k)
-}
-
-fn build_pointwise(
+/// The kernel computing realized values of one shape in one loop — one value (a pointwise chain,
+/// view, pad, cat or constant), or a group: an optimizer's new moments and parameter in one pass
+/// over memory, the later ones reading the earlier ones' values from registers — each into its
+/// own output pointer or, where `roots` names a graph input, into that input's storage: the
+/// kernel then takes no argument for the input and reads its old values through the output,
+/// each element just before overwriting it (all loads of an iteration come before its stores).
+/// The flag is false when that is unsound: a value reads an in-place input at another element
+/// than the one written (a transpose, a shift, a broadcast).
+pub fn pointwise_kernels(
     g: &Graph,
     sched: &Schedule,
     roots: &[(NodeId, Option<NodeId>)],
 ) -> (Kernel, bool) {
+    build_pointwise(g, sched, roots)
+}
+
+/// The body of a pointwise kernel over the shape of `roots[0]`, target-neutral: the builder (its
+/// parameters and expression lines), the stores of one iteration, the outputs (node, name), and
+/// whether reading the in-place inputs through the outputs is sound.
+pub(crate) struct PointwiseBody<'a> {
+    pub(crate) b: Builder<'a>,
+    pub(crate) stores: String,
+    pub(crate) outputs: Vec<(NodeId, String)>,
+    pub(crate) ok: bool,
+}
+
+pub(crate) fn pointwise_body<'a>(
+    g: &'a Graph,
+    sched: &'a Schedule,
+    roots: &[(NodeId, Option<NodeId>)],
+) -> PointwiseBody<'a> {
     let shape = &g.nodes[roots[0].0].shape;
     let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
     let mut b = Builder::new(g, sched, ext);
@@ -350,14 +344,34 @@ fn build_pointwise(
         b.memo.insert((*root, idx.clone()), v.clone());
         let _ = writeln!(stores, "    {name}[{off}] = {v};");
     }
+    let ok = b.inplace_ok;
+    let outputs: Vec<(NodeId, String)> = roots.iter().map(|r| r.0).zip(names).collect();
+    PointwiseBody {
+        b,
+        stores,
+        outputs,
+        ok,
+    }
+}
+
+fn build_pointwise(
+    g: &Graph,
+    sched: &Schedule,
+    roots: &[(NodeId, Option<NodeId>)],
+) -> (Kernel, bool) {
+    let shape = &g.nodes[roots[0].0].shape;
+    let PointwiseBody {
+        b,
+        stores,
+        outputs,
+        ok,
+    } = pointwise_body(g, sched, roots);
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
     let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
     let mut text = String::new();
     loops(&mut text, &vars, parallel);
     let _ = write!(text, "  {{\n{}{stores}  }}\n", b.body);
-    let ok = b.inplace_ok;
-    let outputs: Vec<(NodeId, String)> = roots.iter().map(|r| r.0).zip(names).collect();
     (finish_outputs(b, &outputs, text, parallel), ok)
 }
 

@@ -7,21 +7,35 @@ use std::sync::Arc;
 
 use kiln_compile::graph::{rand_at, Graph, NodeId, Op};
 use kiln_compile::CompiledGraph;
-use kiln_core::dispatch::apply;
+use kiln_core::device::DeviceKernel;
+use kiln_core::dispatch::apply_on;
 use kiln_core::ops::default_draw;
 use kiln_core::profiler;
-use kiln_core::{no_grad, Error, Result, Tensor};
+use kiln_core::{no_grad, Device, Error, Result, Tensor};
 
 use super::cc::KernelFn;
 use super::plan::Alloc;
 use super::pool::{self, BufferPool, CallBuffers};
+
+/// How a generated kernel is called.
+pub enum Launch {
+    /// A C function of the CPU translation unit: `f(args)`, the buffer addresses in order.
+    Cpu(KernelFn),
+    /// A kernel loaded on the graph's device: launched with `grid` blocks of `block` threads, the
+    /// buffers' device addresses as its arguments.
+    Device {
+        kernel: Arc<dyn DeviceKernel>,
+        grid: [u32; 3],
+        block: u32,
+    },
+}
 
 pub enum Exec {
     /// A generated kernel writing one value, or several of one shape in one loop (`outs`, in the
     /// kernel's output order, each with where it is written).
     Kernel {
         outs: Vec<(NodeId, Alloc)>,
-        f: KernelFn,
+        f: Launch,
         inputs: Vec<NodeId>,
         /// The kernel's C name (the hash of its source), for the profiler.
         name: Arc<str>,
@@ -31,8 +45,10 @@ pub enum Exec {
     },
 }
 
+/// A compiled graph on the CPU or on a device (the steps' launches say which).
 pub struct CompiledCpu {
     pub graph: Graph,
+    device: Device,
     pub steps: Vec<Exec>,
     /// For each step, the values no later step reads.
     pub free_after: Vec<Vec<NodeId>>,
@@ -69,6 +85,7 @@ impl CompiledCpu {
             }
         }
         CompiledCpu {
+            device: graph.device(),
             graph,
             steps,
             free_after,
@@ -87,8 +104,8 @@ impl CompiledCpu {
     ) -> Result<Tensor> {
         let n = &self.graph.nodes[node];
         match alloc {
-            Alloc::Output => pool::fresh(&n.shape, n.dtype),
-            Alloc::Pooled => bufs.get(&n.shape, n.dtype),
+            Alloc::Output => pool::fresh(&n.shape, n.dtype, self.device),
+            Alloc::Pooled => bufs.get(&n.shape, n.dtype, self.device),
             Alloc::InPlace(input) => {
                 let t = vals[input].clone().ok_or_else(|| {
                     Error::arg("kiln backend", format!("in-place input %{input} missing"))
@@ -106,7 +123,7 @@ impl CompiledCpu {
                 }
                 // the kernel reads the old values through its output: start from a copy of them
                 pool::count(|s| s.inplace_fallbacks += 1);
-                let out = pool::fresh(&n.shape, n.dtype)?;
+                let out = pool::fresh(&n.shape, n.dtype, self.device)?;
                 out.assign(&t)?;
                 Ok(out)
             }
@@ -127,7 +144,13 @@ impl CompiledCpu {
         let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         for (id, n) in g.nodes.iter().enumerate() {
             if let Op::Input(i) = n.op {
-                vals[id] = Some(inputs[i].clone());
+                let t = &inputs[i];
+                // a CPU scalar a device graph reads (PyTorch's CPU-scalar rule) is copied over
+                vals[id] = Some(if t.device() != self.device {
+                    t.to_device(self.device)?
+                } else {
+                    t.clone()
+                });
             }
         }
         let get = |vals: &[Option<Tensor>], id: NodeId| {
@@ -157,19 +180,9 @@ impl CompiledCpu {
                         out_t.push(self.output_buffer(node, alloc, &vals, inputs, &mut bufs)?);
                     }
                     if out_t.iter().all(|t| t.numel() > 0) {
-                        // SAFETY: every buffer is alive (held in `args_t`/`out_t`) and contiguous
-                        // with the shape and dtype the kernel was generated for. Each output is a buffer
-                        // no live value reads (new, a pooled buffer with no other handle, or a
-                        // mutated input that `writable_in_place` found overlapping no other input
-                        // and that the plan found no later step reading).
-                        let mut args: Vec<*mut c_void> = args_t
-                            .iter()
-                            .map(|t| unsafe { t.data_ptr() } as *mut c_void)
-                            .collect();
-                        args.extend(out_t.iter().map(|t| unsafe { t.data_ptr() } as *mut c_void));
                         let _span =
                             profiler::span(profiler::Category::Kernel, || name.to_string().into());
-                        unsafe { f(args.as_ptr()) };
+                        call(f, &args_t, &out_t)?;
                     }
                     for (&(node, _), t) in outs.iter().zip(out_t) {
                         vals[node] = Some(t);
@@ -185,14 +198,66 @@ impl CompiledCpu {
                         .collect::<Result<_>>()?;
                     let refs: Vec<&Tensor> = args.iter().collect();
                     let p = rand_at(p, seed, base);
-                    vals[*node] = Some(apply(p, &refs)?);
+                    // a device graph computes everything on its device (see `Graph::device`)
+                    vals[*node] = Some(apply_on(p, &refs, self.device)?);
                 }
             }
             for &id in &self.free_after[s] {
                 vals[id] = None;
             }
         }
-        g.outputs.iter().map(|&o| get(&vals, o)).collect()
+        g.outputs
+            .iter()
+            .map(|&o| {
+                let t = get(&vals, o)?;
+                // a CPU value of a device graph, computed on the device, is handed back on the CPU
+                match g.nodes[o].device {
+                    d if d != t.device() => t.to_device(d),
+                    _ => Ok(t),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Runs one kernel on its input and output buffers.
+fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor]) -> Result<()> {
+    match f {
+        Launch::Cpu(f) => {
+            // SAFETY: every buffer is alive (held in `args_t`/`out_t`) and contiguous with the
+            // shape and dtype the kernel was generated for. Each output is a buffer no live value
+            // reads (new, a pooled buffer with no other handle, or a mutated input that
+            // `writable_in_place` found overlapping no other input and that the plan found no
+            // later step reading).
+            let args: Vec<*mut c_void> = args_t
+                .iter()
+                .chain(out_t)
+                .map(|t| unsafe { t.data_ptr() } as *mut c_void)
+                .collect();
+            unsafe { f(args.as_ptr()) };
+            Ok(())
+        }
+        Launch::Device {
+            kernel,
+            grid,
+            block,
+        } => {
+            // the same conditions as above, on the device; buffers dropped after the launch are
+            // reused only by work queued after it (one stream per device)
+            let params = args_t
+                .iter()
+                .chain(out_t)
+                .map(|t| {
+                    t.device_address().ok_or_else(|| {
+                        Error::arg(
+                            "kiln backend",
+                            format!("a kernel operand on {} has no device buffer", t.device()),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<u64>>>()?;
+            kernel.launch(*grid, *block, &params)
+        }
     }
 }
 
@@ -235,7 +300,10 @@ fn span(t: &Tensor) -> (usize, usize) {
         .map(|(&n, &s)| (n - 1) * s)
         .sum();
     // SAFETY: only the address is used, to compare ranges; nothing is read through it
-    let start = unsafe { t.data_ptr() } as usize;
+    let start = match t.device_address() {
+        Some(a) => a as usize,
+        None => (unsafe { t.data_ptr() }) as usize,
+    };
     (start, start + (last + 1) * t.dtype().size_in_bytes())
 }
 

@@ -108,6 +108,7 @@ mod tests {
             dtype: DType::F32,
             grad_enabled: false,
             requires_grad: false,
+            device: kiln_core::Device::Cpu,
         }
     }
 

@@ -11,7 +11,7 @@
 use std::cell::Cell;
 use std::sync::Mutex;
 
-use kiln_core::{DType, Result, Tensor};
+use kiln_core::{DType, Device, Result, Tensor};
 
 /// Counters of the executor on the calling thread (tests read them around a call).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -50,10 +50,10 @@ pub(crate) fn nbytes(shape: &[usize], dtype: DType) -> u64 {
     (shape.iter().product::<usize>() * dtype.size_in_bytes()) as u64
 }
 
-/// A new buffer for a kernel to fill (every element is written).
-pub(crate) fn fresh(shape: &[usize], dtype: DType) -> Result<Tensor> {
+/// A new buffer on `device` for a kernel to fill (every element is written).
+pub(crate) fn fresh(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
     count(|s| s.allocated_bytes += nbytes(shape, dtype));
-    Tensor::empty(shape, dtype)
+    Tensor::empty_on(shape, dtype, device)
 }
 
 #[derive(Default)]
@@ -76,10 +76,12 @@ pub struct CallBuffers<'a> {
 }
 
 impl CallBuffers<'_> {
-    /// A buffer of `shape` and `dtype` no live value uses.
-    pub fn get(&mut self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+    /// A buffer of `shape` and `dtype` on `device` no live value uses.
+    pub fn get(&mut self, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         let n: usize = shape.iter().product();
-        let free = |t: &Tensor| t.dtype() == dtype && t.numel() == n && t.is_sole_handle();
+        let free = |t: &Tensor| {
+            t.dtype() == dtype && t.numel() == n && t.device() == device && t.is_sole_handle()
+        };
         let hit = self
             .slots
             .iter()
@@ -94,7 +96,7 @@ impl CallBuffers<'_> {
                 t.reshape(shape) // a view: it holds the storage as long as the value lives
             };
         }
-        let t = fresh(shape, dtype)?;
+        let t = fresh(shape, dtype, device)?;
         self.slots.push(t.clone());
         Ok(t)
     }

@@ -184,11 +184,27 @@ impl Rng {
     }
 }
 
-/// A new leaf with its own storage holding `t`'s values: the compiled and the eager run must not
-/// see each other's writes.
+/// A new leaf with its own storage holding `t`'s values, on the device the tests run on (see
+/// `test_device`): the compiled and the eager run must not see each other's writes.
 pub fn deep_copy(t: &Tensor) -> Tensor {
     let values = t.to_vec_f64().unwrap().into_iter();
-    Tensor::from_storage(CpuStorage::from_f64s(t.dtype(), values), t.shape()).unwrap()
+    let host = Tensor::from_storage(CpuStorage::from_f64s(t.dtype(), values), t.shape()).unwrap();
+    host.to(test_device()).unwrap()
+}
+
+/// Where the differential tests put their arguments: the CPU, or the GPU when
+/// `KILN_TEST_DEVICE=cuda` (the GPU machine runs the whole op suite so: compiled CUDA kernels
+/// against eager CUDA kernels; see ARCHITECTURE.md). Ops that create tensors without a device
+/// argument create them on the CPU, as PyTorch's do.
+pub fn test_device() -> Device {
+    static DEVICE: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    *DEVICE.get_or_init(|| match std::env::var("KILN_TEST_DEVICE").as_deref() {
+        Ok("cuda") => {
+            kiln::cuda::init();
+            Device::Cuda(0)
+        }
+        _ => Device::Cpu,
+    })
 }
 
 /// Element-wise comparison; `tol == 0.0` means bitwise (NaNs of any payload match each other).
@@ -386,8 +402,10 @@ impl Case {
             let weights: Vec<Option<Tensor>> = out_e
                 .iter()
                 .map(|o| {
-                    o.requires_grad()
-                        .then(|| rng.randn(o.shape()).to_dtype(o.dtype()).unwrap())
+                    o.requires_grad().then(|| {
+                        let w = rng.randn(o.shape()).to_dtype(o.dtype()).unwrap();
+                        w.to(o.device()).unwrap()
+                    })
                 })
                 .collect();
             if weights.iter().all(Option::is_none) {

@@ -1,0 +1,126 @@
+//! Capture and AOT autograd over device tensors, on any machine: a mock device runtime (host memory,
+//! CPU kernels; shared with kiln-core's dispatch tests) stands in for CUDA. What is under test is
+//! the compiler's device plumbing: traced values that live on a device until the graph fills them,
+//! graphs whose prims carry their device, CPU scalars read by device graphs on every call,
+//! in-place writes into device tensors, and the `kiln` backend falling back to the interpreter on
+//! a device whose runtime cannot load generated kernels (the GPU runs them: `gpu_compile.rs`).
+
+#[path = "../../kiln-core/tests/support/mock_device.rs"]
+mod mock_device;
+
+use kiln::nn::optim::{Optimizer, SGDConfig, SGD};
+use kiln::prelude::*;
+use mock_device::{setup, DEV};
+
+fn on_dev(v: Vec<f32>, shape: &[usize]) -> Result<Tensor> {
+    Tensor::from_vec(v, shape)?.to(DEV)
+}
+
+fn values(n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7 % 11) as f32 - 5.0) * scale)
+        .collect()
+}
+
+#[test]
+fn a_compiled_function_over_device_tensors_equals_eager_forward_and_backward() -> Result<()> {
+    setup();
+    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+        let h = a[0].matmul(&a[1])?.relu()?;
+        Ok(vec![h.softmax(-1)?.sum(&[1], false)?, h.t()?.exp()?])
+    };
+    let compiled = kiln::compile_fn(f, CompileOptions::default())?;
+    for call in 0..2 {
+        let scale = 0.1 * (call + 1) as f32;
+        let x = on_dev(values(12, scale), &[3, 4])?.with_grad()?;
+        let w = on_dev(values(20, 0.2), &[4, 5])?.with_grad()?;
+        let (xe, we) = (
+            on_dev(values(12, scale), &[3, 4])?.with_grad()?,
+            on_dev(values(20, 0.2), &[4, 5])?.with_grad()?,
+        );
+        let got = compiled.call(&[x.clone(), w.clone()])?;
+        let want = f(&[xe.clone(), we.clone()])?;
+        for (g, e) in got.iter().zip(&want) {
+            assert_eq!(g.device(), DEV, "compiled output left the device");
+            assert_eq!(g.to_vec::<f32>()?, e.to_vec::<f32>()?);
+        }
+        got[0].add(&got[1].sum_all()?)?.sum_all()?.backward()?;
+        want[0].add(&want[1].sum_all()?)?.sum_all()?.backward()?;
+        for (c, e) in [(&x, &xe), (&w, &we)] {
+            let (gc, ge) = (
+                c.grad().expect("compiled grad"),
+                e.grad().expect("eager grad"),
+            );
+            assert_eq!(gc.device(), DEV, "gradient left the device");
+            assert_eq!(gc.to_vec::<f32>()?, ge.to_vec::<f32>()?);
+        }
+    }
+    let stats = compiled.stats();
+    assert_eq!((stats.traces, stats.replays), (1, 1), "{stats:?}");
+    Ok(())
+}
+
+#[test]
+fn a_cpu_scalar_read_by_a_device_graph_is_read_on_every_call() -> Result<()> {
+    setup();
+    let compiled = kiln::compile_fn(
+        |a: &[Tensor]| Ok(vec![a[0].mul(&a[1])?]),
+        CompileOptions::default(),
+    )?;
+    let x = on_dev(values(6, 1.0), &[2, 3])?;
+    for v in [2.0f32, -0.5] {
+        let s = Tensor::scalar(v);
+        let got = compiled.call(&[x.clone(), s])?;
+        assert_eq!(got[0].device(), DEV);
+        let want: Vec<f32> = values(6, 1.0).iter().map(|e| e * v).collect();
+        assert_eq!(got[0].to_vec::<f32>()?, want);
+    }
+    Ok(())
+}
+
+#[test]
+fn a_compiled_optimizer_step_updates_device_parameters_in_place() -> Result<()> {
+    setup();
+    let make = || -> Result<Tensor> {
+        let p = on_dev(values(8, 0.5), &[2, 4])?.with_grad()?;
+        p.set_grad(Some(on_dev(values(8, 0.25), &[2, 4])?));
+        Ok(p)
+    };
+    let (pe, pc) = (make()?, make()?);
+    let config = || SGDConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        ..SGDConfig::default()
+    };
+    let mut eager = SGD::new(vec![pe.clone()], config())?;
+    let opt = std::sync::Mutex::new(SGD::new(vec![pc.clone()], config())?);
+    let step = kiln::compile_fn(
+        |_: &[Tensor]| {
+            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
+            Ok(vec![])
+        },
+        CompileOptions::default(),
+    )?;
+    for _ in 0..3 {
+        eager.step()?;
+        step.call(&[])?;
+        assert_eq!(pc.device(), DEV);
+        assert_eq!(pc.to_vec::<f32>()?, pe.to_vec::<f32>()?);
+    }
+    Ok(())
+}
+
+#[test]
+fn fullgraph_on_a_device_without_kernel_support_is_an_error_naming_it() -> Result<()> {
+    setup();
+    let compiled = kiln::compile_fn(
+        |a: &[Tensor]| Ok(vec![a[0].exp()?]),
+        CompileOptions::default().fullgraph(true),
+    )?;
+    let err = compiled
+        .call(&[on_dev(values(4, 1.0), &[4])?])
+        .expect_err("the mock device cannot load kernels")
+        .to_string();
+    assert!(err.contains("generated kernels"), "{err}");
+    Ok(())
+}

@@ -1,0 +1,348 @@
+//! The `kiln` backend on the GPU: code over CUDA tensors, compiled (generated CUDA kernels from
+//! `kiln-inductor/src/codegen/cuda.rs`, extern steps through the eager CUDA runtime), against the
+//! same code run eagerly on the GPU and against the CPU in float64.
+//!
+//! A custom harness (libtest-mimic): without CUDA these tests are reported as ignored, with a
+//! count. On the GPU machine the whole op suite also runs on the device:
+//! `KILN_TEST_DEVICE=cuda cargo test -p kiln --test compile_ops`.
+
+use std::sync::Mutex;
+
+use kiln::inductor::exec_stats;
+use kiln::nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
+use kiln::prelude::*;
+use libtest_mimic::{Arguments, Failed, Trial};
+
+const CUDA: Device = Device::Cuda(0);
+type Outcome = std::result::Result<(), String>;
+type Check = fn() -> Outcome;
+
+fn err(e: kiln::Error) -> String {
+    e.to_string()
+}
+
+/// ‖got − want‖ / ‖want‖ within `tol`: float32 results against a float64 reference, where
+/// values near zero carry the rounding of larger intermediate values (a layer norm's).
+fn close(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Outcome {
+    let (g, w) = (
+        got.to_vec_f64().map_err(err)?,
+        want.to_vec_f64().map_err(err)?,
+    );
+    if g.len() != w.len() {
+        return Err(format!("{what}: {} values vs {}", g.len(), w.len()));
+    }
+    let num: f64 = g.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = w.iter().map(|b| b * b).sum();
+    let e = (num / den.max(1e-300)).sqrt();
+    if e.is_nan() || e > tol {
+        return Err(format!("{what}: relative error {e:.3e} > {tol:.1e}"));
+    }
+    Ok(())
+}
+
+/// `got` equals `want` within `tol` relative to the larger magnitude (0: bitwise).
+fn same(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Outcome {
+    if got.shape() != want.shape() {
+        return Err(format!(
+            "{what}: shape {:?} vs {:?}",
+            got.shape(),
+            want.shape()
+        ));
+    }
+    let (g, w) = (
+        got.to_vec_f64().map_err(err)?,
+        want.to_vec_f64().map_err(err)?,
+    );
+    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+        let ok = (a.is_nan() && b.is_nan())
+            || a == b
+            || (a - b).abs() <= tol * a.abs().max(b.abs()).max(1e-30);
+        if !ok {
+            return Err(format!(
+                "{what}: element {i}: {a:e} vs {b:e} (tolerance {tol:e})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn randn(shape: &[usize], seed: u64) -> Result<Tensor> {
+    manual_seed(seed);
+    Tensor::randn(shape, DType::F32)
+}
+
+/// Runs `f` compiled and eagerly on CUDA copies of `inputs` (twice, with new values the second
+/// time) and on float64 CPU copies; checks outputs and that the compiled graph ran generated
+/// kernels.
+fn differential(
+    name: &str,
+    shapes: &[&[usize]],
+    tol_ref: f64,
+    f: fn(&[Tensor]) -> Result<Vec<Tensor>>,
+) -> Outcome {
+    let compiled = kiln::compile_fn(f, CompileOptions::default()).map_err(err)?;
+    for call in 0..2u64 {
+        let host: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| randn(s, 100 * call + i as u64))
+            .collect::<Result<_>>()
+            .map_err(err)?;
+        let dev: Vec<Tensor> = host
+            .iter()
+            .map(|t| t.to(CUDA))
+            .collect::<Result<_>>()
+            .map_err(err)?;
+        let before = exec_stats();
+        let got = compiled.call(&dev).map_err(err)?;
+        if exec_stats().calls == before.calls {
+            return Err(format!("{name}: the compiled graph did not run"));
+        }
+        let eager = f(&dev).map_err(err)?;
+        let f64s: Vec<Tensor> = host
+            .iter()
+            .map(|t| t.to_dtype(DType::F64))
+            .collect::<Result<_>>()
+            .map_err(err)?;
+        let reference = f(&f64s).map_err(err)?;
+        for (k, ((g, e), r)) in got.iter().zip(&eager).zip(&reference).enumerate() {
+            if g.device() != CUDA {
+                return Err(format!("{name}: output {k} on {}", g.device()));
+            }
+            // compiled and eager CUDA kernels sum in float64 and call the same math functions
+            // without FMA contraction: they agree to the last bit but for summation order
+            same(
+                &format!("{name} call {call} output {k} vs eager"),
+                g,
+                e,
+                1e-6,
+            )?;
+            close(
+                &format!("{name} call {call} output {k} vs f64"),
+                g,
+                r,
+                tol_ref,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn pointwise_chain() -> Outcome {
+    differential("pointwise_chain", &[&[33, 65], &[65]], 1e-5, |x| {
+        let y = x[0].mul(&x[1])?.add(1.0)?.tanh()?.mul(&x[0].sin()?)?;
+        Ok(vec![y.exp()?, y.t()?.contiguous()?])
+    })
+}
+
+fn reductions_every_strategy() -> Outcome {
+    // short rows (a thread each), medium (a warp each), long (a block each), all dims
+    differential(
+        "reductions_every_strategy",
+        &[&[1000, 7], &[300, 200], &[3, 20000]],
+        1e-5,
+        |x| {
+            Ok(vec![
+                x[0].exp()?.sum(&[1], false)?,
+                x[1].mul(&x[1])?.mean(&[1], true)?,
+                x[2].abs()?.max(&[1], false)?,
+                x[1].sum(&[0], false)?,
+                x[2].sum_all()?,
+            ])
+        },
+    )
+}
+
+fn softmax_layer_norm_gelu() -> Outcome {
+    differential(
+        "softmax_layer_norm_gelu",
+        &[&[8, 12, 64], &[64], &[64]],
+        1e-5,
+        |x| {
+            let s = x[0].softmax(-1)?;
+            let n = x[0].layer_norm(&[64], Some(&x[1]), Some(&x[2]), 1e-5)?;
+            Ok(vec![s, n.gelu()?])
+        },
+    )
+}
+
+fn linear_relu_matmul_extern() -> Outcome {
+    differential(
+        "linear_relu_matmul_extern",
+        &[&[16, 32], &[32, 24]],
+        1e-5,
+        |x| Ok(vec![x[0].matmul(&x[1])?.relu()?.add(1.0)?]),
+    )
+}
+
+/// A CPU scalar tensor fed to a device graph is read on every call (not a constant captured at
+/// trace time).
+fn cpu_scalar_follows_its_value() -> Outcome {
+    let f = kiln::compile_fn(
+        |a: &[Tensor]| Ok(vec![a[0].mul(&a[1])?]),
+        CompileOptions::default(),
+    )
+    .map_err(err)?;
+    let x = randn(&[5, 3], 1).map_err(err)?.to(CUDA).map_err(err)?;
+    for v in [2.0f32, -3.0] {
+        let s = Tensor::from_vec(vec![v], &[]).map_err(err)?;
+        let got = f.call(&[x.clone(), s.clone()]).map_err(err)?;
+        let want = x.mul(&s.to(CUDA).map_err(err)?).map_err(err)?;
+        same(&format!("x * {v}"), &got[0], &want, 0.0)?;
+    }
+    Ok(())
+}
+
+fn params(seed: u64) -> Result<Vec<Tensor>> {
+    manual_seed(seed);
+    [[256usize, 128], [128, 10]]
+        .iter()
+        .map(|s| {
+            let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
+            p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
+            Ok(p)
+        })
+        .collect()
+}
+
+/// A compiled optimizer step on the GPU writes the parameters in place and equals the eager step.
+fn optimizer_steps<O: Optimizer + Send>(make: impl Fn(Vec<Tensor>) -> Result<O>) -> Outcome {
+    let (eager_ps, compiled_ps) = (params(3).map_err(err)?, params(3).map_err(err)?);
+    let mut eager = make(eager_ps.clone()).map_err(err)?;
+    let opt = Mutex::new(make(compiled_ps.clone()).map_err(err)?);
+    let step = kiln::compile_fn(
+        |_: &[Tensor]| {
+            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
+            Ok(vec![])
+        },
+        CompileOptions::default(),
+    )
+    .map_err(err)?;
+    let mut inplace = 0;
+    for k in 0..3 {
+        eager.step().map_err(err)?;
+        let before = exec_stats();
+        step.call(&[]).map_err(err)?;
+        if k > 0 {
+            inplace += exec_stats().inplace_bytes - before.inplace_bytes;
+        }
+        for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
+            same(&format!("step {k} parameter {i}"), c, e, 1e-6)?;
+        }
+    }
+    for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
+        same(&format!("parameter {i}"), c, e, 1e-6)?;
+    }
+    if inplace == 0 {
+        return Err("the compiled step wrote nothing in place".into());
+    }
+    Ok(())
+}
+
+fn adam_step() -> Outcome {
+    optimizer_steps(|ps| Adam::new(ps, AdamConfig::default()))
+}
+
+fn plain_sgd_step() -> Outcome {
+    optimizer_steps(|ps| {
+        SGD::new(
+            ps,
+            SGDConfig {
+                lr: 0.1,
+                ..SGDConfig::default()
+            },
+        )
+    })
+}
+
+fn sgd_momentum_step() -> Outcome {
+    optimizer_steps(|ps| {
+        SGD::new(
+            ps,
+            SGDConfig {
+                lr: 0.1,
+                momentum: 0.9,
+                ..SGDConfig::default()
+            },
+        )
+    })
+}
+
+/// Forward and backward of a small MLP compiled on the GPU: loss and gradients equal eager's.
+fn mlp_forward_backward() -> Outcome {
+    let make = || -> Result<Vec<Tensor>> {
+        manual_seed(11);
+        let w1 = Tensor::randn(&[64, 32], DType::F32)?
+            .mul(0.1)?
+            .to(CUDA)?
+            .with_grad()?;
+        let w2 = Tensor::randn(&[32, 10], DType::F32)?
+            .mul(0.1)?
+            .to(CUDA)?
+            .with_grad()?;
+        Ok(vec![w1, w2])
+    };
+    let loss = |w: &[Tensor], x: &Tensor, y: &Tensor| -> Result<Tensor> {
+        let h = x.matmul(&w[0])?.relu()?;
+        h.matmul(&w[1])?
+            .cross_entropy(y, None, 0.0, Reduction::Mean)
+    };
+    let (we, wc) = (make().map_err(err)?, make().map_err(err)?);
+    let x = randn(&[16, 64], 5).map_err(err)?.to(CUDA).map_err(err)?;
+    let y = Tensor::from_vec((0..16i64).map(|i| i % 10).collect::<Vec<_>>(), &[16])
+        .map_err(err)?
+        .to(CUDA)
+        .map_err(err)?;
+    let wc2 = wc.clone();
+    let f = kiln::compile_fn(
+        move |a: &[Tensor]| Ok(vec![loss(&wc2, &a[0], &a[1])?]),
+        CompileOptions::default(),
+    )
+    .map_err(err)?;
+    let lc = f.call(&[x.clone(), y.clone()]).map_err(err)?;
+    lc[0].backward().map_err(err)?;
+    let le = loss(&we, &x, &y).map_err(err)?;
+    le.backward().map_err(err)?;
+    same("loss", &lc[0], &le, 1e-6)?;
+    for (i, (c, e)) in wc.iter().zip(&we).enumerate() {
+        let (gc, ge) = (c.grad(), e.grad());
+        match (gc, ge) {
+            (Some(gc), Some(ge)) => same(&format!("grad {i}"), &gc, &ge, 1e-5)?,
+            _ => return Err(format!("grad {i} missing")),
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let mut args = Arguments::from_args();
+    // one at a time: the tests seed kiln's process-wide generator
+    args.test_threads = Some(1);
+    kiln::cuda::init();
+    let available = kiln::cuda::is_available();
+    if !available {
+        eprintln!("gpu_compile: no CUDA device ({}); tests ignored", {
+            kiln::cuda::check()
+                .err()
+                .map_or_else(String::new, |e| e.to_string())
+        });
+    }
+    let tests: [(&str, Check); 9] = [
+        ("plain_sgd_step", plain_sgd_step),
+        ("pointwise_chain", pointwise_chain),
+        ("reductions_every_strategy", reductions_every_strategy),
+        ("softmax_layer_norm_gelu", softmax_layer_norm_gelu),
+        ("linear_relu_matmul_extern", linear_relu_matmul_extern),
+        ("cpu_scalar_follows_its_value", cpu_scalar_follows_its_value),
+        ("adam_step", adam_step),
+        ("sgd_momentum_step", sgd_momentum_step),
+        ("mlp_forward_backward", mlp_forward_backward),
+    ];
+    let trials = tests
+        .iter()
+        .map(|&(n, f)| {
+            Trial::test(n, move || f().map_err(Failed::from)).with_ignored_flag(!available)
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit();
+}
