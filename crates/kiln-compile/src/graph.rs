@@ -47,6 +47,12 @@ pub struct Graph {
     /// that output, provided nothing it computes afterwards, and no other output, reads the old
     /// values; the caller skips the copy when handed its destination back.
     pub mutated_inputs: Vec<(usize, usize)>,
+    /// Per input: whether it is a tensor the traced code captured (a parameter, a buffer, an
+    /// optimizer's state) rather than a call argument or a gradient. Those keep their storage
+    /// from call to call (updated in place), so a backend that records device work for replay
+    /// (CUDA graphs) may read them where they are instead of copying them into buffers of its
+    /// own. Missing entries are false.
+    pub static_inputs: Vec<bool>,
 }
 
 /// A graph's `Rand` prim made concrete for one run whose draws start at `(seed, base)`; other prims
@@ -147,8 +153,8 @@ impl Graph {
         }
         let _ = write!(
             k,
-            "->{:?}rng{}mut{:?}",
-            self.outputs, self.rng_span, self.mutated_inputs
+            "->{:?}rng{}mut{:?}static{:?}",
+            self.outputs, self.rng_span, self.mutated_inputs, self.static_inputs
         );
         k
     }

@@ -212,6 +212,10 @@ impl Tracer {
         let (mut graph, keep_inputs) = prune(&graph);
         let sources: Vec<Source> = keep_inputs.iter().map(|&i| sources[i].clone()).collect();
         graph.mutated_inputs = self.mutated_inputs(&sources, &mutations, live.len());
+        graph.static_inputs = sources
+            .iter()
+            .map(|s| matches!(s, Source::Captured(_)))
+            .collect();
         if let Some(b) = &ended_by {
             logs::emit(Channel::GraphBreaks, || {
                 format!("graph break in {}: {b}", self.name)

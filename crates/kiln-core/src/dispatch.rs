@@ -22,17 +22,30 @@ pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
 /// operands run on their operands' device and ignore `device`.
 #[track_caller]
 pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
+    // operands run where they live; a CPU operand meeting device operands (a CPU scalar, in any
+    // position: `cpu_scalar ** cuda_tensor` runs on the GPU, as in PyTorch) follows them
     let device = match inputs.first() {
-        Some(first) => first.device(),
+        Some(first) => inputs
+            .iter()
+            .map(|t| t.device())
+            .find(|&d| d != Device::Cpu)
+            .unwrap_or(first.device()),
         None => device,
     };
-    let mixed = inputs.iter().find(|t| t.device() != device);
-    if let Some(other) = mixed {
-        // PyTorch lets a CPU scalar meet device tensors; here that is a CPU operand that reads a
-        // single element (a 0-dim tensor, possibly expanded): it is copied to the device
-        if device == Device::Cpu || other.device() != Device::Cpu {
-            return Err(mismatch(&prim, device, other.device()));
+    // PyTorch lets a CPU scalar meet device tensors; here that is a CPU operand that reads a
+    // single element (a 0-dim tensor, possibly expanded): it is copied to the device
+    let mut mixed = false;
+    for t in inputs.iter().filter(|t| t.device() != device) {
+        if t.is_deferred() {
+            // a traced value's layout is not known yet (an expanded scalar reads as contiguous):
+            // its device is checked now, its size when the graph runs it (`lift_scalars`)
+            if device == Device::Cpu || t.device() != Device::Cpu {
+                return Err(mismatch(&prim, device, t.device()));
+            }
+        } else {
+            liftable(&prim, t, device)?;
         }
+        mixed = true;
     }
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let dtypes: Vec<_> = inputs.iter().map(|t| t.dtype()).collect();
@@ -51,7 +64,7 @@ pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor
     }
     let (lifted, lifted_refs);
     let mut inputs = inputs;
-    if mixed.is_some() {
+    if mixed {
         lifted = lift_scalars(&prim, inputs, device)?;
         lifted_refs = lifted.iter().collect::<Vec<_>>();
         inputs = &lifted_refs;
@@ -105,6 +118,26 @@ fn execute_on_device(
     Ok((Storage::Device(buf), Layout::contiguous(&meta.shape)))
 }
 
+/// Whether `t`, not on `device`, may be copied there for `prim`: a CPU tensor that reads a single
+/// element (possibly expanded) and wants no gradient (the copy would be a new leaf).
+fn liftable(prim: &Prim, t: &Tensor, device: Device) -> Result<()> {
+    let l = t.layout();
+    let single = l
+        .shape
+        .iter()
+        .zip(&l.strides)
+        .all(|(&d, &s)| d <= 1 || s == 0);
+    match device != Device::Cpu
+        && t.device() == Device::Cpu
+        && single
+        && t.numel() > 0
+        && !t.requires_grad()
+    {
+        true => Ok(()),
+        false => Err(mismatch(prim, device, t.device())),
+    }
+}
+
 /// Copies each single-element CPU operand to `device`, as a one-element buffer viewed with the
 /// operand's shape (zero strides); any other CPU operand is a device mismatch.
 fn lift_scalars(prim: &Prim, inputs: &[&Tensor], device: Device) -> Result<Vec<Tensor>> {
@@ -114,12 +147,8 @@ fn lift_scalars(prim: &Prim, inputs: &[&Tensor], device: Device) -> Result<Vec<T
             if t.device() == device {
                 return Ok((*t).clone());
             }
+            liftable(prim, t, device)?;
             let l = t.layout();
-            let single = l.shape.iter().zip(&l.strides).all(|(&d, &s)| d <= 1 || s == 0);
-            // a lifted copy is a new leaf, so a scalar that wants its gradient cannot be lifted
-            if t.device() != Device::Cpu || !single || t.numel() == 0 || t.requires_grad() {
-                return Err(mismatch(prim, device, t.device()));
-            }
             t.ready(prim.name(), std::panic::Location::caller())?;
             let value = {
                 let s = t.storage();

@@ -47,6 +47,10 @@ fn scalars_and_like_constructors_follow_the_device() {
     // a CPU 0-dim tensor meets a device tensor as PyTorch's CPU scalar does
     let s = Tensor::scalar(3.0f32);
     assert_eq!(d.mul(&s).unwrap().to_vec::<f32>().unwrap(), vec![3.0; 3]);
+    // in any operand position: the op runs on the device
+    let first = Tensor::scalar(10.0f32).sub(&d).unwrap();
+    assert_eq!(first.device(), DEV);
+    assert_eq!(first.to_vec::<f32>().unwrap(), vec![9.0; 3]);
     // a CPU tensor with several elements is a device mismatch naming both devices
     let c = Tensor::ones(&[3], DType::F32).unwrap();
     let err = d.add(&c).unwrap_err().to_string();

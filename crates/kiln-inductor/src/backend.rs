@@ -238,7 +238,9 @@ impl Backend for CpuCodegen {
             return Ok(Arc::new(Interpreter::new(graph.clone())));
         };
         if graph.device() != kiln_core::Device::Cpu {
-            return match crate::codegen::cuda::compile(graph) {
+            // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs
+            let cuda_graphs = matches!(ctx.mode.as_str(), "reduce-overhead" | "max-autotune");
+            return match crate::codegen::cuda::compile(graph, cuda_graphs) {
                 Ok(compiled) => Ok(compiled),
                 Err(e) if !ctx.fullgraph => {
                     static WARN: Once = Once::new();

@@ -32,6 +32,7 @@ fn delta<R>(f: impl FnOnce() -> R) -> (R, ExecStats) {
         reused_bytes: b.reused_bytes - a.reused_bytes,
         inplace_bytes: b.inplace_bytes - a.inplace_bytes,
         inplace_fallbacks: b.inplace_fallbacks - a.inplace_fallbacks,
+        graph_replays: b.graph_replays - a.graph_replays,
     };
     (r, d)
 }

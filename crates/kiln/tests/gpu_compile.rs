@@ -314,6 +314,72 @@ fn mlp_forward_backward() -> Outcome {
     Ok(())
 }
 
+/// reduce-overhead: the calls after the first two replay a recorded CUDA graph, with each call's
+/// new argument values, and equal eager.
+fn reduce_overhead_replays_with_new_inputs() -> Outcome {
+    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+        let y = a[0].sin()?.add(&a[0].cos()?)?;
+        Ok(vec![y.clone(), y.sum(&[1], false)?.mul(&a[1])?])
+    };
+    let compiled =
+        kiln::compile_fn(f, CompileOptions::default().mode(Mode::ReduceOverhead)).map_err(err)?;
+    let before = exec_stats().graph_replays;
+    for call in 0..5u64 {
+        let x = randn(&[64, 300], call)
+            .map_err(err)?
+            .to(CUDA)
+            .map_err(err)?;
+        let s = Tensor::scalar(call as f32 + 0.5); // a CPU scalar, copied in on every replay
+        let got = compiled.call(&[x.clone(), s.clone()]).map_err(err)?;
+        let want = f(&[x, s]).map_err(err)?;
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            same(&format!("call {call} output {k}"), g, w, 1e-6)?;
+        }
+    }
+    let replays = exec_stats().graph_replays - before;
+    if replays != 4 {
+        return Err(format!("{replays} graph replays in 5 calls, expected 4"));
+    }
+    Ok(())
+}
+
+/// A reduce-overhead optimizer step: parameters and state updated in place by the replays,
+/// gradients (new values each step) copied in.
+fn reduce_overhead_adam_steps() -> Outcome {
+    let (eager_ps, compiled_ps) = (params(4).map_err(err)?, params(4).map_err(err)?);
+    let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
+    let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
+    let step = kiln::compile_fn(
+        |_: &[Tensor]| {
+            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
+            Ok(vec![])
+        },
+        CompileOptions::default().mode(Mode::ReduceOverhead),
+    )
+    .map_err(err)?;
+    let before = exec_stats().graph_replays;
+    for k in 0..5u64 {
+        for (e, c) in eager_ps.iter().zip(&compiled_ps) {
+            let g = randn(e.shape(), 50 + k)
+                .map_err(err)?
+                .to(CUDA)
+                .map_err(err)?;
+            let (ge, gc) = (e.grad().ok_or("no grad")?, c.grad().ok_or("no grad")?);
+            ge.assign(&g).map_err(err)?;
+            gc.assign(&g).map_err(err)?;
+        }
+        eager.step().map_err(err)?;
+        step.call(&[]).map_err(err)?;
+        for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
+            same(&format!("step {k} parameter {i}"), c, e, 1e-6)?;
+        }
+    }
+    if exec_stats().graph_replays == before {
+        return Err("no step replayed a recorded graph".into());
+    }
+    Ok(())
+}
+
 fn main() {
     let mut args = Arguments::from_args();
     // one at a time: the tests seed kiln's process-wide generator
@@ -327,7 +393,12 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 9] = [
+    let tests: [(&str, Check); 11] = [
+        (
+            "reduce_overhead_replays_with_new_inputs",
+            reduce_overhead_replays_with_new_inputs,
+        ),
+        ("reduce_overhead_adam_steps", reduce_overhead_adam_steps),
         ("plain_sgd_step", plain_sgd_step),
         ("pointwise_chain", pointwise_chain),
         ("reductions_every_strategy", reductions_every_strategy),

@@ -46,7 +46,9 @@ impl Backend for AotBackend {
             // nothing needs a gradient: an inference graph
             return self.inner.compile(graph, ctx);
         };
-        let part = partition::partition(&joint)?;
+        let mut part = partition::partition(&joint)?;
+        // the forward's inputs are the graph's, in order; the backward's are its own buffers
+        part.forward.static_inputs = graph.static_inputs.clone();
         logs::emit(Channel::GraphCode, || {
             format!(
                 "{}{}",

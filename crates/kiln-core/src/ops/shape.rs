@@ -78,6 +78,11 @@ impl Tensor {
         }
         self.reshape(shape)
     }
+    /// `torch.clone`: a new tensor holding a copy of the values (contiguous), differentiable.
+    /// `Clone::clone` copies the handle, which shares the values.
+    pub fn clone_data(&self) -> Result<Tensor> {
+        apply(Prim::Contiguous, &[self])
+    }
     pub fn contiguous(&self) -> Result<Tensor> {
         if self.is_contiguous() {
             return Ok(self.clone());

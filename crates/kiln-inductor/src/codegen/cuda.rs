@@ -19,6 +19,7 @@ use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{pointwise_body, Builder, PointwiseBody};
 use crate::ir::index::Ix;
 use crate::ir::lower::{c_dtype, linear, reduce_c};
+use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
 
@@ -47,6 +48,9 @@ const ROW_BLOCK: u32 = 512;
 /// Reduced lengths from which a warp (then a block) reduces each output element.
 const WARP_FROM: usize = 32;
 const BLOCK_FROM: usize = 4096;
+/// Elements from which a pointwise kernel's threads take `UNROLL` elements per iteration.
+const UNROLL_FROM: usize = 1 << 20;
+const UNROLL: usize = 4;
 
 /// One generated CUDA kernel and how to launch it.
 #[derive(Clone, Debug)]
@@ -144,14 +148,40 @@ impl Target for Cuda {
             ok,
         } = pointwise_body(g, sched, roots);
         let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
+        // one element at flat index `e`, in a scope of its own
+        let element = |indent: &str| {
+            let mut t = String::new();
+            split_index(&mut t, "e", &vars, indent, "rem");
+            t.push_str(&b.body);
+            t.push_str(&stores);
+            t
+        };
         let mut text = String::new();
         let _ = writeln!(
             text,
-            "  for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < {numel}; \
-             e += (long long)gridDim.x * blockDim.x) {{"
+            "  const long long stride = (long long)gridDim.x * blockDim.x;\n  long long e0 = \
+             (long long)blockIdx.x * blockDim.x + threadIdx.x;"
         );
-        split_index(&mut text, "e", &vars, "    ", "rem");
-        let _ = writeln!(text, "{}{stores}  }}", b.body);
+        if numel >= UNROLL_FROM {
+            // UNROLL elements a stride apart per iteration, in one basic block: their loads are
+            // independent, so they are in flight together (a memory-bound kernel needs the bytes
+            // in flight; one 4-byte load per thread at a time leaves a third of the bandwidth)
+            let _ = writeln!(
+                text,
+                "  for (; e0 + {} * stride < {numel}; e0 += {UNROLL} * stride) {{",
+                UNROLL - 1
+            );
+            for k in 0..UNROLL {
+                let _ = writeln!(text, "    {{\n    const long long e = e0 + {k} * stride;");
+                let _ = writeln!(text, "{}    }}", element("    "));
+            }
+            let _ = writeln!(text, "  }}");
+        }
+        let _ = writeln!(
+            text,
+            "  for (; e0 < {numel}; e0 += stride) {{\n    const long long e = e0;"
+        );
+        let _ = writeln!(text, "{}  }}", element("    "));
         let sig = signature(&b, g, &outputs);
         let grid = self.blocks(numel, BLOCK as usize);
         (finish(b, sig, text, grid, BLOCK), ok)
@@ -271,8 +301,9 @@ impl Target for Cuda {
 
 /// Compiles a graph whose prims run on a CUDA device: its kernels in one translation unit,
 /// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
-/// device's eager kernels.
-pub fn compile(graph: &Graph) -> Result<Arc<dyn CompiledGraph>> {
+/// device's eager kernels. With `cuda_graphs` (reduce-overhead, max-autotune) the launches are
+/// recorded once and replayed (`runtime/cudagraph.rs`).
+pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
     let target = Cuda {
@@ -320,5 +351,9 @@ pub fn compile(graph: &Graph) -> Result<Arc<dyn CompiledGraph>> {
             Planned::Extern { node } => Ok(Exec::Extern { node }),
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Arc::new(CompiledCpu::new(graph.clone(), steps)))
+    let compiled: Arc<dyn CompiledGraph> = Arc::new(CompiledCpu::new(graph.clone(), steps));
+    Ok(match cuda_graphs {
+        true => Arc::new(CudaGraphed::new(compiled, graph)),
+        false => compiled,
+    })
 }

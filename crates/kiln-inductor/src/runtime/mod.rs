@@ -1,6 +1,7 @@
 //! Building, caching, loading and running generated kernels.
 
 pub mod cc;
+pub mod cudagraph;
 pub mod exec;
 pub mod plan;
 pub mod pool;

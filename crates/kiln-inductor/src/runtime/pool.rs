@@ -27,6 +27,8 @@ pub struct ExecStats {
     /// In-place writes that had to go through a copy instead (the input overlapped another input,
     /// or was not contiguous).
     pub inplace_fallbacks: u64,
+    /// Calls answered by replaying a recorded device graph (reduce-overhead).
+    pub graph_replays: u64,
 }
 
 thread_local! {

@@ -256,11 +256,17 @@ impl AdamCore {
                 (Vec::new(), Vec::new(), states)
             }
         };
+        // on the parameter's device, as `capturable=True` keeps them: a recorded CUDA graph
+        // advances them with the rest of the step
+        let steps = params
+            .iter()
+            .map(|p| f64_scalar(0.0)?.to(p.device()))
+            .collect::<Result<_>>()?;
         Ok(AdamCore {
             lr: LrHandle::new(h.lr),
             params,
             hyper: h,
-            steps: (0..n).map(|_| f64_scalar(0.0)).collect::<Result<_>>()?,
+            steps,
             counts: vec![0; n],
             states,
             groups,

@@ -1,0 +1,214 @@
+//! `Mode::ReduceOverhead` on a device: a compiled graph's launches recorded once into a device
+//! graph (CUDA graphs) and replayed with one launch per call, as PyTorch's cudagraph trees do.
+//!
+//! The first call runs normally (kernels load, libraries set up their workspaces). The second
+//! records: the graph reads its inputs from buffers it owns — call arguments, gradients and CPU
+//! scalars are copied into them before every replay — except the captured tensors
+//! (`Graph::static_inputs`: parameters, buffers, optimizer state), which keep their storage from
+//! call to call and are read and written where they are. Everything the recorded work allocates
+//! belongs to the graph while it lives (kiln-cuda's allocator), so a replay writes the same
+//! buffers again: an output of one call is overwritten by the next. That is PyTorch's contract;
+//! a caller who still holds an output when the graph runs again gets a warning (once), telling
+//! them to clone it.
+//!
+//! Graphs that draw random numbers, and graphs whose recording fails (work that reads values
+//! back to the host, such as the host path of an op without a device kernel), run normally.
+
+use std::sync::{Arc, Mutex, Once};
+
+use kiln_compile::graph::Graph;
+use kiln_compile::CompiledGraph;
+use kiln_core::device::{runtime_for, DeviceGraph};
+use kiln_core::{no_grad, Device, Result, Tensor, WeakTensor};
+
+pub struct CudaGraphed {
+    inner: Arc<dyn CompiledGraph>,
+    device: Device,
+    static_inputs: Vec<bool>,
+    state: Mutex<State>,
+}
+
+enum State {
+    /// Not called yet: the first call runs normally.
+    Fresh,
+    /// Called once: the next call records.
+    Warm,
+    Recorded(Recording),
+    /// Recording failed or cannot work here: every call runs normally.
+    Off,
+}
+
+struct Recording {
+    graph: Arc<dyn DeviceGraph>,
+    /// What the recorded work reads: the graph's own buffers, or the static inputs themselves.
+    inputs: Vec<Tensor>,
+    outputs: Vec<Tensor>,
+    /// For each output: the input it is (an in-place update of a static input), if any.
+    output_is_input: Vec<Option<usize>>,
+    /// The handles last given to the caller, to see whether they are still held.
+    handed_out: Vec<WeakTensor>,
+}
+
+impl CudaGraphed {
+    pub fn new(inner: Arc<dyn CompiledGraph>, graph: &Graph) -> CudaGraphed {
+        let device = graph.device();
+        let cpu_output = graph
+            .outputs
+            .iter()
+            .any(|&o| graph.nodes[o].device != device);
+        // a recording would replay the same random numbers on every call; an output the caller
+        // receives on the CPU is read back from the device, which a recording cannot do (as
+        // PyTorch, which skips CUDA graphs for graphs with CPU tensors)
+        let state = match graph.rng_span > 0 || cpu_output {
+            true => State::Off,
+            false => State::Fresh,
+        };
+        CudaGraphed {
+            inner,
+            device,
+            static_inputs: graph.static_inputs.clone(),
+            state: Mutex::new(state),
+        }
+    }
+
+    fn is_static(&self, i: usize, t: &Tensor) -> bool {
+        self.static_inputs.get(i).copied().unwrap_or(false) && t.device() == self.device
+    }
+
+    /// Records one run over buffers of the recording's own (static inputs as they are).
+    fn record(&self, inputs: &[Tensor]) -> Result<Recording> {
+        let mut mine = Vec::with_capacity(inputs.len());
+        for (i, t) in inputs.iter().enumerate() {
+            mine.push(match self.is_static(i, t) {
+                true => t.clone(),
+                false => copy_to_device(t, self.device)?,
+            });
+        }
+        let rt = runtime_for("reduce-overhead", self.device)?;
+        rt.begin_capture(self.device)?;
+        let run = self.inner.run(&mine);
+        // the recording ends whatever happened, so the stream runs work again
+        let graph = rt.end_capture(self.device);
+        let (outputs, graph) = (run?, graph?);
+        let output_is_input = outputs
+            .iter()
+            .map(|o| mine.iter().position(|m| m.same_tensor(o)))
+            .collect();
+        Ok(Recording {
+            graph,
+            inputs: mine,
+            outputs,
+            output_is_input,
+            handed_out: Vec::new(),
+        })
+    }
+
+    /// Copies the call's non-static inputs into the recording's buffers; false when a static
+    /// input is not the tensor recorded (a parameter replaced): the recording is stale.
+    fn load_inputs(&self, rec: &Recording, inputs: &[Tensor]) -> Result<bool> {
+        for (i, (t, mine)) in inputs.iter().zip(&rec.inputs).enumerate() {
+            if self.is_static(i, t) {
+                if !t.same_tensor(mine) {
+                    return Ok(false);
+                }
+                continue;
+            }
+            if t.shape() != mine.shape() || t.dtype() != mine.dtype() {
+                return Ok(false);
+            }
+            if t.device() == self.device {
+                mine.assign(t)?;
+            } else {
+                mine.assign(&t.to_device(self.device)?)?;
+            }
+        }
+        Ok(true)
+    }
+
+    fn replay(&self, rec: &mut Recording) -> Result<Vec<Tensor>> {
+        if rec.handed_out.iter().any(|w| w.upgrade().is_some()) {
+            static WARN: Once = Once::new();
+            WARN.call_once(|| {
+                eprintln!(
+                    "kiln: an output of a reduce-overhead (CUDA graph) call is still held while \
+                     the graph runs again, which overwrites it in place; clone outputs you keep \
+                     across calls (`t.clone_data()`), as with PyTorch's CUDA graphs"
+                )
+            });
+        }
+        rec.graph.replay()?;
+        super::pool::count(|s| s.graph_replays += 1);
+        let mut out = Vec::with_capacity(rec.outputs.len());
+        rec.handed_out.clear();
+        for (o, is_input) in rec.outputs.iter().zip(&rec.output_is_input) {
+            match is_input {
+                // an in-place update hands back the input itself (the caller skips its copy)
+                Some(_) => out.push(o.clone()),
+                None => {
+                    let h = o.detach();
+                    rec.handed_out.push(h.downgrade());
+                    out.push(h);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A new device buffer holding `t`'s values.
+fn copy_to_device(t: &Tensor, device: Device) -> Result<Tensor> {
+    let buf = Tensor::empty_on(t.shape(), t.dtype(), device)?;
+    match t.device() == device {
+        true => buf.assign(t)?,
+        false => buf.assign(&t.to_device(device)?)?,
+    }
+    Ok(buf)
+}
+
+impl CompiledGraph for CudaGraphed {
+    fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        no_grad(|| {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            if let State::Recorded(rec) = &mut *st {
+                if self.load_inputs(rec, inputs)? {
+                    return self.replay(rec);
+                }
+                *st = State::Warm; // stale: record again
+            }
+            match &*st {
+                State::Fresh => {
+                    *st = State::Warm;
+                    drop(st);
+                    self.inner.run(inputs)
+                }
+                State::Off => {
+                    drop(st);
+                    self.inner.run(inputs)
+                }
+                _ => match self.record(inputs) {
+                    Ok(mut rec) => {
+                        let out = self.replay(&mut rec);
+                        *st = State::Recorded(rec);
+                        out
+                    }
+                    Err(e) => {
+                        static WARN: Once = Once::new();
+                        WARN.call_once(|| {
+                            eprintln!(
+                                "kiln: a compiled graph could not be recorded as a CUDA graph \
+                                 ({e}); it runs without one"
+                            )
+                        });
+                        *st = State::Off;
+                        drop(st);
+                        self.inner.run(inputs)
+                    }
+                },
+            }
+        })
+    }
+
+    fn run_with_rng(&self, inputs: &[Tensor], rng: (u64, u64)) -> Result<Vec<Tensor>> {
+        self.inner.run_with_rng(inputs, rng)
+    }
+}
