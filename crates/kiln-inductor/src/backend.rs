@@ -12,11 +12,13 @@ use kiln_compile::graph::NodeId;
 use crate::codegen::c::{
     group_kernel, pointwise_kernel, pointwise_kernel_inplace, reduction_kernel, Kernel,
 };
+use crate::codegen::template;
 use crate::ir::lower::Kind;
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec};
 use crate::runtime::plan::{self, Alloc};
 use crate::schedule::{schedule, Schedule, Step};
+use kiln_compile::symbolic;
 
 /// Generates and compiles C/OpenMP kernels for a graph (forward or backward; `kiln` wraps it in AOT
 /// autograd).
@@ -183,26 +185,37 @@ impl Backend for CpuCodegen {
             return Ok(Arc::new(Interpreter::new(graph.clone())));
         };
         let planned = plan_graph(graph);
-        let wanted: Vec<Kernel> = planned
+        // one size of a symbolic graph: kernels that differ between sizes only in constants
+        // become one size-generic kernel (`codegen/template.rs`)
+        let sizes = symbolic::context::current();
+        let wanted: Vec<(Kernel, Vec<i64>)> = planned
             .iter()
             .filter_map(|p| match p {
-                Planned::Kernel { kernel, .. } => Some(kernel.clone()),
+                Planned::Kernel { kernel, .. } => Some(match &sizes {
+                    Some(ctx) => template::resolve(ctx, kernel),
+                    None => (kernel.clone(), Vec::new()),
+                }),
                 Planned::Extern { .. } => None,
             })
             .collect();
+        let (wanted, mut sizes): (Vec<Kernel>, Vec<Vec<i64>>) = wanted.into_iter().unzip();
         let fns = cc::load(tc, &wanted)?;
-        let mut fns = fns.into_iter();
+        let mut fns = fns.into_iter().zip(wanted).zip(sizes.drain(..));
         let exec = planned
             .into_iter()
             .map(|p| match p {
-                Planned::Kernel { kernel, outs } => Ok(Exec::Kernel {
-                    outs,
-                    f: fns.next().ok_or_else(|| {
+                Planned::Kernel { outs, .. } => {
+                    let ((f, kernel), sizes) = fns.next().ok_or_else(|| {
                         kiln_core::Error::arg("kiln backend", "kernel count mismatch")
-                    })?,
-                    inputs: kernel.inputs,
-                    name: kernel.name.into(),
-                }),
+                    })?;
+                    Ok(Exec::Kernel {
+                        outs,
+                        f,
+                        inputs: kernel.inputs,
+                        name: kernel.name.into(),
+                        sizes,
+                    })
+                }
                 Planned::Extern { node } => Ok(Exec::Extern { node }),
             })
             .collect::<Result<Vec<_>>>()?;

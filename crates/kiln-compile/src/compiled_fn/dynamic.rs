@@ -395,14 +395,23 @@ impl<'f> CompiledFn<'f> {
                 ));
                 continue;
             }
-            // duck sizing: dimensions equal in every real trace share one symbol
+            // duck sizing: dimensions of different arguments equal in every real trace share one
+            // symbol (two dims of one tensor that happen to be equal, [n, n], do not), the same
+            // dim index preferred: ids [b, l] and mask [b, l] make two symbols even when b == l
             let mut key = vec![v];
             key.extend(
                 prev.and_then(|p| input_shape(p, j))
                     .and_then(|s| s.get(d))
                     .copied(),
             );
-            match groups.iter_mut().find(|(k, _)| *k == key) {
+            let joinable = |k: &Vec<usize>, grp: &DimGroup| {
+                *k == key && grp.arg_dims.iter().all(|&(a, _)| a != i)
+            };
+            let same_dim = groups
+                .iter()
+                .position(|(k, grp)| joinable(k, grp) && grp.arg_dims.iter().any(|&(_, e)| e == d));
+            let at = same_dim.or_else(|| groups.iter().position(|(k, grp)| joinable(k, grp)));
+            match at.map(|p| &mut groups[p]) {
                 Some((_, grp)) => {
                     grp.arg_dims.push((i, d));
                     grp.input_dims.push((j, d));

@@ -25,6 +25,9 @@ pub enum Exec {
         inputs: Vec<NodeId>,
         /// The kernel's C name (the hash of its source), for the profiler.
         name: Arc<str>,
+        /// A size-generic kernel's size arguments (`codegen/template.rs`), passed after the
+        /// buffers; empty for a kernel generated for one size.
+        sizes: Vec<i64>,
     },
     Extern {
         node: NodeId,
@@ -142,6 +145,7 @@ impl CompiledCpu {
                     f,
                     inputs: reads,
                     name,
+                    sizes,
                 } => {
                     let mut args_t = Vec::with_capacity(reads.len());
                     for &i in reads {
@@ -167,6 +171,9 @@ impl CompiledCpu {
                             .map(|t| unsafe { t.data_ptr() } as *mut c_void)
                             .collect();
                         args.extend(out_t.iter().map(|t| unsafe { t.data_ptr() } as *mut c_void));
+                        if !sizes.is_empty() {
+                            args.push(sizes.as_ptr() as *mut c_void);
+                        }
                         let _span =
                             profiler::span(profiler::Category::Kernel, || name.to_string().into());
                         unsafe { f(args.as_ptr()) };
