@@ -181,3 +181,30 @@ fn minilm_over_batch_sizes_and_lengths_compiles_at_most_twice() -> Result<()> {
         Ok(())
     })
 }
+
+#[test]
+fn mark_dynamic_makes_the_first_compile_symbolic() -> Result<()> {
+    let body = |x: &Tensor| x.sin()?.mul(x)?.sum(&[1], false);
+    let f = kiln::compile_fn(
+        |a: &[Tensor]| Ok(vec![body(&a[0])?]),
+        CompileOptions::default(),
+    )?;
+    for n in [3usize, 10, 6, 10] {
+        let x = Tensor::randn(&[n, 40], DType::F32)?;
+        kiln::mark_dynamic(&x, 0)?;
+        let got = f.call(std::slice::from_ref(&x))?;
+        assert_eq!(bits(&got[0]), bits(&body(&x)?), "n = {n}");
+    }
+    let s = f.stats();
+    assert_eq!(
+        (
+            s.compiles,
+            s.symbolic_compiles,
+            s.symbolic_reuses,
+            s.replays
+        ),
+        (1, 1, 2, 1),
+        "{s:?}"
+    );
+    Ok(())
+}
