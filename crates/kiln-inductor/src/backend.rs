@@ -188,14 +188,24 @@ impl Backend for CpuCodegen {
         // one size of a symbolic graph: kernels that differ between sizes only in constants
         // become one size-generic kernel (`codegen/template.rs`)
         let sizes = symbolic::context::current();
-        let wanted: Vec<(Kernel, Vec<i64>)> = planned
+        let kernels: Vec<&Kernel> = planned
             .iter()
             .filter_map(|p| match p {
-                Planned::Kernel { kernel, .. } => Some(match &sizes {
-                    Some(ctx) => template::resolve(ctx, kernel),
-                    None => (kernel.clone(), Vec::new()),
-                }),
+                Planned::Kernel { kernel, .. } => Some(kernel),
                 Planned::Extern { .. } => None,
+            })
+            .collect();
+        // a kernel's place: its index in a graph of this size (a forward and a backward graph
+        // compiled for one size are told apart by their node and kernel counts)
+        let place = |i: usize| {
+            ((graph.nodes.len() as u64) << 40) ^ ((kernels.len() as u64) << 20) ^ i as u64
+        };
+        let wanted: Vec<(Kernel, Vec<i64>)> = kernels
+            .iter()
+            .enumerate()
+            .map(|(i, kernel)| match &sizes {
+                Some(ctx) => template::resolve(ctx, place(i), kernel),
+                None => ((*kernel).clone(), Vec::new()),
             })
             .collect();
         let (wanted, mut sizes): (Vec<Kernel>, Vec<Vec<i64>>) = wanted.into_iter().unzip();

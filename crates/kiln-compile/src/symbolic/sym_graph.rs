@@ -234,3 +234,66 @@ fn describe_slot(g: &Graph, k: SlotKind) -> String {
         SlotKind::RngSpan => "the graph's random span".into(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::Node;
+    use kiln_core::prim::Prim;
+    use kiln_core::DType;
+
+    /// x: [n, 3] -> reshape [3n] -> slice [1, 3n) (stride 2 when `odd_branch`)
+    fn graph(n: usize, odd_branch: bool) -> Graph {
+        let mut g = Graph {
+            num_inputs: 1,
+            ..Graph::default()
+        };
+        let node = |op, args, shape: Vec<usize>| Node {
+            op,
+            args,
+            shape,
+            dtype: DType::F32,
+            grad_enabled: true,
+            requires_grad: false,
+        };
+        let x = g.push(node(Op::Input(0), vec![], vec![n, 3]));
+        let r = g.push(node(
+            Op::Prim(Prim::Reshape(vec![3 * n])),
+            vec![x],
+            vec![3 * n],
+        ));
+        let step = if odd_branch { 2 } else { 1 };
+        let s = g.push(node(
+            Op::Prim(Prim::Slice {
+                dim: 0,
+                start: 1,
+                end: 3 * n,
+                step,
+            }),
+            vec![r],
+            vec![(3 * n - 1).div_ceil(step)],
+        ));
+        g.outputs = vec![s];
+        g
+    }
+
+    #[test]
+    fn unifies_traces_and_checks_new_ones_exactly() {
+        let sym = vec![Symbol { dims: vec![(0, 0)] }];
+        let sg = SymGraph::unify(&[graph(4, false), graph(6, false), graph(9, false)], &sym)
+            .expect("one structure, sizes affine in n");
+        assert_eq!(sg.example_values, vec![4]);
+        assert_eq!(sg.instantiates(&graph(20, false)), Ok(vec![20]));
+        assert_eq!(sg.instantiate(&[20]).ok(), Some(graph(20, false)));
+        let other = sg.instantiates(&graph(20, true)).unwrap_err();
+        assert!(other.contains("different structure"), "{other}");
+        let one = sg.instantiates(&graph(1, false)).unwrap_err();
+        assert_eq!(one, "s0 = 1 fails the guard s0 >= 2");
+        // a slot that is no function of the symbols: the symbol is the culprit
+        let mut odd = graph(6, false);
+        odd.nodes[2].shape[0] = 7;
+        let e = SymGraph::unify(&[graph(4, false), odd, graph(9, false)], &sym).unwrap_err();
+        assert_eq!(e.culprits, vec![0]);
+        assert!(e.message.contains("dim 0 of %2 (slice)"), "{}", e.message);
+    }
+}

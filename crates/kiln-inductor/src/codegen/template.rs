@@ -102,19 +102,23 @@ struct Seen {
     template: Option<Template>,
 }
 
-type Key = (u64, String);
+/// (symbolic graph, the kernel's place in the graph it is generated for, its text without literals):
+/// a place's kernels at different sizes are one kernel's instances; another place with the same
+/// text (the same block at another layer, with other channel counts) is another kernel.
+type Key = (u64, u64, String);
 
 fn registry() -> &'static Mutex<HashMap<Key, Seen>> {
     static R: OnceLock<Mutex<HashMap<Key, Seen>>> = OnceLock::new();
     R.get_or_init(Default::default)
 }
 
-/// What to compile for kernel `k`, generated at the sizes of `ctx`: a size-generic kernel and the
-/// size arguments to call it with, or `k` itself (with no size arguments).
-pub fn resolve(ctx: &SizeContext, k: &Kernel) -> (Kernel, Vec<i64>) {
+/// What to compile for kernel `k`, generated at the sizes of `ctx` at `place` (the caller's name
+/// for where in which graph it sits, equal across sizes): a size-generic kernel and the size
+/// arguments to call it with, or `k` itself (with no size arguments).
+pub fn resolve(ctx: &SizeContext, place: u64, k: &Kernel) -> (Kernel, Vec<i64>) {
     let (text, lits) = split_literals(k);
     let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-    let seen = reg.entry((ctx.graph_id, text.clone())).or_default();
+    let seen = reg.entry((ctx.graph_id, place, text.clone())).or_default();
     let instantiates = |t: &Template| {
         t.exprs.len() == lits.len()
             && t.exprs
@@ -134,9 +138,11 @@ pub fn resolve(ctx: &SizeContext, k: &Kernel) -> (Kernel, Vec<i64>) {
     if !seen.points.iter().any(|(v, _)| *v == ctx.values) {
         seen.points.push((ctx.values.clone(), lits.clone()));
     }
-    if seen.template.is_some() || seen.points.len() < 2 {
+    if seen.points.len() < 2 {
         return (k.clone(), Vec::new());
     }
+    // no template yet, or one fitted from too few sizes that this size contradicts: fit again
+    // from every size seen
     let n = ctx.values.len();
     let exprs: Option<Vec<Expr>> = (0..lits.len())
         .map(|i| {
