@@ -3,8 +3,11 @@
 //! one has seen three other sizes first (automatic dynamic: a static entry, then a symbolic one
 //! whose kernels become size-generic at its second size), and meets the measured size as a new
 //! one: it is traced, found to instantiate the symbolic graph, and runs the size-generic kernels.
-//! `new_kernels` counts kernels loaded for that new size: 0 means no kernel was specialised to it.
-//! Acceptance: dynamic within 1.2x of static.
+//! `new_kernels` counts kernels loaded for that new size: 0 means no kernel was specialised to it;
+//! `first_call_at_new_size` is that first call (trace, check, code generation without the C
+//! compiler, run), against `call`, the steady state.
+//! The two are timed in alternation (three rounds), the best of each kept. Acceptance: dynamic
+//! within 1.2x of static.
 
 use kiln::inductor::kernel_cache_stats;
 use kiln::models::resnet::resnet18;
@@ -44,9 +47,7 @@ fn compare(
     let timer = ctx.timer();
 
     let stat = kiln::compile_fn(call, ctx.opts().dynamic(Some(false)))?;
-    let t_static = timer.time(&format!("{name}: static"), || {
-        no_grad(|| stat.call(std::slice::from_ref(&x)))
-    })?;
+    no_grad(|| stat.call(std::slice::from_ref(&x)))?; // compile
 
     let dynamic = kiln::compile_fn(call, ctx.opts())?;
     for &n in warm {
@@ -55,7 +56,10 @@ fn compare(
         no_grad(|| dynamic.call(&[Tensor::randn(&s, DType::F32)?]))?;
     }
     let before = kernel_cache_stats().kernels;
+    let t = std::time::Instant::now();
     let got = no_grad(|| dynamic.call(std::slice::from_ref(&x)))?;
+    // trace, check against the symbolic graph, generate this size's code (no C compiler), run
+    let first_call = t.elapsed().as_secs_f64() * 1e3;
     let new_kernels = kernel_cache_stats().kernels - before;
     let st = dynamic.stats();
     if st.symbolic_compiles != 1 || st.symbolic_reuses < 1 {
@@ -69,20 +73,25 @@ fn compare(
         .iter()
         .zip(b)
         .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
-    let t_dynamic = timer.time(&format!("{name}: dynamic"), || {
-        no_grad(|| dynamic.call(std::slice::from_ref(&x)))
-    })?;
+    // the two timed in alternation, the best of each kept: on a shared machine, load that comes
+    // and goes must not land on one side of the ratio
+    let (mut t_static, mut t_dynamic) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..if ctx.quick { 2 } else { 3 } {
+        let s = timer.time(&format!("{name}: static"), || {
+            no_grad(|| stat.call(std::slice::from_ref(&x)))
+        })?;
+        let d = timer.time(&format!("{name}: dynamic"), || {
+            no_grad(|| dynamic.call(std::slice::from_ref(&x)))
+        })?;
+        t_static = t_static.min(s.ms());
+        t_dynamic = t_dynamic.min(d.ms());
+    }
     let w = format!("{W}_{name}");
-    ctx.emit(&w, "static", "call", t_static.ms(), "ms");
-    ctx.emit(&w, "dynamic", "call", t_dynamic.ms(), "ms");
-    ctx.emit(
-        &w,
-        "dynamic",
-        "ratio_vs_static",
-        t_dynamic.s() / t_static.s(),
-        "x",
-    );
+    ctx.emit(&w, "static", "call", t_static, "ms");
+    ctx.emit(&w, "dynamic", "call", t_dynamic, "ms");
+    ctx.emit(&w, "dynamic", "ratio_vs_static", t_dynamic / t_static, "x");
     ctx.emit(&w, "dynamic", "new_kernels", new_kernels as f64, "kernels");
+    ctx.emit(&w, "dynamic", "first_call_at_new_size", first_call, "ms");
     ctx.emit(
         &w,
         "dynamic",
