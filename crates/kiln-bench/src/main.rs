@@ -3,7 +3,7 @@
 //!
 //!     cargo run --release -p kiln-bench -- WORKLOAD [--device cpu] [--mode default] [--quick]
 //!
-//! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, resnet18, or all. One JSON object per line on
+//! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, resnet18, dynamic, or all. One JSON object per line on
 //! stdout (`workload, variant, metric, value, unit, device`); a table on stderr at the end. With
 //! `OUT` set, the lines are also appended to `$OUT/results.jsonl`, as torch_baseline.py does.
 
@@ -22,13 +22,14 @@ const WORKLOADS: &[&str] = &[
     "numpy_fn",
     "train_digits",
     "resnet18",
+    "dynamic",
 ];
 
 /// The workloads that run with `--device cuda` so far.
 const GPU_WORKLOADS: &[&str] = &["sincos", "adam"];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda] [--mode MODE] [--quick]
-  WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | all
+  WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | all
   --device  cpu (the default) or cuda / cuda:N (sincos and adam so far)
   --mode    default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
@@ -157,6 +158,7 @@ fn main() -> ExitCode {
             "numpy_fn" => workloads::numpy_fn::run(&mut ctx),
             "train_digits" => workloads::train_digits::run(&mut ctx),
             "resnet18" => workloads::resnet18::run(&mut ctx),
+            "dynamic" => workloads::dynamic::run(&mut ctx),
             _ => unreachable!("checked in parse_args"),
         };
         // keep going: one failing workload must not hide the rest

@@ -3,6 +3,8 @@
 
 use std::sync::{Arc, Mutex, TryLockError};
 
+mod dynamic;
+
 use kiln_core::intercept;
 use kiln_core::profiler;
 use kiln_core::{Error, Result, Tensor};
@@ -12,7 +14,7 @@ use crate::cache;
 use crate::guards::Guards;
 use crate::logs::{self, Channel};
 use crate::options::{BackendChoice, CompileOptions};
-use crate::trace::{write_back, SegmentRecord, Source, Tracer};
+use crate::trace::{write_back, SegmentRecord, Source, TraceMode, Tracer};
 
 type UserFn<'f> = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'f>;
 
@@ -34,6 +36,31 @@ struct Entry {
     mutations: Vec<(Source, usize)>,
     /// The graph's inputs kept gathered between replays, when it reads captured tensors.
     inputs: Option<InputBuffer>,
+    /// A static entry's traced graph, kept where automatic dynamic may unify it with a trace at
+    /// other sizes (`dynamic::SymEntry`).
+    graph: Option<crate::graph::Graph>,
+    /// Set on a symbolic entry: its argument sizes are checked by it, not by `guards`.
+    sym: Option<dynamic::SymEntry>,
+}
+
+impl Entry {
+    #[inline]
+    fn holds(&self, args: &[Tensor], extra: u64) -> bool {
+        match &self.sym {
+            None => self.guards.hold(args, extra),
+            Some(s) => self.guards.hold_except_sizes(args, extra) && s.seen(args),
+        }
+    }
+
+    fn why_not(&self, args: &[Tensor], extra: u64) -> Option<String> {
+        match &self.sym {
+            Some(s) if self.guards.hold_except_sizes(args, extra) => (!s.seen(args)).then(|| {
+                let sizes: Vec<&[usize]> = args.iter().map(|a| a.shape()).collect();
+                format!("argument sizes {sizes:?} are new to the symbolic entry")
+            }),
+            _ => self.guards.why_not(args, extra),
+        }
+    }
 }
 
 /// The graph-input list of an entry, built once: the captured tensors (parameters) sit in their
@@ -110,6 +137,22 @@ pub struct FnStats {
     pub eager_fallbacks: usize,
     /// The warning printed when the recompile limit was hit.
     pub fallback_warning: Option<String>,
+    /// Calls at a new size whose trace instantiated a symbolic entry: traced, not compiled.
+    pub symbolic_reuses: usize,
+    /// Cache entries with symbolic sizes (counted in `compiles` too).
+    pub symbolic_compiles: usize,
+    /// What `KILN_LOGS=recompiles` said for this function, newest last (the last 32).
+    pub recompile_log: Vec<String>,
+}
+
+impl FnStats {
+    fn log_recompile(&mut self, msg: String) {
+        logs::emit(Channel::Recompiles, || msg.clone());
+        if self.recompile_log.len() == 32 {
+            self.recompile_log.remove(0);
+        }
+        self.recompile_log.push(msg);
+    }
 }
 
 #[derive(Default)]
@@ -195,11 +238,7 @@ impl<'f> CompiledFn<'f> {
                     ..FnState::default()
                 };
             }
-            let entry = st
-                .entries
-                .iter()
-                .find(|e| e.guards.hold(args, extra))
-                .cloned();
+            let entry = st.entries.iter().find(|e| e.holds(args, extra)).cloned();
             if entry.is_some() {
                 // counted under the lookup's lock: a replay takes the state lock once
                 st.stats.replays += 1;
@@ -217,7 +256,7 @@ impl<'f> CompiledFn<'f> {
                     let why = st
                         .entries
                         .last()
-                        .and_then(|e| e.guards.why_not(args, extra))
+                        .and_then(|e| e.why_not(args, extra))
                         .unwrap_or_default();
                     let w = format!(
                         "kiln: {} hit recompile_limit ({}); running it eagerly from now on. Last recompile reason: {why}. \
@@ -231,29 +270,47 @@ impl<'f> CompiledFn<'f> {
                 drop(st);
                 return (self.f)(args);
             }
-            if let Some(last) = st.entries.last() {
-                let why = last.guards.why_not(args, extra).unwrap_or_default();
-                logs::emit(Channel::Recompiles, || {
-                    format!("Recompiling function {}: {why}", self.name)
-                });
+            let why = st
+                .entries
+                .last()
+                .map(|last| last.why_not(args, extra).unwrap_or_default());
+            let capture = self.opts.dynamic != Some(false)
+                && (why.is_some() || self.opts.dynamic == Some(true) || dynamic::has_marks(args));
+            drop(st);
+            if capture {
+                return self.trace_dynamic(args, extra, why);
+            }
+            if let Some(why) = why {
+                self.lock()
+                    .stats
+                    .log_recompile(format!("Recompiling function {}: {why}", self.name));
             }
         }
         self.trace(args, extra)
     }
 
-    fn trace(&self, args: &[Tensor], extra: u64) -> Result<Vec<Tensor>> {
-        let ctx = BackendContext {
+    fn backend_context(&self) -> BackendContext {
+        BackendContext {
             mode: self.opts.mode.as_str().to_string(),
             options: self.opts.options.clone(),
             fullgraph: self.opts.fullgraph,
-        };
+        }
+    }
+
+    fn new_tracer(&self, args: &[Tensor], mode: TraceMode) -> Arc<Tracer> {
         let tracer = Tracer::new(
             &self.name,
             args,
             self.backend.clone(),
-            ctx,
+            self.backend_context(),
             self.opts.fullgraph,
         );
+        tracer.set_mode(mode);
+        tracer
+    }
+
+    fn trace(&self, args: &[Tensor], extra: u64) -> Result<Vec<Tensor>> {
+        let tracer = self.new_tracer(args, TraceMode::Run);
         let outs = {
             let _on = intercept::install(Some(tracer.clone()));
             (self.f)(args)
@@ -276,7 +333,14 @@ impl<'f> CompiledFn<'f> {
             st.has_breaks = true;
             return Ok(outs);
         }
-        let entry = make_entry(args, extra, records.into_iter().next(), &outs);
+        let rec = records.into_iter().next();
+        // kept for automatic dynamic: a later trace at other sizes unifies with it
+        let graph = rec
+            .as_ref()
+            .filter(|_| self.opts.dynamic != Some(false))
+            .map(|r| r.graph.clone());
+        let mut entry = make_entry(args, extra, rec, &outs);
+        entry.graph = graph;
         logs::emit(Channel::Guards, || {
             format!(
                 "guards for {}:\n  {}",
@@ -295,8 +359,12 @@ fn make_entry(args: &[Tensor], extra: u64, rec: Option<SegmentRecord>, outs: &[T
         Some(r) => (Some(r.compiled), r.sources, r.out_ids, r.mutations),
         None => (None, Vec::new(), Vec::new(), Vec::new()),
     };
-    let outputs = outs
-        .iter()
+    build_entry(args, extra, compiled, sources, &out_ids, mutations, outs)
+}
+
+/// Where each returned tensor comes from: a graph output, an argument, or a constant.
+fn out_slots(args: &[Tensor], out_ids: &[u64], outs: &[Tensor]) -> Vec<OutSlot> {
+    outs.iter()
         .map(|o| {
             if let Some(k) = out_ids.iter().position(|&id| id == o.id()) {
                 OutSlot::Graph(k)
@@ -306,7 +374,19 @@ fn make_entry(args: &[Tensor], extra: u64, rec: Option<SegmentRecord>, outs: &[T
                 OutSlot::Const(o.clone())
             }
         })
-        .collect();
+        .collect()
+}
+
+fn build_entry(
+    args: &[Tensor],
+    extra: u64,
+    compiled: Option<Arc<dyn CompiledGraph>>,
+    sources: Vec<Source>,
+    out_ids: &[u64],
+    mutations: Vec<(Tensor, usize)>,
+    outs: &[Tensor],
+) -> Entry {
+    let outputs = out_slots(args, out_ids, outs);
     let inputs = compiled.as_ref().and_then(|_| InputBuffer::new(&sources));
     Entry {
         guards: Guards::new(args, &sources, extra),
@@ -323,6 +403,8 @@ fn make_entry(args: &[Tensor], extra: u64, rec: Option<SegmentRecord>, outs: &[T
             )
             .collect(),
         inputs,
+        graph: None,
+        sym: None,
     }
 }
 

@@ -34,6 +34,16 @@ impl TensorGuard {
             && t.requires_grad() == self.requires_grad
             && t.is_contiguous() == self.contiguous
     }
+    /// `holds`, except that only the rank of the shape is checked (a symbolic entry checks sizes
+    /// itself).
+    #[inline]
+    pub fn holds_except_size(&self, t: &Tensor) -> bool {
+        t.shape().len() == self.shape.len()
+            && t.dtype() == self.dtype
+            && t.device() == self.device
+            && t.requires_grad() == self.requires_grad
+            && t.is_contiguous() == self.contiguous
+    }
     /// What differs, in words, or `None` when the guard holds.
     pub fn mismatch(&self, t: &Tensor) -> Option<String> {
         let now = TensorGuard::of(t);
@@ -147,6 +157,21 @@ impl Guards {
             && self.grad_mode == is_grad_enabled()
             && args.len() == self.args.len()
             && self.args.iter().zip(args).all(|(g, t)| g.holds(t))
+            && self.captured.iter().all(|(t, rg)| t.requires_grad() == *rg)
+            && self.grads_hold()
+            && self.aliases_hold(args)
+    }
+
+    /// `hold`, with argument sizes left to the caller (`holds_except_size`).
+    pub fn hold_except_sizes(&self, args: &[Tensor], extra: u64) -> bool {
+        self.extra == extra
+            && self.grad_mode == is_grad_enabled()
+            && args.len() == self.args.len()
+            && self
+                .args
+                .iter()
+                .zip(args)
+                .all(|(g, t)| g.holds_except_size(t))
             && self.captured.iter().all(|(t, rg)| t.requires_grad() == *rg)
             && self.grads_hold()
             && self.aliases_hold(args)

@@ -16,6 +16,7 @@ pub mod graph;
 pub mod guards;
 pub mod logs;
 mod options;
+pub mod symbolic;
 pub mod trace;
 
 pub use backends::{list_backends, register_backend, Backend, BackendContext, CompiledGraph};
@@ -24,3 +25,4 @@ pub use compiled_fn::{compile_fn, compile_named, CompiledFn, FnStats};
 pub use explain::{explain, ExplainOutput};
 pub use graph::{Graph, Node, NodeId, Op};
 pub use options::{BackendChoice, CompileOptions, Mode};
+pub use symbolic::{mark_dynamic, mark_static};

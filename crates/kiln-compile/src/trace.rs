@@ -92,6 +92,33 @@ pub struct SegmentRecord {
     pub ended_by: Option<GraphBreak>,
 }
 
+/// What the tracer does with the function's graph when tracing ends (`Tracer::set_mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TraceMode {
+    /// Compile and run every segment as it ends (the traced call's results come from that run).
+    Run,
+    /// A function traced as one graph keeps it uncompiled and unrun (`Tracer::take_captured`),
+    /// for the caller to decide how to compile it (dynamic shapes); segments ended by a graph
+    /// break still run as in `Run`.
+    CaptureFinal,
+    /// As `CaptureFinal`, but a graph break is an error: the trace ran on stand-in arguments and
+    /// must have no effect.
+    Probe,
+}
+
+/// The one graph of a trace in `CaptureFinal` or `Probe` mode, not yet compiled or run.
+pub struct CapturedGraph {
+    pub graph: Graph,
+    pub sources: Vec<Source>,
+    /// Tensor ids of the graph outputs that are user-visible values, in output order.
+    pub out_ids: Vec<u64>,
+    /// In-place updates: (destination, graph output index holding the new value).
+    pub mutations: Vec<(Tensor, usize)>,
+    /// The default generator's state before the traced code's first draw: a run of the graph
+    /// must start there to draw what eager code would have.
+    pub rng_base: Option<(u64, u64)>,
+}
+
 #[derive(Default)]
 struct Segment {
     graph: Graph,
@@ -123,6 +150,8 @@ pub struct Tracer {
     grads: Mutex<HashMap<u64, Tensor>>,
     /// Why the traced code cannot be replayed without running it, if it cannot.
     retrace: Mutex<Option<&'static str>>,
+    mode: Mutex<TraceMode>,
+    captured: Mutex<Option<CapturedGraph>>,
 }
 
 impl Tracer {
@@ -147,7 +176,21 @@ impl Tracer {
             }),
             grads: Mutex::new(HashMap::new()),
             retrace: Mutex::new(None),
+            mode: Mutex::new(TraceMode::Run),
+            captured: Mutex::new(None),
         })
+    }
+
+    pub fn set_mode(&self, mode: TraceMode) {
+        *self.mode.lock().unwrap_or_else(|e| e.into_inner()) = mode;
+    }
+
+    /// The graph kept by a `CaptureFinal` or `Probe` trace, once `finish` returned.
+    pub fn take_captured(&self) -> Option<CapturedGraph> {
+        self.captured
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -216,6 +259,27 @@ impl Tracer {
             .iter()
             .map(|s| matches!(s, Source::Captured(_)))
             .collect();
+        let mode = *self.mode.lock().unwrap_or_else(|e| e.into_inner());
+        if mode == TraceMode::Probe && ended_by.is_some() {
+            return Err(Error::Unsupported {
+                op: "compile (dynamic shapes)",
+                msg: "a probe trace at another size reached a graph break".into(),
+            });
+        }
+        if mode != TraceMode::Run && ended_by.is_none() && self.lock().done.is_empty() {
+            *self.captured.lock().unwrap_or_else(|e| e.into_inner()) = Some(CapturedGraph {
+                graph,
+                sources,
+                out_ids: live.iter().map(|(_, _, id)| *id).collect(),
+                mutations: mutations
+                    .iter()
+                    .enumerate()
+                    .map(|(k, (dst, _))| (dst.clone(), live.len() + k))
+                    .collect(),
+                rng_base,
+            });
+            return Ok(());
+        }
         if let Some(b) = &ended_by {
             logs::emit(Channel::GraphBreaks, || {
                 format!("graph break in {}: {b}", self.name)

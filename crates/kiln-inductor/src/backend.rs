@@ -10,11 +10,13 @@ use kiln_core::Result;
 use kiln_compile::graph::NodeId;
 
 use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
+use crate::codegen::template;
 use crate::ir::lower::Kind;
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::runtime::plan::{self, Alloc};
 use crate::schedule::{schedule, Schedule, Step};
+use kiln_compile::symbolic;
 
 /// Generates and compiles C/OpenMP kernels for a graph (forward or backward; `kiln` wraps it in AOT
 /// autograd). A graph on a CUDA device goes to the CUDA generator instead (`codegen/cuda.rs`).
@@ -219,24 +221,6 @@ impl Backend for CpuCodegen {
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
-        let Some(tc) = toolchain() else {
-            if ctx.fullgraph {
-                return Err(kiln_core::Error::Unsupported {
-                    op: "compile(backend=kiln, fullgraph=true)",
-                    msg: "no C compiler found for the generated kernels: install gcc or clang, or \
-                          set CC (without fullgraph, kiln falls back to its interpreter)"
-                        .into(),
-                });
-            }
-            static WARN: Once = Once::new();
-            WARN.call_once(|| {
-                eprintln!(
-                    "kiln: no C compiler found (set CC or install gcc/clang); compiled graphs run \
-                     on the interpreter instead of generated kernels"
-                )
-            });
-            return Ok(Arc::new(Interpreter::new(graph.clone())));
-        };
         if graph.device() != kiln_core::Device::Cpu {
             // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs
             let cuda_graphs = matches!(ctx.mode.as_str(), "reduce-overhead" | "max-autotune");
@@ -256,27 +240,66 @@ impl Backend for CpuCodegen {
                 Err(e) => Err(e),
             };
         }
+        let Some(tc) = toolchain() else {
+            if ctx.fullgraph {
+                return Err(kiln_core::Error::Unsupported {
+                    op: "compile(backend=kiln, fullgraph=true)",
+                    msg: "no C compiler found for the generated kernels: install gcc or clang, or \
+                          set CC (without fullgraph, kiln falls back to its interpreter)"
+                        .into(),
+                });
+            }
+            static WARN: Once = Once::new();
+            WARN.call_once(|| {
+                eprintln!(
+                    "kiln: no C compiler found (set CC or install gcc/clang); compiled graphs run \
+                     on the interpreter instead of generated kernels"
+                )
+            });
+            return Ok(Arc::new(Interpreter::new(graph.clone())));
+        };
         let planned = plan_graph(&C, graph);
-        let wanted: Vec<Kernel> = planned
+        // one size of a symbolic graph: kernels that differ between sizes only in constants
+        // become one size-generic kernel (`codegen/template.rs`)
+        let sizes = symbolic::context::current();
+        let kernels: Vec<&Kernel> = planned
             .iter()
             .filter_map(|p| match p {
-                Planned::Kernel { kernel, .. } => Some(kernel.clone()),
+                Planned::Kernel { kernel, .. } => Some(kernel),
                 Planned::Extern { .. } => None,
             })
             .collect();
+        // a kernel's place: its index in a graph of this size (a forward and a backward graph
+        // compiled for one size are told apart by their node and kernel counts)
+        let place = |i: usize| {
+            ((graph.nodes.len() as u64) << 40) ^ ((kernels.len() as u64) << 20) ^ i as u64
+        };
+        let wanted: Vec<(Kernel, Vec<i64>)> = kernels
+            .iter()
+            .enumerate()
+            .map(|(i, kernel)| match &sizes {
+                Some(ctx) => template::resolve(ctx, place(i), kernel),
+                None => ((*kernel).clone(), Vec::new()),
+            })
+            .collect();
+        let (wanted, mut sizes): (Vec<Kernel>, Vec<Vec<i64>>) = wanted.into_iter().unzip();
         let fns = cc::load(tc, &wanted)?;
-        let mut fns = fns.into_iter();
+        let mut fns = fns.into_iter().zip(wanted).zip(sizes.drain(..));
         let exec = planned
             .into_iter()
             .map(|p| match p {
-                Planned::Kernel { kernel, outs } => Ok(Exec::Kernel {
-                    outs,
-                    f: Launch::Cpu(fns.next().ok_or_else(|| {
+                Planned::Kernel { outs, .. } => {
+                    let ((f, kernel), sizes) = fns.next().ok_or_else(|| {
                         kiln_core::Error::arg("kiln backend", "kernel count mismatch")
-                    })?),
-                    inputs: kernel.inputs,
-                    name: kernel.name.into(),
-                }),
+                    })?;
+                    Ok(Exec::Kernel {
+                        outs,
+                        f: Launch::Cpu(f),
+                        inputs: kernel.inputs,
+                        name: kernel.name.into(),
+                        sizes,
+                    })
+                }
                 Planned::Extern { node } => Ok(Exec::Extern { node }),
             })
             .collect::<Result<Vec<_>>>()?;

@@ -18,8 +18,8 @@ pub use compile::{compile, compile_fn, compile_named, list_backends, CompiledMod
 /// Graph IR, tracer and backend internals, for backend writers.
 pub use kiln_compile as compiler;
 pub use kiln_compile::{
-    cache_stats, explain, register_backend, reset, Backend, BackendContext, CompileOptions,
-    CompiledFn, CompiledGraph, ExplainOutput, FnStats, Graph, Mode,
+    cache_stats, explain, mark_dynamic, mark_static, register_backend, reset, Backend,
+    BackendContext, CompileOptions, CompiledFn, CompiledGraph, ExplainOutput, FnStats, Graph, Mode,
 };
 /// Loop IR, fusion and C code generation (the `kiln` backend).
 pub use kiln_inductor as inductor;

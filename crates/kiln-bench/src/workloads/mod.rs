@@ -2,6 +2,7 @@
 //! function of the same name in `../shared/bench/torch_baseline.py`.
 
 pub mod adam;
+pub mod dynamic;
 pub mod numpy_fn;
 pub mod regional;
 pub mod resnet18;

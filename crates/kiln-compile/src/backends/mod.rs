@@ -10,6 +10,7 @@ use kiln_core::{Error, Result, Tensor};
 
 use crate::aot::AotBackend;
 use crate::graph::Graph;
+use crate::symbolic::SymGraph;
 
 pub use eager::{EagerBackend, Interpreter};
 
@@ -28,6 +29,17 @@ pub struct BackendContext {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &str;
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>>;
+    /// Compiles a graph with symbolic sizes into code that runs at every size its guards admit
+    /// (sizes read off the inputs at run time). `None`, the default: this backend compiles
+    /// concrete graphs only, and kiln compiles the graph once per size for it.
+    fn compile_symbolic(
+        &self,
+        graph: &SymGraph,
+        ctx: &BackendContext,
+    ) -> Option<Result<Arc<dyn CompiledGraph>>> {
+        let _ = (graph, ctx);
+        None
+    }
 }
 
 /// A compiled graph: inputs in graph-input order, outputs in graph-output order.

@@ -346,6 +346,7 @@ pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph
                     },
                     inputs: kernel.inputs,
                     name: kernel.name.into(),
+                    sizes: Vec::new(),
                 })
             }
             Planned::Extern { node } => Ok(Exec::Extern { node }),

@@ -3,3 +3,4 @@
 
 pub mod c;
 pub mod cuda;
+pub mod template;

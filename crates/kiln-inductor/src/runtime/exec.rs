@@ -39,6 +39,9 @@ pub enum Exec {
         inputs: Vec<NodeId>,
         /// The kernel's C name (the hash of its source), for the profiler.
         name: Arc<str>,
+        /// A size-generic kernel's size arguments (`codegen/template.rs`), passed after the
+        /// buffers; empty for a kernel generated for one size.
+        sizes: Vec<i64>,
     },
     Extern {
         node: NodeId,
@@ -165,6 +168,7 @@ impl CompiledCpu {
                     f,
                     inputs: reads,
                     name,
+                    sizes,
                 } => {
                     let mut args_t = Vec::with_capacity(reads.len());
                     for &i in reads {
@@ -182,7 +186,7 @@ impl CompiledCpu {
                     if out_t.iter().all(|t| t.numel() > 0) {
                         let _span =
                             profiler::span(profiler::Category::Kernel, || name.to_string().into());
-                        call(f, &args_t, &out_t)?;
+                        call(f, &args_t, &out_t, sizes)?;
                     }
                     for (&(node, _), t) in outs.iter().zip(out_t) {
                         vals[node] = Some(t);
@@ -221,7 +225,8 @@ impl CompiledCpu {
 }
 
 /// Runs one kernel on its input and output buffers.
-fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor]) -> Result<()> {
+/// `sizes`: a size-generic C kernel's symbol values, passed after the buffers (empty otherwise).
+fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor], sizes: &[i64]) -> Result<()> {
     match f {
         Launch::Cpu(f) => {
             // SAFETY: every buffer is alive (held in `args_t`/`out_t`) and contiguous with the
@@ -229,11 +234,14 @@ fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor]) -> Result<()> {
             // reads (new, a pooled buffer with no other handle, or a mutated input that
             // `writable_in_place` found overlapping no other input and that the plan found no
             // later step reading).
-            let args: Vec<*mut c_void> = args_t
+            let mut args: Vec<*mut c_void> = args_t
                 .iter()
                 .chain(out_t)
                 .map(|t| unsafe { t.data_ptr() } as *mut c_void)
                 .collect();
+            if !sizes.is_empty() {
+                args.push(sizes.as_ptr() as *mut c_void);
+            }
             unsafe { f(args.as_ptr()) };
             Ok(())
         }

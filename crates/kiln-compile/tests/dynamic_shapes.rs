@@ -1,0 +1,248 @@
+//! Dynamic shapes (issue 9) on the `eager` and `aot_eager` backends: automatic dynamic, marks,
+//! `dynamic: Some(true/false)`, the specialised sizes 0 and 1, recompile messages, and Rust code
+//! that branches on a size where the tracer cannot see it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kiln_compile::{compile_fn, mark_dynamic, mark_static, CompileOptions};
+use kiln_core::{DType, Result, Tensor};
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.to_vec_f64()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
+}
+
+/// Reshape, slice and mean: sizes flow into prim parameters and a float constant.
+fn body(x: &Tensor) -> Result<Tensor> {
+    let n = x.shape()[0];
+    let flat = x.reshape(&[(n * x.shape()[1]) as i64][..])?;
+    let head = flat.narrow(0, 1, n * x.shape()[1] - 1)?;
+    head.sin()?
+        .mul(2.0)?
+        .add(&head.mean(&[0], true)?.expand_as(&head)?)
+}
+
+fn opts(backend: &str) -> CompileOptions {
+    CompileOptions::default().backend(backend)
+}
+
+#[test]
+fn automatic_dynamic_compiles_twice_for_many_sizes_and_equals_eager() -> Result<()> {
+    for backend in ["eager", "aot_eager"] {
+        let f = compile_fn(|a: &[Tensor]| Ok(vec![body(&a[0])?]), opts(backend))?;
+        let sizes = [4usize, 6, 9, 13, 4, 6, 9, 30, 2];
+        for &n in &sizes {
+            let x = Tensor::randn(&[n, 3], DType::F32)?;
+            let got = f.call(std::slice::from_ref(&x))?;
+            assert_eq!(bits(&got[0]), bits(&body(&x)?), "{backend}, n = {n}");
+        }
+        let s = f.stats();
+        assert_eq!(s.compiles, 2, "{backend}: one static, one symbolic: {s:?}");
+        assert_eq!(s.symbolic_compiles, 1, "{s:?}");
+        // 9, 13, 30, 2 are new sizes: traced, checked against the symbolic graph, not compiled
+        assert_eq!(s.symbolic_reuses, 4, "{s:?}");
+        // 4 hits the static entry, 6 and 9 hit the symbolic entry's remembered sizes
+        assert_eq!(s.replays, 3, "{s:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn the_recompile_message_names_the_dimension_and_the_symbol() -> Result<()> {
+    let f = compile_fn(|a: &[Tensor]| Ok(vec![body(&a[0])?]), opts("eager"))?;
+    for n in [4usize, 6] {
+        f.call(&[Tensor::randn(&[n, 3], DType::F32)?])?;
+    }
+    let log = f.stats().recompile_log;
+    assert_eq!(log.len(), 1, "{log:?}");
+    let m = &log[0];
+    assert!(
+        m.starts_with("Recompiling function fn: argument 0: size mismatch"),
+        "{m}"
+    );
+    assert!(m.contains("argument 0 dim 0 changed (4 -> 6)"), "{m}");
+    assert!(m.contains("s0 = argument 0 dim 0"), "{m}");
+    assert!(m.contains("s0 >= 2"), "{m}");
+    Ok(())
+}
+
+#[test]
+fn sizes_0_and_1_are_specialised_by_a_guard() -> Result<()> {
+    let f = compile_fn(
+        |a: &[Tensor]| Ok(vec![a[0].sin()?.mul(3.0)?]),
+        opts("eager"),
+    )?;
+    for n in [4usize, 6, 1, 8, 1] {
+        let x = Tensor::randn(&[n, 2], DType::F32)?;
+        let got = f.call(std::slice::from_ref(&x))?;
+        assert_eq!(bits(&got[0]), bits(&x.sin()?.mul(3.0)?));
+    }
+    let s = f.stats();
+    assert_eq!(
+        (s.compiles, s.symbolic_compiles),
+        (3, 1),
+        "size 1 has its own entry: {s:?}"
+    );
+    assert_eq!(s.symbolic_reuses, 1, "{s:?}");
+    let m = &s.recompile_log[1];
+    assert!(m.contains("s0 = 1 fails the guard s0 >= 2"), "{m}");
+    assert!(m.contains("argument 0 dim 0 = 1 is specialised"), "{m}");
+    Ok(())
+}
+
+#[test]
+fn mark_dynamic_compiles_symbolic_at_once_and_mark_static_never() -> Result<()> {
+    let f = compile_fn(|a: &[Tensor]| Ok(vec![body(&a[0])?]), opts("eager"))?;
+    for n in [5usize, 7, 11] {
+        let x = Tensor::randn(&[n, 3], DType::F32)?;
+        mark_dynamic(&x, 0)?;
+        assert_eq!(
+            bits(&f.call(std::slice::from_ref(&x))?[0]),
+            bits(&body(&x)?)
+        );
+    }
+    let s = f.stats();
+    assert_eq!(
+        (s.compiles, s.symbolic_compiles, s.symbolic_reuses),
+        (1, 1, 2),
+        "{s:?}"
+    );
+    assert!(
+        s.recompile_log[0].contains("argument 0 dim 0 is marked dynamic"),
+        "{s:?}"
+    );
+
+    let g = compile_fn(|a: &[Tensor]| Ok(vec![body(&a[0])?]), opts("eager"))?;
+    for n in [5usize, 7, 11] {
+        let x = Tensor::randn(&[n, 3], DType::F32)?;
+        mark_static(&x, 0)?;
+        assert_eq!(
+            bits(&g.call(std::slice::from_ref(&x))?[0]),
+            bits(&body(&x)?)
+        );
+    }
+    let s = g.stats();
+    assert_eq!((s.compiles, s.symbolic_compiles), (3, 0), "{s:?}");
+    assert!(mark_dynamic(&Tensor::zeros(&[2], DType::F32)?, 1).is_err());
+    Ok(())
+}
+
+#[test]
+fn dynamic_true_is_symbolic_from_the_first_call_and_false_never() -> Result<()> {
+    let f = compile_fn(
+        |a: &[Tensor]| Ok(vec![body(&a[0])?]),
+        opts("eager").dynamic(Some(true)),
+    )?;
+    for n in [5usize, 7, 3] {
+        let x = Tensor::randn(&[n, 3], DType::F32)?;
+        assert_eq!(
+            bits(&f.call(std::slice::from_ref(&x))?[0]),
+            bits(&body(&x)?)
+        );
+    }
+    let s = f.stats();
+    assert_eq!(
+        (s.compiles, s.symbolic_compiles, s.symbolic_reuses),
+        (1, 1, 2),
+        "{s:?}"
+    );
+
+    let g = compile_fn(
+        |a: &[Tensor]| Ok(vec![body(&a[0])?]),
+        opts("eager").dynamic(Some(false)),
+    )?;
+    for n in [5usize, 7, 3] {
+        g.call(&[Tensor::randn(&[n, 3], DType::F32)?])?;
+    }
+    assert_eq!((g.stats().compiles, g.stats().symbolic_compiles), (3, 0));
+    Ok(())
+}
+
+/// Rust code that branches on a size: the branch is invisible to the tracer, but each new size is
+/// traced, so a size that takes the other branch cannot reuse the graph of the first.
+fn parity(x: &Tensor) -> Result<Tensor> {
+    if x.shape()[0] % 2 == 0 {
+        x.sin()
+    } else {
+        x.cos()?.mul(if x.shape()[0] > 8 { 2.0 } else { 0.5 })
+    }
+}
+
+#[test]
+fn a_size_branch_in_rust_code_stays_correct() -> Result<()> {
+    let runs = AtomicUsize::new(0);
+    let f = compile_fn(
+        |a: &[Tensor]| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok(vec![parity(&a[0])?])
+        },
+        opts("eager"),
+    )?;
+    for n in [4usize, 6, 5, 7, 8, 9, 11, 10, 3, 13, 12] {
+        let x = Tensor::randn(&[n], DType::F32)?;
+        assert_eq!(
+            bits(&f.call(std::slice::from_ref(&x))?[0]),
+            bits(&parity(&x)?),
+            "n = {n}"
+        );
+    }
+    let s = f.stats();
+    // even sizes: static 4, symbolic from 6. odd ≤ 8: static 5, symbolic from 7.
+    // odd > 8 multiply by another constant: static 9, symbolic from 11.
+    assert_eq!((s.compiles, s.symbolic_compiles), (6, 3), "{s:?}");
+    assert!(
+        runs.load(Ordering::SeqCst) >= 11,
+        "every new size runs the Rust code"
+    );
+    Ok(())
+}
+
+#[test]
+fn two_symbols_and_backward_through_aot_eager() -> Result<()> {
+    let w = Tensor::randn(&[3, 5], DType::F32)?;
+    let model = |x: &Tensor, y: &Tensor| -> Result<Tensor> {
+        // x: [b, l, 3], y: [b, l]
+        let h = x
+            .matmul(&w.expand(&[x.shape()[0] as i64, 3, 5][..])?)?
+            .tanh()?;
+        h.sum(&[2], false)?
+            .mul(y)?
+            .softmax(-1)?
+            .mean(&[0, 1], false)
+    };
+    let f = compile_fn(
+        |a: &[Tensor]| {
+            let loss = model(&a[0], &a[1])?;
+            Ok(vec![loss])
+        },
+        opts("aot_eager"),
+    )?;
+    for (b, l) in [(2usize, 3usize), (3, 5), (4, 7), (6, 2), (2, 9)] {
+        let x = Tensor::randn(&[b, l, 3], DType::F32)?;
+        x.set_requires_grad(true)?;
+        let y = Tensor::randn(&[b, l], DType::F32)?;
+        let got = f.call(&[x.clone(), y.clone()])?;
+        got[0].backward()?;
+        let gx = x.grad().expect("a gradient");
+        let x2 = x.detach();
+        x2.set_requires_grad(true)?;
+        let want = model(&x2, &y)?;
+        want.backward()?;
+        assert_eq!(bits(&got[0]), bits(&want), "({b}, {l})");
+        assert_eq!(
+            bits(&gx),
+            bits(&x2.grad().expect("a gradient")),
+            "({b}, {l})"
+        );
+    }
+    let s = f.stats();
+    assert_eq!(
+        (s.compiles, s.symbolic_compiles, s.symbolic_reuses),
+        (2, 1, 3),
+        "{s:?}"
+    );
+    Ok(())
+}
