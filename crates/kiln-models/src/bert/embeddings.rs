@@ -105,4 +105,19 @@ impl Module for BertEmbeddings {
             ("dropout".into(), &self.dropout),
         ]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            (
+                "word_embeddings".into(),
+                &mut self.word_embeddings as &mut dyn Module,
+            ),
+            ("position_embeddings".into(), &mut self.position_embeddings),
+            (
+                "token_type_embeddings".into(),
+                &mut self.token_type_embeddings,
+            ),
+            ("LayerNorm".into(), &mut self.layer_norm),
+            ("dropout".into(), &mut self.dropout),
+        ]
+    }
 }
