@@ -11,7 +11,11 @@ use kiln::{CompileOptions, Mode};
 /// Settings every workload reads.
 pub struct Ctx {
     pub device: String,
+    /// `device` parsed (`cpu`, `cuda`, `cuda:N`).
+    pub target: kiln::Device,
     pub mode: Mode,
+    /// `--mode eager`: the eager rows only, no compiled variant.
+    pub eager_only: bool,
     pub quick: bool,
     pub report: Report,
 }

@@ -24,10 +24,11 @@ const WORKLOADS: &[&str] = &[
     "resnet18",
 ];
 
-const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu] [--mode MODE] [--quick]
+const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | all
-  --device  cpu (the default; cuda is not built yet)
-  --mode    default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+  --device  cpu (the default), or cuda for the workloads that run there (resnet18, eager)
+  --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+            (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
 
 /// A hidden subcommand: the full regional model compiled once in a fresh process, against the
@@ -38,7 +39,22 @@ struct Args {
     workload: String,
     device: String,
     mode: Mode,
+    eager_only: bool,
     quick: bool,
+}
+
+/// Workloads that run on a CUDA device (eagerly: the GPU compiler is not built yet).
+const CUDA_WORKLOADS: &[&str] = &["resnet18"];
+
+fn parse_device(d: &str) -> Option<kiln::Device> {
+    match d {
+        "cpu" => Some(kiln::Device::Cpu),
+        "cuda" => Some(kiln::Device::Cuda(0)),
+        _ => d
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(kiln::Device::Cuda),
+    }
 }
 
 fn parse_mode(s: &str) -> Option<Mode> {
@@ -55,12 +71,17 @@ fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let mut workload = None;
     let (mut device, mut mode, mut quick) = ("cpu".to_string(), Mode::Default, false);
+    let mut eager_only = false;
     while let Some(a) = it.next() {
         match a.as_str() {
             "--device" => device = it.next().ok_or("--device needs a value")?,
             "--mode" => {
                 let m = it.next().ok_or("--mode needs a value")?;
-                mode = parse_mode(&m).ok_or_else(|| format!("unknown mode {m:?}"))?;
+                if m == "eager" {
+                    eager_only = true;
+                } else {
+                    mode = parse_mode(&m).ok_or_else(|| format!("unknown mode {m:?}"))?;
+                }
             }
             "--quick" => quick = true,
             "-h" | "--help" => return Err(String::new()),
@@ -77,6 +98,7 @@ fn parse_args() -> Result<Args, String> {
         workload,
         device,
         mode,
+        eager_only,
         quick,
     })
 }
@@ -92,15 +114,26 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match args.device.as_str() {
-        "cpu" => {}
-        d if d == "cuda" || d.starts_with("cuda:") => {
-            eprintln!("kiln-bench: CUDA backend not built yet (only --device cpu runs today)");
+    let Some(target) = parse_device(&args.device) else {
+        eprintln!(
+            "kiln-bench: unknown device {:?} (cpu, cuda or cuda:N)",
+            args.device
+        );
+        return ExitCode::from(2);
+    };
+    if target != kiln::Device::Cpu {
+        if args.workload == "all" || !CUDA_WORKLOADS.contains(&args.workload.as_str()) {
+            eprintln!(
+                "kiln-bench: on {} only {} run today (eagerly)",
+                args.device,
+                CUDA_WORKLOADS.join(", ")
+            );
             return ExitCode::from(2);
         }
-        d => {
-            eprintln!("kiln-bench: unknown device {d:?} (cpu, or cuda once its backend is built)");
-            return ExitCode::from(2);
+        kiln::cuda::init();
+        if let Some(e) = kiln::cuda::unavailable_reason() {
+            eprintln!("kiln-bench: {e}");
+            return ExitCode::FAILURE;
         }
     }
     if args.workload == WARM_CHILD {
@@ -118,16 +151,26 @@ fn main() -> ExitCode {
     };
     let mut ctx = Ctx {
         device: args.device.clone(),
+        target,
         mode: args.mode,
+        eager_only: args.eager_only,
         quick: args.quick,
         report: Report::default(),
     };
     eprintln!(
-        "kiln-bench: {} on {} ({} threads), mode {}{}, kernel cache {}",
+        "kiln-bench: {} on {} ({} threads){}, mode {}{}, kernel cache {}",
         selected.join(", "),
         cpu_name(),
         threads(),
-        args.mode.as_str(),
+        match target {
+            kiln::Device::Cpu => String::new(),
+            d => format!(", device {d}"),
+        },
+        if args.eager_only {
+            "eager"
+        } else {
+            args.mode.as_str()
+        },
         if args.quick { ", quick" } else { "" },
         kiln::inductor::cache_dir().display()
     );
