@@ -1,3 +1,5 @@
+//! GPU end-to-end checks of the facade (ignored, with the reason, without CUDA).
+//!
 //! No device-memory growth over 1000 training steps of the digits model on the GPU: after a
 //! warm-up of two epochs (every batch size, the last short batch included, has been seen), the
 //! caching allocator's live bytes, reserved bytes and driver allocations are the same before and
@@ -83,6 +85,49 @@ fn no_growth_over_1000_steps() -> std::result::Result<(), Failed> {
     Ok(())
 }
 
+/// A small random BERT (the MiniLM shape scaled down) moved to the GPU gives the CPU's sentence
+/// embeddings: the path `bert_embed --device cuda` takes, without the 91 MB weights.
+fn small_bert_on_cuda_matches_cpu() -> std::result::Result<(), Failed> {
+    use kiln::models::bert::{sentence_embedding, BertConfig, BertModel};
+    manual_seed(1);
+    let cfg = BertConfig {
+        vocab_size: 97,
+        hidden_size: 32,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        intermediate_size: 64,
+        max_position_embeddings: 40,
+        ..BertConfig::default()
+    };
+    let mut model = BertModel::from_config(&cfg)?;
+    model.eval();
+    let ids: Vec<i64> = (0..2 * 9).map(|i| (i * 7 % 97) as i64).collect();
+    let ids = Tensor::from_vec(ids, &[2, 9])?;
+    let mask: Vec<i64> = (0..2 * 9).map(|i| i64::from(i < 9 || i % 9 < 5)).collect();
+    let mask = Tensor::from_vec(mask, &[2, 9])?;
+    let embed = |m: &BertModel, ids: &Tensor, mask: &Tensor| -> Result<Tensor> {
+        no_grad(|| sentence_embedding(&m.encode(ids, Some(mask), None)?, mask))
+    };
+    let want = embed(&model, &ids, &mask)?.to_vec_f64()?;
+    model.to(CUDA)?;
+    let got = embed(&model, &ids.to(CUDA)?, &mask.to(CUDA)?)?;
+    if got.device() != CUDA {
+        return Err(format!("embeddings on {}", got.device()).into());
+    }
+    let err = got
+        .to_vec_f64()?
+        .iter()
+        .zip(&want)
+        .fold(0.0f64, |m, (a, b)| m.max((a - b).abs()));
+    println!("small BERT on cuda: max abs difference from the CPU {err:.2e}");
+    if err > 1e-5 {
+        return Err(
+            format!("sentence embeddings differ from the CPU's by {err:.2e} (bar 1e-5)").into(),
+        );
+    }
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     kiln::cuda::init();
@@ -95,9 +140,17 @@ fn main() {
                 .unwrap_or_default()
         );
     }
-    let trials = vec![Trial::test("digits_training_no_memory_growth", || {
-        no_growth_over_1000_steps()
-    })
-    .with_ignored_flag(!available)];
+    let trials = vec![
+        Trial::test(
+            "digits_training_no_memory_growth",
+            no_growth_over_1000_steps,
+        )
+        .with_ignored_flag(!available),
+        Trial::test(
+            "small_bert_on_cuda_matches_cpu",
+            small_bert_on_cuda_matches_cpu,
+        )
+        .with_ignored_flag(!available),
+    ];
     libtest_mimic::run(&args, trials).exit();
 }

@@ -62,7 +62,10 @@ impl BertEmbeddings {
             ));
         }
         let words = self.word_embeddings.forward(input_ids)?;
-        let positions = Tensor::arange(0.0, seq_len as f64, 1.0, DType::I64)?.unsqueeze(0)?;
+        // made where the ids live, so a model moved to a GPU gathers from a GPU index
+        let positions = Tensor::arange(0.0, seq_len as f64, 1.0, DType::I64)?
+            .to_device(input_ids.device())?
+            .unsqueeze(0)?;
         let mut x = words.add(&self.position_embeddings.forward(&positions)?)?;
         x = match token_type_ids {
             Some(tt) => {
