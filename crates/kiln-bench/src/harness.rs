@@ -15,6 +15,8 @@ pub struct Ctx {
     /// Where the workload's tensors live.
     pub dev: kiln::Device,
     pub mode: Mode,
+    /// `--mode eager`: the eager rows only, no compiled variant.
+    pub eager_only: bool,
     pub quick: bool,
     pub report: Report,
 }

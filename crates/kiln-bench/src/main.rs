@@ -26,12 +26,13 @@ const WORKLOADS: &[&str] = &[
 ];
 
 /// The workloads that run with `--device cuda` so far.
-const GPU_WORKLOADS: &[&str] = &["sincos", "adam"];
+const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18"];
 
-const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda] [--mode MODE] [--quick]
+const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | all
-  --device  cpu (the default) or cuda / cuda:N (sincos and adam so far)
-  --mode    default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+  --device  cpu (the default) or cuda / cuda:N (sincos, adam; resnet18 eagerly)
+  --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+            (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
 
 /// A hidden subcommand: the full regional model compiled once in a fresh process, against the
@@ -42,6 +43,7 @@ struct Args {
     workload: String,
     device: String,
     mode: Mode,
+    eager_only: bool,
     quick: bool,
 }
 
@@ -59,12 +61,17 @@ fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let mut workload = None;
     let (mut device, mut mode, mut quick) = ("cpu".to_string(), Mode::Default, false);
+    let mut eager_only = false;
     while let Some(a) = it.next() {
         match a.as_str() {
             "--device" => device = it.next().ok_or("--device needs a value")?,
             "--mode" => {
                 let m = it.next().ok_or("--mode needs a value")?;
-                mode = parse_mode(&m).ok_or_else(|| format!("unknown mode {m:?}"))?;
+                if m == "eager" {
+                    eager_only = true;
+                } else {
+                    mode = parse_mode(&m).ok_or_else(|| format!("unknown mode {m:?}"))?;
+                }
             }
             "--quick" => quick = true,
             "-h" | "--help" => return Err(String::new()),
@@ -81,6 +88,7 @@ fn parse_args() -> Result<Args, String> {
         workload,
         device,
         mode,
+        eager_only,
         quick,
     })
 }
@@ -134,15 +142,24 @@ fn main() -> ExitCode {
         device: args.device.clone(),
         dev,
         mode: args.mode,
+        eager_only: args.eager_only,
         quick: args.quick,
         report: Report::default(),
     };
     eprintln!(
-        "kiln-bench: {} on {} ({} threads), mode {}{}, kernel cache {}",
+        "kiln-bench: {} on {} ({} threads){}, mode {}{}, kernel cache {}",
         selected.join(", "),
         cpu_name(),
         threads(),
-        args.mode.as_str(),
+        match dev {
+            kiln::Device::Cpu => String::new(),
+            d => format!(", device {d}"),
+        },
+        if args.eager_only {
+            "eager"
+        } else {
+            args.mode.as_str()
+        },
         if args.quick { ", quick" } else { "" },
         kiln::inductor::cache_dir().display()
     );

@@ -21,6 +21,11 @@ pub struct CudaDevice {
     pool: Mutex<Pool>,
     pub(crate) kernels: Mutex<HashMap<String, sys::CUfunction>>,
     pub(crate) cublas: Mutex<Option<crate::matmul::Blas>>,
+    pub(crate) cublaslt: Mutex<Option<crate::matmul_lt::LtHandle>>,
+    /// The flag gather and scatter_add kernels raise on a bad index, read at synchronization.
+    pub(crate) checks: crate::index_check::IndexChecks,
+    /// cuDNN's handle and conv plans, made at the first convolution.
+    pub(crate) dnn: Mutex<Option<crate::conv::Dnn>>,
     /// NVRTC's target: "compute_90" on an H100.
     pub(crate) arch: &'static str,
     pub(crate) sm_count: u32,
@@ -93,13 +98,17 @@ impl CudaDevice {
         // non-blocking: kiln's stream never waits on work other libraries queue on stream 0
         let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
             .map_err(|e| err("cuStreamCreate", e))?;
+        let checks = crate::index_check::IndexChecks::new(ordinal)?;
         Ok(CudaDevice {
             ordinal,
+            checks,
             ctx,
             stream,
             pool: Mutex::new(Pool::default()),
             kernels: Mutex::new(HashMap::new()),
             cublas: Mutex::new(None),
+            dnn: Mutex::new(None),
+            cublaslt: Mutex::new(None),
             arch: Box::leak(format!("compute_{major}{minor}").into_boxed_str()),
             sm_count: sms.max(1) as u32,
         })
@@ -180,11 +189,14 @@ impl CudaDevice {
         Ok(out)
     }
 
+    /// Waits for the queued work; then reports an index error a gather or scatter_add kernel
+    /// found since the last synchronization (`index_check.rs`).
     pub fn synchronize(&self) -> Result<()> {
         self.bind()?;
         // SAFETY: the stream lives for the process
         unsafe { result::stream::synchronize(self.stream) }
-            .map_err(|e| cu_err("cuStreamSynchronize", self.ordinal, e))
+            .map_err(|e| cu_err("cuStreamSynchronize", self.ordinal, e))?;
+        self.checks.take_error()
     }
 
     /// Queues `f` on the stream. `params` point at each argument's value.

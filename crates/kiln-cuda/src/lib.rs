@@ -13,12 +13,16 @@
 mod alloc;
 mod buffer;
 mod capture;
+mod conv;
+mod conv_graph;
 mod device;
 mod event;
 mod fallback;
 mod generated;
+mod index_check;
 mod kernels;
 mod matmul;
+mod matmul_lt;
 mod nvrtc;
 mod probe;
 mod runtime;
@@ -26,9 +30,11 @@ mod runtime;
 use std::sync::Arc;
 
 pub use alloc::MemoryStats;
+pub use conv::{cudnn_benchmark, cudnn_graph_error, cudnn_plan_counts, set_cudnn_benchmark};
 pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
+pub use matmul_lt::{matmul_epilogue, Epilogue};
 pub use nvrtc::kernel_cache_stats;
 
 use device::CudaDevice;

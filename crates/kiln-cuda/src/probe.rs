@@ -57,11 +57,35 @@ pub(crate) fn probe_libs(libs: &[(&str, &str)]) -> Result<(), String> {
                     // NVRTC opens its builtins library by name at compile time: load it too
                     preload_prefix(&dir, "libnvrtc-builtins");
                 }
+                if name == "cudnn" {
+                    // cuDNN 9's libcudnn is a shim that opens its sub-libraries (cnn, ops,
+                    // engines, graph) by name: load them from the same folder
+                    preload_prefix(&dir, "libcudnn_");
+                }
             }
             None => return Err(missing(name, what, &candidates, &dirs)),
         }
     }
     Ok(())
+}
+
+/// cuDNN, probed at the first convolution rather than at start-up (it is optional: without it
+/// convolutions take the host path). Needs the base libraries, and cuDNN 9 or newer (the API
+/// cudarc binds).
+pub(crate) fn probe_cudnn() -> Result<(), String> {
+    static P: OnceLock<Result<(), String>> = OnceLock::new();
+    P.get_or_init(|| {
+        probe()?;
+        probe_libs(&[("cudnn", "cuDNN (libcudnn.so)")])?;
+        let version = cudarc::cudnn::result::get_version();
+        if version < 90000 {
+            return Err(format!(
+                "cuDNN {version} was found but kiln needs cuDNN 9 or newer"
+            ));
+        }
+        Ok(())
+    })
+    .clone()
 }
 
 /// Opens a library and keeps it loaded for the life of the process.
@@ -76,13 +100,23 @@ fn open(p: &Path) -> bool {
     }
 }
 
+/// Loads every library in `dir` whose name starts with `prefix`. A library whose dependencies are
+/// not loaded yet fails to open, so failures are retried while a pass still opens something.
 fn preload_prefix(dir: &Path, prefix: &str) {
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let name = e.file_name();
-            if name.to_string_lossy().starts_with(prefix) {
-                open(&e.path());
-            }
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut pending: Vec<PathBuf> = rd
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| e.path())
+        .collect();
+    pending.sort();
+    loop {
+        let before = pending.len();
+        pending.retain(|p| !open(p));
+        if pending.is_empty() || pending.len() == before {
+            return;
         }
     }
 }

@@ -40,7 +40,7 @@ fn cuda_buf<'a>(op: &'static str, b: &'a Arc<dyn DeviceBuffer>) -> Result<&'a Cu
         })
 }
 
-fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBuffer, &'a Layout)> {
+pub(crate) fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBuffer, &'a Layout)> {
     let b = t.device_buffer().ok_or_else(|| Error::Device {
         op,
         lhs: t.device(),
@@ -150,6 +150,12 @@ impl DeviceRuntime for CudaRuntime {
                 let out = dev.alloc(n, meta.dtype)?;
                 index::scatter_add(&dev, ops[0], ops[1], ops[2], *dim, &out)?;
                 Ok(Arc::new(out))
+            }
+            Prim::Conv2d(_) | Prim::Conv2dGradInput { .. } | Prim::Conv2dGradWeight { .. } => {
+                match crate::conv::run(&dev, prim, inputs, meta)? {
+                    Some(out) => Ok(out),
+                    None => crate::fallback::run(&dev, prim, inputs),
+                }
             }
             Prim::Matmul if meta.dtype.is_float() => {
                 let out = dev.alloc(n, meta.dtype)?;

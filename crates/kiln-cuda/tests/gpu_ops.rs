@@ -312,9 +312,31 @@ fn gather_scatter_and_bad_index() -> std::result::Result<(), String> {
         .map_err(e)?
         .to(CUDA)
         .map_err(e)?;
-    match x.to(CUDA).map_err(e)?.gather(1, &bad) {
-        Err(err) if err.to_string().contains("out of range") => Ok(()),
-        other => Err(format!("gather with index 6 of 6: {other:?}")),
+    // the call does not wait for the device: the error comes at the next synchronization (here
+    // the read), names the op, and is reported once
+    let xd = x.to(CUDA).map_err(e)?;
+    let gathered = xd
+        .gather(1, &bad)
+        .map_err(|err| format!("gather queued with a bad index failed at the call: {err}"))?;
+    match gathered.to_vec::<f32>() {
+        Err(err)
+            if err.to_string().contains("gather") && err.to_string().contains("out of range") => {}
+        other => return Err(format!("gather with index 6 of 6, read back: {other:?}")),
+    }
+    let good = xd.gather(1, &idx.to(CUDA).map_err(e)?).map_err(e)?;
+    good.to_vec::<f32>()
+        .map_err(|err| format!("the index error was reported twice: {err}"))?;
+    // scatter_add's check, through synchronize
+    let src = Tensor::ones(&[1, 4], DType::F32)
+        .map_err(e)?
+        .to(CUDA)
+        .map_err(e)?;
+    let _queued = xd.scatter_add(1, &bad, &src).map_err(e)?;
+    match kiln_cuda::synchronize(CUDA) {
+        Err(err) if err.to_string().contains("scatter_add") => Ok(()),
+        other => Err(format!(
+            "scatter_add with index 6 of 6, synchronize: {other:?}"
+        )),
     }
 }
 
@@ -392,7 +414,7 @@ fn optimizers_on_device() -> std::result::Result<(), String> {
     Ok(())
 }
 
-fn conv_host_path() -> std::result::Result<(), String> {
+fn conv_and_pool() -> std::result::Result<(), String> {
     let mut rng = Rng::new(1000);
     let e = |x: kiln_core::Error| x.to_string();
     let x = input(&mut rng, &[2, 3, 7, 6], -1.0, 1.0, false).map_err(e)?;
@@ -653,7 +675,25 @@ fn main() {
         ("views_cat_pad_gather", views_cat_pad_gather),
         ("casts_and_half", casts_and_half),
         ("optimizers_on_device", optimizers_on_device),
-        ("conv_host_path", conv_host_path),
+        ("conv_and_pool", conv_and_pool),
+        (
+            "conv_cudnn_forward_and_backward",
+            gpu::conv::cudnn_forward_and_backward,
+        ),
+        ("conv_cudnn_bias_and_layer", gpu::conv::cudnn_bias_and_layer),
+        ("conv_cudnn_half_types", gpu::conv::cudnn_half_types),
+        ("conv_cudnn_tf32_switch", gpu::conv::cudnn_tf32_switch),
+        ("conv_cudnn_benchmark_mode", gpu::conv::cudnn_benchmark_mode),
+        (
+            "module_to_cuda_and_back",
+            gpu::modules::module_to_cuda_and_back,
+        ),
+        (
+            "matmul_half_types",
+            gpu::matmul::half_matmul_forward_and_backward,
+        ),
+        ("cublaslt_epilogues", gpu::matmul::cublaslt_epilogues),
+        ("cublaslt_bad_operands", gpu::matmul::cublaslt_bad_operands),
         ("random_matches_cpu", random_matches_cpu),
         ("assign_into_device_view", assign_into_device_view),
         ("allocator_steady_state", allocator_steady_state),

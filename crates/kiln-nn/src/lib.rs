@@ -8,6 +8,7 @@ pub mod init;
 pub mod io;
 mod layers;
 mod module;
+mod module_to;
 pub mod optim;
 mod state_dict;
 

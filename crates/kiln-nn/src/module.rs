@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kiln_core::{Error, Result, Tensor};
+use kiln_core::{Device, Error, Result, Tensor};
 
 use crate::StateDict;
 
@@ -80,6 +80,41 @@ pub trait Module: Send + Sync {
         for (name, child) in self.children() {
             child.visit(&join_name(prefix, &name), f);
         }
+    }
+
+    /// `visit_own` with mutable access, so `to(device)` can replace the handles. A module that
+    /// holds tensors implements it beside `visit_own`, listing the same tensors in the same order;
+    /// `to` checks that the two agree and moves nothing when they do not.
+    fn visit_own_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        let _ = f;
+    }
+
+    /// `children` with mutable access (same names, same order), for `to(device)`.
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        Vec::new()
+    }
+
+    /// `visit` with mutable access: every tensor the tree reaches through `visit_own_mut` and
+    /// `children_mut`, with its dotted name.
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        self.visit_own_mut(&mut |name, t, kind| f(&join_name(prefix, name), t, kind));
+        for (name, child) in self.children_mut() {
+            child.visit_mut(&join_name(prefix, &name), f);
+        }
+    }
+
+    /// `model.to(device)`: every parameter and buffer moves to `device`, under the same names; a
+    /// parameter stays a leaf with `requires_grad` and its `.grad` moves with it; tied weights
+    /// stay tied. All copies are made before any is installed, so on `Err` (no runtime for the
+    /// device, a module that does not implement `visit_own_mut` / `children_mut`) the module is
+    /// unchanged.
+    ///
+    /// Unlike PyTorch, which swaps `param.data` under the same Parameter, the module gets new
+    /// handles: tensors taken from it before the move (an optimizer's parameter list) still
+    /// refer to the old copies. Move the model first, then build its optimizer (PyTorch's own
+    /// advice for optimizers).
+    fn to(&mut self, device: Device) -> Result<()> {
+        crate::module_to::move_module(self, device)
     }
 
     /// `named_parameters()`: a parameter shared by several modules (tied weights) is listed once,
@@ -228,6 +263,15 @@ impl<M: Module + ?Sized> Module for Box<M> {
     }
     fn visit(&self, prefix: &str, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         (**self).visit(prefix, f)
+    }
+    fn visit_own_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        (**self).visit_own_mut(f)
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        (**self).children_mut()
+    }
+    fn visit_mut(&mut self, prefix: &str, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        (**self).visit_mut(prefix, f)
     }
     fn train(&self, mode: bool) {
         (**self).train(mode)

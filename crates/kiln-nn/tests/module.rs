@@ -364,3 +364,34 @@ fn tied_parameters_listed_once_saved_twice() {
         ["a.weight", "b.weight"]
     );
 }
+
+// ---- Module::to without a device runtime (the moves themselves: tests/module_to.rs) ----
+
+#[test]
+fn to_a_device_without_its_runtime_errs_naming_the_tensor_and_changes_nothing() {
+    let mut m = small_cnn();
+    let ids: Vec<u64> = m.parameters().iter().map(|p| p.id()).collect();
+    let err = m.to(kiln_core::Device::Cuda(0)).unwrap_err().to_string();
+    assert!(err.contains("Module::to"), "{err}");
+    assert!(err.contains("`0.weight`"), "names the first tensor: {err}");
+    assert!(err.contains("kiln_cuda::init"), "says what to do: {err}");
+    assert_eq!(
+        m.parameters().iter().map(|p| p.id()).collect::<Vec<_>>(),
+        ids
+    );
+    assert!(m
+        .parameters()
+        .iter()
+        .all(|p| p.device() == kiln_core::Device::Cpu));
+}
+
+#[test]
+fn to_the_device_a_module_is_on_keeps_every_handle() {
+    let mut m = small_cnn();
+    let before: Vec<u64> = m.parameters().iter().map(|p| p.id()).collect();
+    m.to(kiln_core::Device::Cpu).unwrap();
+    assert_eq!(
+        m.parameters().iter().map(|p| p.id()).collect::<Vec<_>>(),
+        before
+    );
+}

@@ -94,10 +94,14 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let args = parse_args()?;
+    if args.device != Device::Cpu {
+        kiln::cuda::init();
+    }
     // an unavailable device is reported before anything is downloaded or loaded
     Tensor::zeros(&[1], DType::I64)?.to_device(args.device)?;
     let dir = fetch_minilm()?;
-    let model = BertModel::from_pretrained(&dir)?;
+    let mut model = BertModel::from_pretrained(&dir)?;
+    model.to(args.device)?;
     let tokenizer = BertTokenizer::from_file(dir.join("tokenizer.json"))?;
     let texts: Vec<&str> = args.sentences.iter().map(String::as_str).collect();
     let enc = tokenizer.encode_batch(&texts)?;

@@ -1,27 +1,51 @@
 //! torch_baseline.py's `resnet18`: torchvision's ResNet-18 (random weights, 1000 classes), batch 16
 //! of 3x224x224, inference in eval mode under no_grad: eager vs `kiln::compile`, plus the cold
 //! compile (fresh kernel cache) and how far the compiled logits land from the eager ones.
+//!
+//! On a CUDA device (`--device cuda`) the model is moved there (`Module::to`) and run eagerly: each
+//! timed call ends with a device synchronization, so the time is the device's, not the queueing's.
+//! Rows: `eager` (TF32 off, kiln's and PyTorch's matmul default), `eager_tf32` (TF32 on, PyTorch's
+//! default for cuDNN convolutions), `eager_cudnn_benchmark` (algorithms timed once per shape through
+//! cuDNN's legacy API, rather than a graph-API plan from its heuristics), the largest difference from the CPU's logits, the host's time to queue one
+//! forward, and each stage's device and host time.
 
 use kiln::inductor::with_fresh_cache;
 use kiln::models::resnet::resnet18;
 use kiln::nn::Module;
-use kiln::{no_grad, DType, Tensor};
+use kiln::{no_grad, DType, Device, Tensor};
 
 use super::BenchResult;
 use crate::harness::{once, Ctx};
 
 const W: &str = "resnet18_bs16";
 
+/// max |a - b| / max |b|.
+fn max_rel_diff(a: &Tensor, b: &Tensor) -> kiln::Result<f64> {
+    let (a, b) = (a.to_vec_f64()?, b.to_vec_f64()?);
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    let diff = a
+        .iter()
+        .zip(&b)
+        .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
+    Ok(diff / scale)
+}
+
 pub fn run(ctx: &mut Ctx) -> BenchResult {
     kiln::manual_seed(0);
     let model = resnet18(1000)?;
     model.eval();
     let x = Tensor::randn(&[16, 3, 224, 224], DType::F32)?;
+    if ctx.dev != Device::Cpu {
+        return run_on_device(ctx, model, x);
+    }
     let timer = ctx.timer();
 
     let (eager_t, eager_out) =
         timer.time_keep("resnet18: eager", || no_grad(|| model.forward(&x)))?;
     ctx.emit(W, "eager", "call", eager_t.ms(), "ms");
+    if ctx.eager_only {
+        return Ok(());
+    }
 
     let compiled = kiln::compile(&model, ctx.opts())?;
     let (first, t) = with_fresh_cache(|| {
@@ -36,12 +60,175 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
     ctx.emit(W, variant, "call", t.ms(), "ms");
 
     // the same weights and input: a speedup only counts if the answer is the same
-    let (a, b) = (out.to_vec_f64()?, eager_out.to_vec_f64()?);
-    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs()));
-    let diff = a
-        .iter()
-        .zip(&b)
-        .fold(0.0f64, |m, (p, q)| m.max((p - q).abs()));
-    ctx.emit(W, variant, "max_rel_diff_vs_eager", diff / scale, "ratio");
+    ctx.emit(
+        W,
+        variant,
+        "max_rel_diff_vs_eager",
+        max_rel_diff(&out, &eager_out)?,
+        "ratio",
+    );
     Ok(())
+}
+
+fn run_on_device(ctx: &mut Ctx, mut model: kiln::models::resnet::ResNet, x: Tensor) -> BenchResult {
+    let device = ctx.dev;
+    if !ctx.eager_only {
+        return Err(format!(
+            "resnet18 on {device} runs eagerly only (the GPU compiler is not built yet): pass \
+             --mode eager"
+        )
+        .into());
+    }
+    let reference = once("resnet18: CPU reference", || no_grad(|| model.forward(&x))).0?;
+    model.to(device)?;
+    let x = x.to(device)?;
+    let timer = ctx.timer();
+    let call = || -> kiln::Result<Tensor> {
+        let y = no_grad(|| model.forward(&x))?;
+        kiln::cuda::synchronize(device)?;
+        Ok(y)
+    };
+    let (t, out) = timer.time_keep("resnet18: eager (cuda)", call)?;
+    ctx.emit(W, "eager", "call", t.ms(), "ms");
+    ctx.emit(
+        W,
+        "eager",
+        "max_rel_diff_vs_cpu",
+        max_rel_diff(&out, &reference)?,
+        "ratio",
+    );
+    kiln::cuda::set_allow_tf32(true);
+    let tf32 = timer.time_keep("resnet18: eager, TF32 (cuda)", call);
+    kiln::cuda::set_allow_tf32(false);
+    let (t, out) = tf32?;
+    ctx.emit(W, "eager_tf32", "call", t.ms(), "ms");
+    ctx.emit(
+        W,
+        "eager_tf32",
+        "max_rel_diff_vs_cpu",
+        max_rel_diff(&out, &reference)?,
+        "ratio",
+    );
+    ctx.emit(
+        W,
+        "eager",
+        "host_enqueue",
+        host_enqueue_ms(&model, &x, device)?,
+        "ms",
+    );
+    let (y, profile) = kiln::profile(|| no_grad(|| model.forward(&x)));
+    y?;
+    kiln::cuda::synchronize(device)?;
+    eprintln!(
+        "one eager forward on {device}, host time by prim:\n{}",
+        profile.table(30)
+    );
+    breakdown(ctx, &model, &x)?;
+    let (graph, legacy) = kiln::cuda::cudnn_plan_counts();
+    eprintln!(
+        "cuDNN plans: {graph} graph-API, {legacy} legacy-API{}",
+        kiln::cuda::cudnn_graph_error()
+            .map(|e| format!(" (first graph-API refusal: {e})"))
+            .unwrap_or_default()
+    );
+    // algorithms timed once per shape through the legacy API (torch.backends.cudnn.benchmark);
+    // last, so every row above ran the default path
+    kiln::cuda::set_cudnn_benchmark(true);
+    let benchmarked = timer.time_keep("resnet18: eager, cudnn benchmark (cuda)", call);
+    let enqueue = host_enqueue_ms(&model, &x, device);
+    kiln::cuda::set_cudnn_benchmark(false);
+    ctx.emit(
+        W,
+        "eager_cudnn_benchmark",
+        "call",
+        benchmarked?.0.ms(),
+        "ms",
+    );
+    ctx.emit(W, "eager_cudnn_benchmark", "host_enqueue", enqueue?, "ms");
+    let stats = kiln::cuda::memory_stats(device)?;
+    ctx.emit(
+        W,
+        "eager",
+        "peak_allocated",
+        stats.peak_allocated as f64 / (1 << 20) as f64,
+        "MiB",
+    );
+    let fallbacks: u64 = kiln::cuda::host_fallbacks().iter().map(|(_, n)| n).sum();
+    ctx.emit(W, "eager", "host_fallbacks", fallbacks as f64, "count");
+    Ok(())
+}
+
+/// Device time of `f` per call: events around `reps` back-to-back calls, after two warm-up calls.
+fn device_ms(
+    device: Device,
+    reps: usize,
+    f: impl Fn() -> kiln::Result<Tensor>,
+) -> kiln::Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    let start = kiln::cuda::Event::record(device)?;
+    for _ in 0..reps {
+        f()?;
+    }
+    let end = kiln::cuda::Event::record(device)?;
+    end.synchronize()?;
+    kiln::cuda::synchronize(device)?;
+    Ok(start.elapsed_ms(&end)? as f64 / reps as f64)
+}
+
+/// Where the device time of one forward goes, stage by stage (rows `stage_ms`, variant = stage).
+fn breakdown(ctx: &mut Ctx, model: &kiln::models::resnet::ResNet, x: &Tensor) -> BenchResult {
+    let device = ctx.dev;
+    no_grad(|| -> BenchResult {
+        let mut h = x.clone();
+        let stages: [(&str, &dyn Module); 9] = [
+            ("conv1", &model.conv1),
+            ("bn1", &model.bn1),
+            ("relu", &model.relu),
+            ("maxpool", &model.maxpool),
+            ("layer1", &model.layer1),
+            ("layer2", &model.layer2),
+            ("layer3", &model.layer3),
+            ("layer4", &model.layer4),
+            ("avgpool", &model.avgpool),
+        ];
+        for (name, stage) in stages {
+            let input = h.clone();
+            let ms = device_ms(device, 20, || stage.forward(&input))?;
+            ctx.emit(W, &format!("stage_{name}"), "device_time", ms, "ms");
+            // the host's time for the stage with the device idle (no queue to wait behind)
+            kiln::cuda::synchronize(device)?;
+            let t = std::time::Instant::now();
+            let y = stage.forward(&input)?;
+            let host = t.elapsed().as_secs_f64() * 1e3;
+            kiln::cuda::synchronize(device)?;
+            drop(y);
+            ctx.emit(W, &format!("stage_{name}"), "host_time", host, "ms");
+            h = stage.forward(&input)?;
+        }
+        let input = h.flatten(1, -1)?;
+        let ms = device_ms(device, 20, || model.fc.forward(&input))?;
+        ctx.emit(W, "stage_fc", "device_time", ms, "ms");
+        Ok(())
+    })
+}
+
+/// The host's share: the median time to queue one forward (the device idle when it starts).
+fn host_enqueue_ms(
+    model: &kiln::models::resnet::ResNet,
+    x: &Tensor,
+    device: Device,
+) -> kiln::Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..9 {
+        kiln::cuda::synchronize(device)?;
+        let t = std::time::Instant::now();
+        let y = no_grad(|| model.forward(x))?;
+        times.push(t.elapsed());
+        kiln::cuda::synchronize(device)?;
+        drop(y);
+    }
+    times.sort();
+    Ok(times[times.len() / 2].as_secs_f64() * 1e3)
 }

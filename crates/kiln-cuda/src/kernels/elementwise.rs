@@ -165,6 +165,36 @@ fn max_offset(l: &Layout) -> usize {
             .sum::<usize>()
 }
 
+/// Merges adjacent dims that every layout in `strided` walks as one (outer stride = inner size x
+/// inner stride) and drops size-1 dims; the row-major order of the elements is unchanged, so
+/// contiguous operands, indexed by the element number, are unaffected. Returns the merged shape
+/// and, per merged dim, the original dim whose strides it takes (its innermost).
+fn coalesce(shape: &[usize], strided: &[&Layout]) -> (Vec<usize>, Vec<usize>) {
+    let mut merged: Vec<usize> = Vec::new();
+    let mut keep: Vec<usize> = Vec::new();
+    for d in (0..shape.len()).rev() {
+        if shape[d] == 1 {
+            continue;
+        }
+        match (merged.last_mut(), keep.last()) {
+            (Some(size), Some(&inner))
+                if strided
+                    .iter()
+                    .all(|l| l.strides[d] == *size * l.strides[inner]) =>
+            {
+                *size *= shape[d];
+            }
+            _ => {
+                merged.push(shape[d]);
+                keep.push(d);
+            }
+        }
+    }
+    merged.reverse();
+    keep.reverse();
+    (merged, keep)
+}
+
 /// Runs `op` over `inputs` (each with the output's shape), writing `out` at `out_layout`'s
 /// positions (a fresh contiguous buffer, or an `assign` destination).
 pub(crate) fn launch(
@@ -179,9 +209,18 @@ pub(crate) fn launch(
     if n == 0 {
         return Ok(());
     }
-    let rank = out_layout.rank();
     let contig: Vec<bool> = inputs.iter().map(|(_, l)| l.is_contiguous()).collect();
     let out_contig = out_layout.is_contiguous();
+    // the strided operands' geometry with mergeable dims merged: fewer divisions per element
+    let strided: Vec<&Layout> = inputs
+        .iter()
+        .zip(&contig)
+        .filter(|(_, c)| !**c)
+        .map(|((_, l), _)| *l)
+        .chain((!out_contig).then_some(out_layout))
+        .collect();
+    let (shape, keep) = coalesce(&out_layout.shape, &strided);
+    let rank = shape.len();
     let small = n < (1 << 31)
         && inputs.iter().all(|(_, l)| max_offset(l) < (1 << 31))
         && max_offset(out_layout) < (1 << 31);
@@ -198,7 +237,7 @@ pub(crate) fn launch(
         n: n as i64,
         ..Geo::default()
     };
-    for (d, &s) in out_layout.shape.iter().enumerate() {
+    for (d, &s) in shape.iter().enumerate() {
         geo.shape[d] = s as i64;
     }
     let slots = inputs
@@ -208,8 +247,9 @@ pub(crate) fn launch(
     for (j, l) in slots.enumerate() {
         let j = if j == inputs.len() { 3 } else { j };
         geo.off[j] = l.offset as i64;
-        for (d, &s) in l.strides.iter().enumerate() {
-            geo.st[j][d] = s as i64;
+        // a merged dim's stride is its innermost original dim's
+        for (d, &orig) in keep.iter().enumerate() {
+            geo.st[j][d] = l.strides[orig] as i64;
         }
     }
     let mut ptrs: Vec<u64> = Vec::with_capacity(4);
@@ -280,10 +320,15 @@ fn source(
     if !strided.is_empty() && rank > 0 {
         s.push_str("    { idx r = i;\n");
         for d in (0..rank.min(MAX_RANK)).rev() {
-            let _ = write!(
-                s,
-                "      {{ idx c = r % (idx)g.shape[{d}]; r /= (idx)g.shape[{d}];"
-            );
+            if d == 0 {
+                // the outermost coordinate is what is left (i < n): no division
+                s.push_str("      { idx c = r;");
+            } else {
+                let _ = write!(
+                    s,
+                    "      {{ idx c = r % (idx)g.shape[{d}]; r /= (idx)g.shape[{d}];"
+                );
+            }
             for &j in &strided {
                 let _ = write!(s, " o{j} += c * (idx)g.st[{j}][{d}];");
             }

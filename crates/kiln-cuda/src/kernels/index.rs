@@ -1,6 +1,6 @@
 //! gather and scatter_add along one dim. Index values are checked on the device: an index out of
-//! range sets a flag instead of touching memory, and the flag is read back after the launch (one
-//! synchronization) so the op returns the same `Err` as on the CPU.
+//! range is skipped and recorded in the device's index-check flag (`index_check.rs`), which the next
+//! synchronization reads and reports as the op's `Err`; a call itself never waits for the device.
 //! scatter_add accumulates with atomics: for floats the order of additions, and so the rounding,
 //! can differ from the CPU's sequential loop.
 
@@ -8,14 +8,13 @@ use std::ffi::c_void;
 use std::fmt::Write;
 use std::sync::Arc;
 
-use cudarc::driver::result;
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Error, Result};
 
 use super::elementwise::{self as ew, Scalars};
 use super::{c_type, Geo, PRELUDE};
 use crate::buffer::CudaBuffer;
-use crate::device::{cu_err, CudaDevice};
+use crate::device::CudaDevice;
 
 /// Whether scatter_add has an atomic add for `d` here (others take the host path).
 pub(crate) fn scatter_supported(d: DType) -> bool {
@@ -122,12 +121,24 @@ fn run(
         .max(dim + 1);
     let sig = format!("{mode}:{}:r{rank}:d{dim}", d.tag());
     let f = crate::nvrtc::kernel(dev, &sig, || source(mode, d, rank, dim))?;
-    let flag = dev.alloc(1, DType::I32)?;
-    // SAFETY: a live 4-byte block; the memset is queued before the kernel on the same stream
-    unsafe { result::memset_d8_async(flag.ptr, 0, 4, dev.stream) }
-        .map_err(|e| cu_err("memset", dev.ordinal, e))?;
-    let (mut o, mut i, mut x, mut fl) = (out, idx, data, flag.ptr);
+    let op = if mode == "gather" {
+        "gather"
+    } else {
+        "scatter_add"
+    };
+    let id = match dev.checks.register(op, dim, dim_size) {
+        Some(id) => id,
+        None => {
+            // many launches without a synchronization: settle the ones so far first
+            dev.synchronize()?;
+            dev.checks
+                .register(op, dim, dim_size)
+                .ok_or_else(|| Error::index(op, "index-check table full after a synchronization"))?
+        }
+    };
+    let (mut o, mut i, mut x, mut fl) = (out, idx, data, dev.checks.device_ptr);
     let mut ds = dim_size as i64;
+    let mut launch = id;
     let mut params: Vec<*mut c_void> = vec![
         (&mut o as *mut u64).cast(),
         (&mut i as *mut u64).cast(),
@@ -135,26 +146,10 @@ fn run(
         (g as *mut Geo).cast(),
         (&mut ds as *mut i64).cast(),
         (&mut fl as *mut u64).cast(),
+        (&mut launch as *mut i32).cast(),
     ];
     let (grid, block) = super::grid_for(n, dev.sm_count);
-    dev.launch(f, grid, block, 0, &mut params)?;
-    let mut bad = [0i32];
-    // SAFETY: `bad` is a live host array of one i32; the sync completes the copy before the read
-    unsafe { result::memcpy_dtoh_async(&mut bad[..], flag.ptr, dev.stream) }
-        .map_err(|e| cu_err("copy to host", dev.ordinal, e))?;
-    dev.synchronize()?;
-    if bad[0] != 0 {
-        let op = if mode == "gather" {
-            "gather"
-        } else {
-            "scatter_add"
-        };
-        return Err(Error::index(
-            op,
-            format!("an index is out of range for dim {dim} of size {dim_size}"),
-        ));
-    }
-    Ok(())
+    dev.launch(f, grid, block, 0, &mut params)
 }
 
 fn source(mode: &str, d: DType, rank: usize, dim: usize) -> String {
@@ -162,7 +157,7 @@ fn source(mode: &str, d: DType, rank: usize, dim: usize) -> String {
     let mut s = String::from(PRELUDE);
     let _ = writeln!(
         s,
-        "extern \"C\" __global__ void k({t}* __restrict__ out, const long long* __restrict__ idx, const {t}* __restrict__ data, Geo g, long long dsize, int* bad) {{
+        "extern \"C\" __global__ void k({t}* __restrict__ out, const long long* __restrict__ idx, const {t}* __restrict__ data, Geo g, long long dsize, int* bad, int launch) {{
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < g.n; i += (long long)gridDim.x * blockDim.x) {{
     long long r = i, oi = g.off[0], od = g.off[1], oo = 0;"
     );
@@ -184,7 +179,8 @@ fn source(mode: &str, d: DType, rank: usize, dim: usize) -> String {
         s.push_str(" }\n");
     }
     s.push_str(
-        "    long long j = idx[oi];\n    if (j < 0 || j >= dsize) { *bad = 1; continue; }\n",
+        // the first failing launch since the last synchronization is the one reported
+        "    long long j = idx[oi];\n    if (j < 0 || j >= dsize) { atomicCAS(bad, 0, launch); continue; }\n",
     );
     if mode == "gather" {
         let _ = writeln!(s, "    out[i] = data[od + j * g.st[1][{dim}]];");

@@ -1,1 +1,4 @@
+pub mod conv;
 pub mod harness;
+pub mod matmul;
+pub mod modules;

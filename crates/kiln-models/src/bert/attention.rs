@@ -83,6 +83,14 @@ impl Module for BertSelfAttention {
             ("dropout".into(), &self.dropout),
         ]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("query".into(), &mut self.query as &mut dyn Module),
+            ("key".into(), &mut self.key),
+            ("value".into(), &mut self.value),
+            ("dropout".into(), &mut self.dropout),
+        ]
+    }
 }
 
 /// dense → dropout → LayerNorm(· + residual): the sub-layer epilogue shared by attention and MLP.
@@ -124,6 +132,13 @@ impl Module for BertResidualOutput {
             ("dropout".into(), &self.dropout),
         ]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("dense".into(), &mut self.dense as &mut dyn Module),
+            ("LayerNorm".into(), &mut self.layer_norm),
+            ("dropout".into(), &mut self.dropout),
+        ]
+    }
 }
 
 /// Hugging Face's `BertAttention`: `self` (the heads) and `output` (projection + residual + norm).
@@ -159,6 +174,12 @@ impl Module for BertAttention {
         vec![
             ("self".into(), &self.self_attention as &dyn Module),
             ("output".into(), &self.output),
+        ]
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("self".into(), &mut self.self_attention as &mut dyn Module),
+            ("output".into(), &mut self.output),
         ]
     }
 }

@@ -62,7 +62,10 @@ impl BertEmbeddings {
             ));
         }
         let words = self.word_embeddings.forward(input_ids)?;
-        let positions = Tensor::arange(0.0, seq_len as f64, 1.0, DType::I64)?.unsqueeze(0)?;
+        // made where the ids live, so a model moved to a GPU gathers from a GPU index
+        let positions = Tensor::arange(0.0, seq_len as f64, 1.0, DType::I64)?
+            .to_device(input_ids.device())?
+            .unsqueeze(0)?;
         let mut x = words.add(&self.position_embeddings.forward(&positions)?)?;
         x = match token_type_ids {
             Some(tt) => {
@@ -103,6 +106,21 @@ impl Module for BertEmbeddings {
             ("token_type_embeddings".into(), &self.token_type_embeddings),
             ("LayerNorm".into(), &self.layer_norm),
             ("dropout".into(), &self.dropout),
+        ]
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            (
+                "word_embeddings".into(),
+                &mut self.word_embeddings as &mut dyn Module,
+            ),
+            ("position_embeddings".into(), &mut self.position_embeddings),
+            (
+                "token_type_embeddings".into(),
+                &mut self.token_type_embeddings,
+            ),
+            ("LayerNorm".into(), &mut self.layer_norm),
+            ("dropout".into(), &mut self.dropout),
         ]
     }
 }

@@ -32,6 +32,9 @@ impl Module for BertIntermediate {
     fn children(&self) -> Vec<(String, &dyn Module)> {
         vec![("dense".into(), &self.dense as &dyn Module)]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![("dense".into(), &mut self.dense as &mut dyn Module)]
+    }
 }
 
 pub struct BertLayer {
@@ -73,6 +76,13 @@ impl Module for BertLayer {
             ("output".into(), &self.output),
         ]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("attention".into(), &mut self.attention as &mut dyn Module),
+            ("intermediate".into(), &mut self.intermediate),
+            ("output".into(), &mut self.output),
+        ]
+    }
 }
 
 /// The blocks as a list module, so their names are `0`, `1`, .. under `layer` (PyTorch's
@@ -96,6 +106,13 @@ impl Module for BertLayerList {
             .iter()
             .enumerate()
             .map(|(i, l)| (i.to_string(), l as &dyn Module))
+            .collect()
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .map(|(i, l)| (i.to_string(), l as &mut dyn Module))
             .collect()
     }
 }
@@ -136,5 +153,8 @@ impl Module for BertEncoder {
     }
     fn children(&self) -> Vec<(String, &dyn Module)> {
         vec![("layer".into(), &self.layer as &dyn Module)]
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![("layer".into(), &mut self.layer as &mut dyn Module)]
     }
 }

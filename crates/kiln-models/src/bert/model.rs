@@ -46,6 +46,9 @@ impl Module for BertPooler {
     fn children(&self) -> Vec<(String, &dyn Module)> {
         vec![("dense".into(), &self.dense as &dyn Module)]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![("dense".into(), &mut self.dense as &mut dyn Module)]
+    }
 }
 
 /// What `BertModel::run` returns (Hugging Face's `BaseModelOutputWithPooling`).
@@ -234,6 +237,19 @@ impl Module for BertModel {
             ("encoder".to_string(), &self.encoder),
         ];
         if let Some(p) = &self.pooler {
+            c.push(("pooler".to_string(), p));
+        }
+        c
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let mut c = vec![
+            (
+                "embeddings".to_string(),
+                &mut self.embeddings as &mut dyn Module,
+            ),
+            ("encoder".to_string(), &mut self.encoder),
+        ];
+        if let Some(p) = &mut self.pooler {
             c.push(("pooler".to_string(), p));
         }
         c

@@ -70,6 +70,16 @@ impl Module for DenseLayer {
             ("conv2".into(), &self.conv2),
         ]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("norm1".into(), &mut self.norm1),
+            ("relu1".into(), &mut self.relu1),
+            ("conv1".into(), &mut self.conv1),
+            ("norm2".into(), &mut self.norm2),
+            ("relu2".into(), &mut self.relu2),
+            ("conv2".into(), &mut self.conv2),
+        ]
+    }
 }
 
 /// torchvision's `_DenseBlock`: layers named `denselayer1`, `denselayer2`, ...
@@ -125,6 +135,13 @@ impl Module for DenseBlock {
             .map(|(i, l)| (format!("denselayer{}", i + 1), l as &dyn Module))
             .collect()
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .map(|(i, l)| (format!("denselayer{}", i + 1), l as &mut dyn Module))
+            .collect()
+    }
 }
 
 /// torchvision's `_Transition`: norm → relu → conv1x1 (`num_output_features`) → avgpool 2x2/2.
@@ -169,6 +186,14 @@ impl Module for Transition {
             ("relu".into(), &self.relu),
             ("conv".into(), &self.conv),
             ("pool".into(), &self.pool),
+        ]
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("norm".into(), &mut self.norm),
+            ("relu".into(), &mut self.relu),
+            ("conv".into(), &mut self.conv),
+            ("pool".into(), &mut self.pool),
         ]
     }
 }

@@ -130,6 +130,23 @@ impl Module for DenseNetFeatures {
         c.push(("norm5".into(), &self.norm5));
         c
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let mut c: Vec<(String, &mut dyn Module)> = vec![
+            ("conv0".into(), &mut self.conv0),
+            ("norm0".into(), &mut self.norm0),
+            ("relu0".into(), &mut self.relu0),
+            ("pool0".into(), &mut self.pool0),
+        ];
+        let mut transitions = self.transitions.iter_mut();
+        for (i, block) in self.blocks.iter_mut().enumerate() {
+            c.push((format!("denseblock{}", i + 1), block));
+            if let Some(t) = transitions.next() {
+                c.push((format!("transition{}", i + 1), t));
+            }
+        }
+        c.push(("norm5".into(), &mut self.norm5));
+        c
+    }
 }
 
 pub struct DenseNet {
@@ -223,6 +240,12 @@ impl Module for DenseNet {
         vec![
             ("features".into(), &self.features),
             ("classifier".into(), &self.classifier),
+        ]
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("features".into(), &mut self.features),
+            ("classifier".into(), &mut self.classifier),
         ]
     }
 }

@@ -122,6 +122,19 @@ impl Module for BasicBlock {
         }
         c
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let mut c: Vec<(String, &mut dyn Module)> = vec![
+            ("conv1".into(), &mut self.conv1),
+            ("bn1".into(), &mut self.bn1),
+            ("relu".into(), &mut self.relu),
+            ("conv2".into(), &mut self.conv2),
+            ("bn2".into(), &mut self.bn2),
+        ];
+        if let Some(d) = &mut self.downsample {
+            c.push(("downsample".into(), d));
+        }
+        c
+    }
 }
 
 /// conv1x1 → bn → relu → conv3x3(stride) → bn → relu → conv1x1 (x4 channels) → bn, plus the
@@ -188,6 +201,21 @@ impl Module for Bottleneck {
             ("relu".into(), &self.relu),
         ];
         if let Some(d) = &self.downsample {
+            c.push(("downsample".into(), d));
+        }
+        c
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let mut c: Vec<(String, &mut dyn Module)> = vec![
+            ("conv1".into(), &mut self.conv1),
+            ("bn1".into(), &mut self.bn1),
+            ("conv2".into(), &mut self.conv2),
+            ("bn2".into(), &mut self.bn2),
+            ("conv3".into(), &mut self.conv3),
+            ("bn3".into(), &mut self.bn3),
+            ("relu".into(), &mut self.relu),
+        ];
+        if let Some(d) = &mut self.downsample {
             c.push(("downsample".into(), d));
         }
         c

@@ -121,4 +121,18 @@ impl Module for ResNet {
             ("fc".into(), &self.fc),
         ]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("conv1".into(), &mut self.conv1),
+            ("bn1".into(), &mut self.bn1),
+            ("relu".into(), &mut self.relu),
+            ("maxpool".into(), &mut self.maxpool),
+            ("layer1".into(), &mut self.layer1),
+            ("layer2".into(), &mut self.layer2),
+            ("layer3".into(), &mut self.layer3),
+            ("layer4".into(), &mut self.layer4),
+            ("avgpool".into(), &mut self.avgpool),
+            ("fc".into(), &mut self.fc),
+        ]
+    }
 }

@@ -164,4 +164,19 @@ impl Module for BatchNorm2d {
             );
         }
     }
+    fn visit_own_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        if let (Some(w), Some(b)) = (&mut self.weight, &mut self.bias) {
+            f("weight", w, TensorKind::Parameter);
+            f("bias", b, TensorKind::Parameter);
+        }
+        if let Some(r) = &mut self.running {
+            f("running_mean", &mut r.running_mean, TensorKind::Buffer);
+            f("running_var", &mut r.running_var, TensorKind::Buffer);
+            f(
+                "num_batches_tracked",
+                &mut r.num_batches_tracked,
+                TensorKind::Buffer,
+            );
+        }
+    }
 }

@@ -78,6 +78,13 @@ impl Module for Sequential {
             .map(|(i, m)| (i.to_string(), &**m))
             .collect()
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        self.layers
+            .iter_mut()
+            .enumerate()
+            .map(|(i, m)| (i.to_string(), &mut **m as &mut dyn Module))
+            .collect()
+    }
 }
 
 /// Holds submodules for the parent to call as it likes; it has no forward of its own.
@@ -143,6 +150,13 @@ impl Module for ModuleList {
             .iter()
             .enumerate()
             .map(|(i, m)| (i.to_string(), &**m))
+            .collect()
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        self.modules
+            .iter_mut()
+            .enumerate()
+            .map(|(i, m)| (i.to_string(), &mut **m as &mut dyn Module))
             .collect()
     }
 }

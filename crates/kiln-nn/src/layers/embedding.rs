@@ -58,4 +58,7 @@ impl Module for Embedding {
     fn visit_own(&self, f: &mut dyn FnMut(&str, &Tensor, TensorKind)) {
         f("weight", &self.weight, TensorKind::Parameter);
     }
+    fn visit_own_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        f("weight", &mut self.weight, TensorKind::Parameter);
+    }
 }

@@ -78,4 +78,12 @@ impl Module for LayerNorm {
             f("bias", b, TensorKind::Parameter);
         }
     }
+    fn visit_own_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        if let Some(w) = &mut self.weight {
+            f("weight", w, TensorKind::Parameter);
+        }
+        if let Some(b) = &mut self.bias {
+            f("bias", b, TensorKind::Parameter);
+        }
+    }
 }

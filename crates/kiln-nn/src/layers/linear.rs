@@ -94,4 +94,10 @@ impl Module for Linear {
             f("bias", b, TensorKind::Parameter);
         }
     }
+    fn visit_own_mut(&mut self, f: &mut dyn FnMut(&str, &mut Tensor, TensorKind)) {
+        f("weight", &mut self.weight, TensorKind::Parameter);
+        if let Some(b) = &mut self.bias {
+            f("bias", b, TensorKind::Parameter);
+        }
+    }
 }

@@ -48,4 +48,7 @@ impl Module for DigitsCnn {
     fn children(&self) -> Vec<(String, &dyn Module)> {
         vec![("net".to_string(), &self.net as &dyn Module)]
     }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![("net".to_string(), &mut self.net as &mut dyn Module)]
+    }
 }

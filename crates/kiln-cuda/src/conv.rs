@@ -1,0 +1,725 @@
+//! conv2d and its two gradients (`Conv2dGradInput`, `Conv2dGradWeight`) through cuDNN.
+//!
+//! cuDNN is optional: it is probed at the first convolution (`probe::probe_cudnn`), and when it is
+//! missing, or cannot run a configuration, the prim takes the host path (`fallback.rs`) with one
+//! warning per process. A plan is made once per (kind, shapes, params, dtype, TF32, pointer
+//! alignment) and cached on the device: a graph-API execution plan (`conv_graph.rs`; cheap to run),
+//! or, in benchmark mode and where the graph API has none, the legacy API's descriptors and the
+//! algorithm its heuristics (or timings) rank first among those allowed.
+//!
+//! TF32 follows the matmul switch (`set_allow_tf32`, off by default): with it off, f32
+//! convolutions are restricted to FMA kernels (`CUDNN_FMA_MATH`), as PyTorch's
+//! `torch.backends.cudnn.allow_tf32 = False` does.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
+
+use cudarc::cudnn::{result as dnn, sys as dsys};
+use kiln_core::device::DeviceBuffer;
+use kiln_core::prim::{OutMeta, Prim};
+use kiln_core::{DType, Device, Error, Result, Tensor};
+
+use crate::buffer::CudaBuffer;
+use crate::device::CudaDevice;
+
+static BENCHMARK: AtomicBool = AtomicBool::new(false);
+static GRAPH_PLANS: AtomicUsize = AtomicUsize::new(0);
+static LEGACY_PLANS: AtomicUsize = AtomicUsize::new(0);
+static GRAPH_REFUSAL: Mutex<Option<String>> = Mutex::new(None);
+
+/// Convolution plans made in this process: (graph API, legacy API).
+pub fn cudnn_plan_counts() -> (usize, usize) {
+    (
+        GRAPH_PLANS.load(Ordering::Relaxed),
+        LEGACY_PLANS.load(Ordering::Relaxed),
+    )
+}
+
+/// Why the graph API first gave no plan (the legacy API then ran that convolution), if it did.
+pub fn cudnn_graph_error() -> Option<String> {
+    GRAPH_REFUSAL
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+}
+
+/// `torch.backends.cudnn.benchmark` (off by default, as in PyTorch): choose each convolution's
+/// algorithm by timing the candidates (`cudnnFind*`, the legacy API) the first time its shapes are
+/// seen. Off, plans come from cuDNN's graph API and its heuristics (`conv_graph.rs`), falling back
+/// to the legacy API's heuristics where the graph API has no plan.
+pub fn set_cudnn_benchmark(on: bool) {
+    BENCHMARK.store(on, Ordering::Relaxed);
+}
+pub fn cudnn_benchmark() -> bool {
+    BENCHMARK.load(Ordering::Relaxed)
+}
+
+/// Plans kept per device before the cache is cleared (a model has tens of distinct convolutions).
+const MAX_PLANS: usize = 4096;
+/// Algorithms needing more workspace than this are passed over.
+const MAX_WORKSPACE: usize = 1 << 30;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Kind {
+    Forward,
+    GradInput,
+    GradWeight,
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct PlanKey {
+    kind: Kind,
+    dtype: DType,
+    x: [usize; 4],
+    w: [usize; 4],
+    y: [usize; 4],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    groups: usize,
+    tf32: bool,
+    benchmark: bool,
+    /// Bytes every data pointer is aligned to (a graph plan is made for an alignment).
+    alignment: usize,
+}
+
+#[derive(Clone, Copy)]
+enum Algo {
+    Forward(dsys::cudnnConvolutionFwdAlgo_t),
+    GradInput(dsys::cudnnConvolutionBwdDataAlgo_t),
+    GradWeight(dsys::cudnnConvolutionBwdFilterAlgo_t),
+}
+
+struct TensorDesc(dsys::cudnnTensorDescriptor_t);
+struct FilterDesc(dsys::cudnnFilterDescriptor_t);
+struct ConvDesc(dsys::cudnnConvolutionDescriptor_t);
+
+impl Drop for TensorDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateTensorDescriptor, destroyed once
+        let _ = unsafe { dnn::destroy_tensor_descriptor(self.0) };
+    }
+}
+impl Drop for FilterDesc {
+    fn drop(&mut self) {
+        // SAFETY: as above
+        let _ = unsafe { dnn::destroy_filter_descriptor(self.0) };
+    }
+}
+impl Drop for ConvDesc {
+    fn drop(&mut self) {
+        // SAFETY: as above
+        let _ = unsafe { dnn::destroy_convolution_descriptor(self.0) };
+    }
+}
+
+/// How a cached convolution runs: a graph-API execution plan (the default), or the legacy API's
+/// descriptors and algorithm (benchmark mode, and where the graph API finds no plan).
+enum Engine {
+    Graph(crate::conv_graph::GraphPlan),
+    Legacy(Plan),
+}
+
+impl Engine {
+    fn workspace(&self) -> usize {
+        match self {
+            Engine::Graph(g) => g.workspace,
+            Engine::Legacy(p) => p.workspace,
+        }
+    }
+}
+
+struct Plan {
+    x: TensorDesc,
+    w: FilterDesc,
+    y: TensorDesc,
+    conv: ConvDesc,
+    algo: Algo,
+    workspace: usize,
+}
+
+/// A device's cuDNN handle (bound to its stream) and plan cache.
+pub(crate) struct Dnn {
+    handle: dsys::cudnnHandle_t,
+    plans: HashMap<PlanKey, Engine>,
+}
+
+// SAFETY: used only under the device's mutex; the descriptors are plain host structures
+unsafe impl Send for Dnn {}
+
+type DnnResult<T> = std::result::Result<T, dnn::CudnnError>;
+
+fn data_type(d: DType) -> Option<dsys::cudnnDataType_t> {
+    use dsys::cudnnDataType_t::*;
+    Some(match d {
+        DType::F32 => CUDNN_DATA_FLOAT,
+        DType::F64 => CUDNN_DATA_DOUBLE,
+        DType::F16 => CUDNN_DATA_HALF,
+        DType::BF16 => CUDNN_DATA_BFLOAT16,
+        _ => return None,
+    })
+}
+
+fn dims(s: [usize; 4]) -> Option<[i32; 4]> {
+    let mut out = [0i32; 4];
+    for (o, &v) in out.iter_mut().zip(&s) {
+        *o = i32::try_from(v).ok()?;
+    }
+    Some(out)
+}
+
+fn shape4(s: &[usize]) -> [usize; 4] {
+    let mut out = [0; 4];
+    out.copy_from_slice(&s[..4]);
+    out
+}
+
+/// cuDNN is missing: said once per process.
+fn warn_missing(why: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "kiln-cuda warning: {why}; conv2d and its gradients run through the host instead \
+             (correct but slow; counted by kiln::cuda::host_fallbacks())"
+        )
+    });
+}
+
+/// cuDNN declined a configuration: said once per process (the first one), the rest are counted
+/// by `host_fallbacks()`.
+fn warn_declined(what: &str) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "kiln-cuda warning: cuDNN has no algorithm for {what}; such convolutions run through \
+             the host (counted by kiln::cuda::host_fallbacks())"
+        )
+    });
+}
+
+/// Runs a conv prim through cuDNN. `Ok(None)`: cuDNN cannot take it here (not installed, an
+/// unsupported dtype or size, no algorithm); the caller takes the host path.
+pub(crate) fn run(
+    dev: &Arc<CudaDevice>,
+    prim: &Prim,
+    inputs: &[&Tensor],
+    meta: &OutMeta,
+) -> Result<Option<Arc<dyn DeviceBuffer>>> {
+    if let Err(msg) = crate::probe::probe_cudnn() {
+        warn_missing(&msg);
+        return Ok(None);
+    }
+    let (kind, p) = match prim {
+        Prim::Conv2d(p) => (Kind::Forward, p),
+        Prim::Conv2dGradInput { params, .. } => (Kind::GradInput, params),
+        Prim::Conv2dGradWeight { params, .. } => (Kind::GradWeight, params),
+        _ => return Ok(None),
+    };
+    let dtype = meta.dtype;
+    if data_type(dtype).is_none() || inputs.iter().any(|t| t.rank() != 4) {
+        return Ok(None);
+    }
+    let out_shape = shape4(&meta.shape);
+    // cuDNN's names: x the input, w the filter, y the output of the forward convolution
+    let (x, w, y) = match kind {
+        Kind::Forward => (
+            shape4(inputs[0].shape()),
+            shape4(inputs[1].shape()),
+            out_shape,
+        ),
+        Kind::GradInput => (
+            out_shape,
+            shape4(inputs[1].shape()),
+            shape4(inputs[0].shape()),
+        ),
+        Kind::GradWeight => (
+            shape4(inputs[1].shape()),
+            out_shape,
+            shape4(inputs[0].shape()),
+        ),
+    };
+    let out = dev.alloc(out_shape.iter().product(), dtype)?;
+    if [x, w, y].iter().any(|s| s.contains(&0)) {
+        // an empty operand: the output is empty, or an empty sum (zeros)
+        zero(dev, &out)?;
+        return Ok(Some(Arc::new(out)));
+    }
+    let a = contiguous(dev, inputs[0])?;
+    let b = contiguous(dev, inputs[1])?;
+    let key = PlanKey {
+        kind,
+        dtype,
+        x,
+        w,
+        y,
+        stride: p.stride,
+        padding: p.padding,
+        dilation: p.dilation,
+        groups: p.groups,
+        tf32: crate::matmul::allow_tf32(),
+        benchmark: cudnn_benchmark(),
+        alignment: alignment(&[a.ptr(), b.ptr(), out.ptr]),
+    };
+    let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
+    dev.bind()?;
+    if guard.is_none() {
+        *guard = Some(new_handle(dev)?);
+    }
+    let Some(state) = guard.as_mut() else {
+        return Err(dnn_err(dev, "handle", "missing"));
+    };
+    if !state.plans.contains_key(&key) {
+        let graph = match key.benchmark {
+            true => None,
+            false => match crate::conv_graph::make_plan(state.handle, &graph_spec(&key)) {
+                Ok(Some(g)) => Some(g),
+                refused => {
+                    let mut first = GRAPH_REFUSAL.lock().unwrap_or_else(|e| e.into_inner());
+                    if first.is_none() {
+                        *first = Some(format!(
+                            "{} {dtype} x {x:?} w {w:?}: {}",
+                            prim.name(),
+                            match refused {
+                                Err(e) => format!("{e:?}"),
+                                _ => "no engine config allowed and finalized".into(),
+                            }
+                        ));
+                    }
+                    None
+                }
+            },
+        };
+        let made = match graph {
+            Some(g) => {
+                GRAPH_PLANS.fetch_add(1, Ordering::Relaxed);
+                Ok(Some(Engine::Graph(g)))
+            }
+            None => {
+                LEGACY_PLANS.fetch_add(1, Ordering::Relaxed);
+                make_plan(state.handle, &key).map(|p| p.map(Engine::Legacy))
+            }
+        };
+        match made {
+            Ok(Some(plan)) => {
+                if state.plans.len() >= MAX_PLANS {
+                    state.plans.clear();
+                }
+                state.plans.insert(key.clone(), plan);
+            }
+            Ok(None) | Err(_) => {
+                warn_declined(&format!(
+                    "{} {dtype} x {x:?} w {w:?} (stride {:?}, padding {:?}, dilation {:?}, \
+                     groups {})",
+                    prim.name(),
+                    p.stride,
+                    p.padding,
+                    p.dilation,
+                    p.groups
+                ));
+                return Ok(None);
+            }
+        }
+    }
+    let handle = state.handle;
+    let Some(plan) = state.plans.get(&key) else {
+        return Err(dnn_err(dev, "plan", "missing"));
+    };
+    let ws = match plan.workspace() {
+        0 => None,
+        bytes => Some(dev.alloc(bytes, DType::U8)?),
+    };
+    let ws_ptr = ws
+        .as_ref()
+        .map_or(std::ptr::null_mut(), |b| b.ptr as *mut c_void);
+    let (pa, pb, po) = (
+        a.ptr() as *mut c_void,
+        b.ptr() as *mut c_void,
+        out.ptr as *mut c_void,
+    );
+    let status = match plan {
+        Engine::Graph(g) => {
+            // the graph's x, w, y (as the forward convolution names them)
+            let ptrs = match kind {
+                Kind::Forward => [pa, pb, po],
+                Kind::GradInput => [po, pb, pa],
+                Kind::GradWeight => [pb, po, pa],
+            };
+            g.execute(handle, ptrs, ws_ptr)
+        }
+        Engine::Legacy(plan) => execute_legacy(handle, plan, dtype, [pa, pb, po], ws_ptr),
+    };
+    status.map_err(|e| dnn_err(dev, prim.name(), e))?;
+    Ok(Some(Arc::new(out)))
+}
+
+/// Runs a legacy-API plan: `pa`, `pb` the prim's operands, `po` its output.
+fn execute_legacy(
+    handle: dsys::cudnnHandle_t,
+    plan: &Plan,
+    dtype: DType,
+    [pa, pb, po]: [*mut c_void; 3],
+    ws_ptr: *mut c_void,
+) -> DnnResult<()> {
+    let (one64, zero64, one32, zero32) = (1f64, 0f64, 1f32, 0f32);
+    let (alpha, beta): (*const c_void, *const c_void) = if dtype == DType::F64 {
+        (
+            (&one64 as *const f64).cast(),
+            (&zero64 as *const f64).cast(),
+        )
+    } else {
+        (
+            (&one32 as *const f32).cast(),
+            (&zero32 as *const f32).cast(),
+        )
+    };
+    let (pa, pb) = (pa as *const c_void, pb as *const c_void);
+    let ws = plan.workspace;
+    // SAFETY: the descriptors describe the contiguous buffers passed with them; the workspace
+    // holds `plan.workspace` bytes; everything is queued on the handle's stream (the device's)
+    unsafe {
+        match plan.algo {
+            Algo::Forward(algo) => dnn::convolution_forward(
+                handle,
+                alpha,
+                plan.x.0,
+                pa,
+                plan.w.0,
+                pb,
+                plan.conv.0,
+                algo,
+                ws_ptr,
+                ws,
+                beta,
+                plan.y.0,
+                po,
+            ),
+            Algo::GradInput(algo) => dnn::convolution_backward_data(
+                handle,
+                alpha,
+                plan.w.0,
+                pb,
+                plan.y.0,
+                pa,
+                plan.conv.0,
+                algo,
+                ws_ptr,
+                ws,
+                beta,
+                plan.x.0,
+                po,
+            ),
+            Algo::GradWeight(algo) => dnn::convolution_backward_filter(
+                handle,
+                alpha,
+                plan.x.0,
+                pb,
+                plan.y.0,
+                pa,
+                plan.conv.0,
+                algo,
+                ws_ptr,
+                ws,
+                beta,
+                plan.w.0,
+                po,
+            ),
+        }
+    }
+}
+
+/// The largest power of two up to 16 that divides every address.
+fn alignment(ptrs: &[u64]) -> usize {
+    let mut a = 16u64;
+    while a > 1 && ptrs.iter().any(|p| p % a != 0) {
+        a /= 2;
+    }
+    a as usize
+}
+
+/// A plan key as the graph API takes it.
+fn graph_spec(key: &PlanKey) -> crate::conv_graph::Spec {
+    use crate::conv_graph::Direction;
+    let i = |s: [usize; 4]| s.map(|v| v as i64);
+    let two = |s: [usize; 2]| s.map(|v| v as i64);
+    crate::conv_graph::Spec {
+        direction: match key.kind {
+            Kind::Forward => Direction::Forward,
+            Kind::GradInput => Direction::GradInput,
+            Kind::GradWeight => Direction::GradWeight,
+        },
+        data: data_type(key.dtype).unwrap_or(dsys::cudnnDataType_t::CUDNN_DATA_FLOAT),
+        compute: if key.dtype == DType::F64 {
+            dsys::cudnnDataType_t::CUDNN_DATA_DOUBLE
+        } else {
+            dsys::cudnnDataType_t::CUDNN_DATA_FLOAT
+        },
+        x: i(key.x),
+        w: i(key.w),
+        y: i(key.y),
+        stride: two(key.stride),
+        padding: two(key.padding),
+        dilation: two(key.dilation),
+        alignment: key.alignment as i64,
+        strict_f32: key.dtype == DType::F32 && !key.tf32,
+        max_workspace: MAX_WORKSPACE,
+    }
+}
+
+/// An operand as a packed NCHW buffer: its own memory when it is one, else a copy.
+enum Operand<'a> {
+    Borrowed(&'a CudaBuffer, usize),
+    Copied(CudaBuffer),
+}
+
+impl Operand<'_> {
+    fn ptr(&self) -> u64 {
+        match self {
+            Operand::Borrowed(b, offset) => b.at(*offset),
+            Operand::Copied(b) => b.ptr,
+        }
+    }
+}
+
+fn contiguous<'a>(dev: &Arc<CudaDevice>, t: &'a Tensor) -> Result<Operand<'a>> {
+    let (buf, layout) = crate::runtime::operand("conv2d", t)?;
+    if layout.is_contiguous() {
+        Ok(Operand::Borrowed(buf, layout.offset))
+    } else {
+        Ok(Operand::Copied(crate::kernels::elementwise::copy_strided(
+            dev, buf, layout,
+        )?))
+    }
+}
+
+fn zero(dev: &Arc<CudaDevice>, out: &CudaBuffer) -> Result<()> {
+    let bytes = out.len * out.dtype.size_in_bytes();
+    if bytes == 0 {
+        return Ok(());
+    }
+    dev.bind()?;
+    // SAFETY: `out` holds `bytes` bytes; queued on the device's stream
+    unsafe { cudarc::driver::result::memset_d8_async(out.ptr, 0, bytes, dev.stream) }
+        .map_err(|e| dnn_err(dev, "conv2d", e))
+}
+
+fn dnn_err(dev: &CudaDevice, what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device {
+        op: "conv2d",
+        lhs: Device::Cuda(dev.ordinal),
+        rhs: Device::Cuda(dev.ordinal),
+        msg: format!("cuDNN {what} failed: {e:?}"),
+    }
+}
+
+fn new_handle(dev: &CudaDevice) -> Result<Dnn> {
+    let handle = dnn::create_handle().map_err(|e| dnn_err(dev, "create", e))?;
+    // SAFETY: a live handle; the stream lives for the process
+    unsafe { dnn::set_stream(handle, dev.stream as dsys::cudaStream_t) }
+        .map_err(|e| dnn_err(dev, "set stream", e))?;
+    Ok(Dnn {
+        handle,
+        plans: HashMap::new(),
+    })
+}
+
+fn tensor_desc(dt: dsys::cudnnDataType_t, s: [i32; 4]) -> DnnResult<TensorDesc> {
+    let d = TensorDesc(dnn::create_tensor_descriptor()?);
+    // SAFETY: a live descriptor
+    unsafe {
+        dnn::set_tensor4d_descriptor(d.0, dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW, dt, s)
+    }?;
+    Ok(d)
+}
+
+fn filter_desc(dt: dsys::cudnnDataType_t, s: [i32; 4]) -> DnnResult<FilterDesc> {
+    let d = FilterDesc(dnn::create_filter_descriptor()?);
+    // SAFETY: a live descriptor
+    unsafe {
+        dnn::set_filter4d_descriptor(d.0, dt, dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW, s)
+    }?;
+    Ok(d)
+}
+
+fn conv_desc(key: &PlanKey, math: dsys::cudnnMathType_t) -> DnnResult<ConvDesc> {
+    let i = |v: usize| v as i32; // checked by `make_plan`
+    let compute = if key.dtype == DType::F64 {
+        dsys::cudnnDataType_t::CUDNN_DATA_DOUBLE
+    } else {
+        // half types accumulate in f32, as the CPU kernels and PyTorch do
+        dsys::cudnnDataType_t::CUDNN_DATA_FLOAT
+    };
+    let d = ConvDesc(dnn::create_convolution_descriptor()?);
+    // SAFETY: a live descriptor
+    unsafe {
+        dnn::set_convolution2d_descriptor(
+            d.0,
+            i(key.padding[0]),
+            i(key.padding[1]),
+            i(key.stride[0]),
+            i(key.stride[1]),
+            i(key.dilation[0]),
+            i(key.dilation[1]),
+            dsys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+            compute,
+        )?;
+        dnn::set_convolution_group_count(d.0, i(key.groups))?;
+        dnn::set_convolution_math_type(d.0, math)?;
+    }
+    Ok(d)
+}
+
+/// The math cuDNN may use: f32 without TF32 is held to FMA kernels; half types use tensor cores.
+fn math_type(key: &PlanKey) -> dsys::cudnnMathType_t {
+    use dsys::cudnnMathType_t::*;
+    match key.dtype {
+        DType::F16 | DType::BF16 => CUDNN_TENSOR_OP_MATH,
+        DType::F32 if key.tf32 => CUDNN_DEFAULT_MATH,
+        _ => CUDNN_FMA_MATH,
+    }
+}
+
+fn math_allowed(key: &PlanKey, m: dsys::cudnnMathType_t) -> bool {
+    key.dtype != DType::F32 || key.tf32 || m == dsys::cudnnMathType_t::CUDNN_FMA_MATH
+}
+
+/// Descriptors and the first algorithm that is allowed, reports success and fits the workspace
+/// limit, in the order cuDNN ranks them: by measured time (benchmark mode) or by its heuristics.
+/// `Ok(None)` when there is none.
+fn make_plan(handle: dsys::cudnnHandle_t, key: &PlanKey) -> DnnResult<Option<Plan>> {
+    let (Some(dt), Some(x), Some(w), Some(y)) =
+        (data_type(key.dtype), dims(key.x), dims(key.w), dims(key.y))
+    else {
+        return Ok(None);
+    };
+    let fits = [key.stride, key.padding, key.dilation]
+        .iter()
+        .flatten()
+        .chain([&key.groups])
+        .all(|&v| i32::try_from(v).is_ok());
+    if !fits {
+        return Ok(None);
+    }
+    let math = math_type(key);
+    let (xd, wd, yd, cd) = (
+        tensor_desc(dt, x)?,
+        filter_desc(dt, w)?,
+        tensor_desc(dt, y)?,
+        conv_desc(key, math)?,
+    );
+    const N: usize = 8;
+    let mut count = 0i32;
+    // SAFETY: live handle and descriptors; the result arrays hold N entries (all-zero bytes are a
+    // valid value of each perf struct: algorithm 0, success, math type 0)
+    let chosen: Option<(Algo, dsys::cudnnMathType_t)> = unsafe {
+        match key.kind {
+            Kind::Forward => {
+                let mut perf: [dsys::cudnnConvolutionFwdAlgoPerf_t; N] = std::mem::zeroed();
+                let query = if key.benchmark {
+                    dsys::cudnnFindConvolutionForwardAlgorithm
+                } else {
+                    dsys::cudnnGetConvolutionForwardAlgorithm_v7
+                };
+                query(
+                    handle,
+                    xd.0,
+                    wd.0,
+                    cd.0,
+                    yd.0,
+                    N as i32,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                )
+                .result()?;
+                perf[..count.clamp(0, N as i32) as usize]
+                    .iter()
+                    .find(|r| usable(key, r.status, r.memory, r.mathType))
+                    .map(|r| (Algo::Forward(r.algo), r.mathType))
+            }
+            Kind::GradInput => {
+                let mut perf: [dsys::cudnnConvolutionBwdDataAlgoPerf_t; N] = std::mem::zeroed();
+                let query = if key.benchmark {
+                    dsys::cudnnFindConvolutionBackwardDataAlgorithm
+                } else {
+                    dsys::cudnnGetConvolutionBackwardDataAlgorithm_v7
+                };
+                query(
+                    handle,
+                    wd.0,
+                    yd.0,
+                    cd.0,
+                    xd.0,
+                    N as i32,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                )
+                .result()?;
+                perf[..count.clamp(0, N as i32) as usize]
+                    .iter()
+                    .find(|r| usable(key, r.status, r.memory, r.mathType))
+                    .map(|r| (Algo::GradInput(r.algo), r.mathType))
+            }
+            Kind::GradWeight => {
+                let mut perf: [dsys::cudnnConvolutionBwdFilterAlgoPerf_t; N] = std::mem::zeroed();
+                let query = if key.benchmark {
+                    dsys::cudnnFindConvolutionBackwardFilterAlgorithm
+                } else {
+                    dsys::cudnnGetConvolutionBackwardFilterAlgorithm_v7
+                };
+                query(
+                    handle,
+                    xd.0,
+                    yd.0,
+                    cd.0,
+                    wd.0,
+                    N as i32,
+                    &mut count,
+                    perf.as_mut_ptr(),
+                )
+                .result()?;
+                perf[..count.clamp(0, N as i32) as usize]
+                    .iter()
+                    .find(|r| usable(key, r.status, r.memory, r.mathType))
+                    .map(|r| (Algo::GradWeight(r.algo), r.mathType))
+            }
+        }
+    };
+    let Some((algo, algo_math)) = chosen else {
+        return Ok(None);
+    };
+    // SAFETY: live handle and descriptors
+    let workspace = unsafe {
+        dnn::set_convolution_math_type(cd.0, algo_math)?;
+        match algo {
+            Algo::Forward(a) => {
+                dnn::get_convolution_forward_workspace_size(handle, xd.0, wd.0, cd.0, yd.0, a)?
+            }
+            Algo::GradInput(a) => dnn::get_convolution_backward_data_workspace_size(
+                handle, wd.0, yd.0, cd.0, xd.0, a,
+            )?,
+            Algo::GradWeight(a) => dnn::get_convolution_backward_filter_workspace_size(
+                handle, xd.0, yd.0, cd.0, wd.0, a,
+            )?,
+        }
+    };
+    Ok(Some(Plan {
+        x: xd,
+        w: wd,
+        y: yd,
+        conv: cd,
+        algo,
+        workspace,
+    }))
+}
+
+fn usable(
+    key: &PlanKey,
+    status: dsys::cudnnStatus_t,
+    memory: usize,
+    math: dsys::cudnnMathType_t,
+) -> bool {
+    status == dsys::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+        && memory <= MAX_WORKSPACE
+        && math_allowed(key, math)
+}

@@ -1,0 +1,412 @@
+//! Convolution plans through cuDNN's graph (backend) API: an operation graph of one convolution,
+//! engine configs ranked by cuDNN's heuristics, and the first that finalizes into an execution plan
+//! (and keeps f32 off tensor cores unless TF32 is allowed) kept per shape. Running a finalized
+//! plan costs a few microseconds of host time. cuDNN 9's legacy entry points
+//! (`cudnnConvolutionForward` and the gradients) took about 100 µs of host time per call on the
+//! H100 machine with the device idle, which made an eager ResNet-18 host-bound (BENCHMARKS.md).
+
+use std::ffi::c_void;
+
+use cudarc::cudnn::{result::CudnnError, sys as dsys};
+use dsys::cudnnBackendAttributeName_t as A;
+use dsys::cudnnBackendAttributeType_t as T;
+use dsys::cudnnBackendDescriptorType_t as D;
+
+type DnnResult<X> = std::result::Result<X, CudnnError>;
+
+/// Which convolution the graph computes; the tensors are named as for the forward one.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Direction {
+    Forward,
+    GradInput,
+    GradWeight,
+}
+
+/// The unique ids of x, w and y in every graph (the variant pack's order).
+const IDS: [i64; 3] = [1, 2, 3];
+
+/// A backend descriptor, destroyed on drop.
+struct Desc(dsys::cudnnBackendDescriptor_t);
+
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnBackendCreateDescriptor, destroyed once
+        let _ = unsafe { dsys::cudnnBackendDestroyDescriptor(self.0) };
+    }
+}
+
+impl Desc {
+    fn new(kind: D) -> DnnResult<Desc> {
+        let mut d: dsys::cudnnBackendDescriptor_t = std::ptr::null_mut();
+        // SAFETY: `d` receives a new descriptor
+        unsafe { dsys::cudnnBackendCreateDescriptor(kind, &mut d) }.result()?;
+        Ok(Desc(d))
+    }
+    fn set<V>(&self, name: A, ty: T, values: &[V]) -> DnnResult<()> {
+        // SAFETY: `values` holds `len` elements of the C type `ty` names (the callers pair them)
+        unsafe {
+            dsys::cudnnBackendSetAttribute(
+                self.0,
+                name,
+                ty,
+                values.len() as i64,
+                values.as_ptr().cast(),
+            )
+        }
+        .result()
+    }
+    fn finalize(self) -> DnnResult<Desc> {
+        // SAFETY: a live descriptor
+        unsafe { dsys::cudnnBackendFinalize(self.0) }.result()?;
+        Ok(self)
+    }
+}
+
+/// A finalized plan and the descriptors it was made from (kept alive with it).
+pub(crate) struct GraphPlan {
+    plan: Desc,
+    pub(crate) workspace: usize,
+    _parts: Vec<Desc>,
+}
+
+// SAFETY: descriptors are host structures used under the device's mutex
+unsafe impl Send for GraphPlan {}
+
+/// What a plan is made for.
+pub(crate) struct Spec {
+    pub direction: Direction,
+    pub data: dsys::cudnnDataType_t,
+    pub compute: dsys::cudnnDataType_t,
+    pub x: [i64; 4],
+    pub w: [i64; 4],
+    pub y: [i64; 4],
+    pub stride: [i64; 2],
+    pub padding: [i64; 2],
+    pub dilation: [i64; 2],
+    /// Bytes every data pointer is aligned to.
+    pub alignment: i64,
+    /// f32 data held to FMA kernels (no TF32, no down-conversion).
+    pub strict_f32: bool,
+    pub max_workspace: usize,
+}
+
+fn packed_strides(s: [i64; 4]) -> [i64; 4] {
+    [s[1] * s[2] * s[3], s[2] * s[3], s[3], 1]
+}
+
+fn tensor(spec: &Spec, dims: [i64; 4], id: i64) -> DnnResult<Desc> {
+    let t = Desc::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
+    t.set(
+        A::CUDNN_ATTR_TENSOR_DATA_TYPE,
+        T::CUDNN_TYPE_DATA_TYPE,
+        &[spec.data],
+    )?;
+    t.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, T::CUDNN_TYPE_INT64, &dims)?;
+    t.set(
+        A::CUDNN_ATTR_TENSOR_STRIDES,
+        T::CUDNN_TYPE_INT64,
+        &packed_strides(dims),
+    )?;
+    t.set(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, T::CUDNN_TYPE_INT64, &[id])?;
+    t.set(
+        A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT,
+        T::CUDNN_TYPE_INT64,
+        &[spec.alignment],
+    )?;
+    t.finalize()
+}
+
+fn convolution(spec: &Spec) -> DnnResult<Desc> {
+    let c = Desc::new(D::CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR)?;
+    c.set(
+        A::CUDNN_ATTR_CONVOLUTION_COMP_TYPE,
+        T::CUDNN_TYPE_DATA_TYPE,
+        &[spec.compute],
+    )?;
+    c.set(
+        A::CUDNN_ATTR_CONVOLUTION_CONV_MODE,
+        T::CUDNN_TYPE_CONVOLUTION_MODE,
+        &[dsys::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION],
+    )?;
+    c.set(
+        A::CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS,
+        T::CUDNN_TYPE_INT64,
+        &[2i64],
+    )?;
+    c.set(
+        A::CUDNN_ATTR_CONVOLUTION_DILATIONS,
+        T::CUDNN_TYPE_INT64,
+        &spec.dilation,
+    )?;
+    c.set(
+        A::CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES,
+        T::CUDNN_TYPE_INT64,
+        &spec.stride,
+    )?;
+    c.set(
+        A::CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS,
+        T::CUDNN_TYPE_INT64,
+        &spec.padding,
+    )?;
+    c.set(
+        A::CUDNN_ATTR_CONVOLUTION_POST_PADDINGS,
+        T::CUDNN_TYPE_INT64,
+        &spec.padding,
+    )?;
+    c.finalize()
+}
+
+fn operation(spec: &Spec, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> DnnResult<Desc> {
+    let (kind, [ax, aw, ay, ac, aa, ab]) = match spec.direction {
+        Direction::Forward => (
+            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
+            [
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA,
+            ],
+        ),
+        Direction::GradInput => (
+            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
+            [
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA,
+            ],
+        ),
+        Direction::GradWeight => (
+            D::CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
+            [
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+                A::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA,
+            ],
+        ),
+    };
+    let op = Desc::new(kind)?;
+    let bd = T::CUDNN_TYPE_BACKEND_DESCRIPTOR;
+    op.set(ax, bd, &[x.0])?;
+    op.set(aw, bd, &[w.0])?;
+    op.set(ay, bd, &[y.0])?;
+    op.set(ac, bd, &[conv.0])?;
+    if spec.compute == dsys::cudnnDataType_t::CUDNN_DATA_DOUBLE {
+        op.set(aa, T::CUDNN_TYPE_DOUBLE, &[1f64])?;
+        op.set(ab, T::CUDNN_TYPE_DOUBLE, &[0f64])?;
+    } else {
+        op.set(aa, T::CUDNN_TYPE_FLOAT, &[1f32])?;
+        op.set(ab, T::CUDNN_TYPE_FLOAT, &[0f32])?;
+    }
+    op.finalize()
+}
+
+/// Whether an engine config's numerical notes allow it under `spec` (for f32 held to FMA math: no
+/// tensor cores, no down-converted inputs, no reduced-precision reduction).
+fn allowed(spec: &Spec, cfg: &Desc) -> DnnResult<bool> {
+    if !spec.strict_f32 {
+        return Ok(true);
+    }
+    let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
+    let mut n = 0i64;
+    let mut handle = engine.0;
+    // SAFETY: one pre-created engine descriptor receives the config's engine
+    unsafe {
+        dsys::cudnnBackendGetAttribute(
+            cfg.0,
+            A::CUDNN_ATTR_ENGINECFG_ENGINE,
+            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+            1,
+            &mut n,
+            (&mut handle as *mut dsys::cudnnBackendDescriptor_t).cast::<c_void>(),
+        )
+    }
+    .result()?;
+    // read as u32: a note this binding does not know stays a number, not an invalid enum
+    let mut notes = [0u32; 32];
+    let mut count = 0i64;
+    // SAFETY: `notes` holds 32 enum-sized slots
+    unsafe {
+        dsys::cudnnBackendGetAttribute(
+            engine.0,
+            A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
+            T::CUDNN_TYPE_NUMERICAL_NOTE,
+            notes.len() as i64,
+            &mut count,
+            notes.as_mut_ptr().cast(),
+        )
+    }
+    .result()?;
+    use dsys::cudnnBackendNumericalNote_t::*;
+    let banned = [
+        CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32,
+        CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS as u32,
+        CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
+    ];
+    let count = count.clamp(0, notes.len() as i64) as usize;
+    Ok(!notes[..count].iter().any(|n| banned.contains(n)))
+}
+
+/// Engine configs for `graph` from the heuristics of `mode`, best first.
+fn configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> DnnResult<Vec<Desc>> {
+    let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
+    heur.set(
+        A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH,
+        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        &[graph.0],
+    )?;
+    heur.set(
+        A::CUDNN_ATTR_ENGINEHEUR_MODE,
+        T::CUDNN_TYPE_HEUR_MODE,
+        &[mode],
+    )?;
+    let heur = heur.finalize()?;
+    let mut count = 0i64;
+    // SAFETY: a count query (no elements requested)
+    unsafe {
+        dsys::cudnnBackendGetAttribute(
+            heur.0,
+            A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+            0,
+            &mut count,
+            std::ptr::null_mut(),
+        )
+    }
+    .result()?;
+    let count = count.clamp(0, 64) as usize;
+    let cfgs: Vec<Desc> = (0..count)
+        .map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
+        .collect::<DnnResult<_>>()?;
+    let mut raw: Vec<dsys::cudnnBackendDescriptor_t> = cfgs.iter().map(|d| d.0).collect();
+    let mut got = 0i64;
+    // SAFETY: `raw` holds `count` pre-created engine-config descriptors
+    unsafe {
+        dsys::cudnnBackendGetAttribute(
+            heur.0,
+            A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+            count as i64,
+            &mut got,
+            raw.as_mut_ptr().cast(),
+        )
+    }
+    .result()?;
+    let mut cfgs = cfgs;
+    cfgs.truncate(got.clamp(0, count as i64) as usize);
+    Ok(cfgs)
+}
+
+/// The plan for `spec`, or `Ok(None)` when no engine config is allowed and finalizes.
+pub(crate) fn make_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<GraphPlan>> {
+    let x = tensor(spec, spec.x, IDS[0])?;
+    let w = tensor(spec, spec.w, IDS[1])?;
+    let y = tensor(spec, spec.y, IDS[2])?;
+    let conv = convolution(spec)?;
+    let op = operation(spec, &x, &w, &y, &conv)?;
+    let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
+    graph.set(
+        A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
+        T::CUDNN_TYPE_HANDLE,
+        &[handle],
+    )?;
+    graph.set(
+        A::CUDNN_ATTR_OPERATIONGRAPH_OPS,
+        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        &[op.0],
+    )?;
+    let graph = graph.finalize()?;
+    use dsys::cudnnBackendHeurMode_t::*;
+    for mode in [CUDNN_HEUR_MODE_INSTANT, CUDNN_HEUR_MODE_FALLBACK] {
+        let Ok(cfgs) = configs(&graph, mode) else {
+            continue;
+        };
+        for cfg in cfgs {
+            if !allowed(spec, &cfg).unwrap_or(false) {
+                continue;
+            }
+            let Ok(plan) = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR) else {
+                continue;
+            };
+            let made = plan
+                .set(
+                    A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+                    T::CUDNN_TYPE_HANDLE,
+                    &[handle],
+                )
+                .and_then(|_| {
+                    plan.set(
+                        A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG,
+                        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                        &[cfg.0],
+                    )
+                })
+                .and_then(|_| plan.finalize());
+            let Ok(plan) = made else {
+                continue;
+            };
+            let mut ws = 0i64;
+            let mut n = 0i64;
+            // SAFETY: one int64 out of a finalized plan
+            let sized = unsafe {
+                dsys::cudnnBackendGetAttribute(
+                    plan.0,
+                    A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                    T::CUDNN_TYPE_INT64,
+                    1,
+                    &mut n,
+                    (&mut ws as *mut i64).cast(),
+                )
+            }
+            .result();
+            if sized.is_err() || ws < 0 || ws as usize > spec.max_workspace {
+                continue;
+            }
+            return Ok(Some(GraphPlan {
+                plan,
+                workspace: ws as usize,
+                _parts: vec![cfg, graph, op, conv, y, w, x],
+            }));
+        }
+    }
+    Ok(None)
+}
+
+impl GraphPlan {
+    /// Queues the convolution on the handle's stream: `ptrs` are x, w, y (as the forward
+    /// convolution names them), `workspace` holds `self.workspace` bytes.
+    pub(crate) fn execute(
+        &self,
+        handle: dsys::cudnnHandle_t,
+        ptrs: [*mut c_void; 3],
+        workspace: *mut c_void,
+    ) -> DnnResult<()> {
+        let pack = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
+            T::CUDNN_TYPE_INT64,
+            &IDS,
+        )?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+            T::CUDNN_TYPE_VOID_PTR,
+            &ptrs,
+        )?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
+            T::CUDNN_TYPE_VOID_PTR,
+            &[workspace],
+        )?;
+        let pack = pack.finalize()?;
+        // SAFETY: a finalized plan and variant pack whose pointers address live buffers of the
+        // plan's shapes
+        unsafe { dsys::cudnnBackendExecute(handle, self.plan.0, pack.0) }.result()
+    }
+}

@@ -1,0 +1,380 @@
+//! `act(a @ b + bias)` in one cuBLASLt call: the bias, ReLU and GELU epilogues a compiler fuses
+//! into a matmul instead of running them as separate kernels. A building block for compiled GPU
+//! graphs, so it records no autograd (the compiler differentiates the prims it replaces).
+//!
+//! Row-major `D = A B` is column-major `Dᵀ = Bᵀ Aᵀ`, so cuBLASLt's first operand is `b`, and the bias
+//! (one value per column of D) is per row of cuBLASLt's Dᵀ, which is the vector it broadcasts.
+//! cuBLASLt's GELU is the tanh approximation (PyTorch's `gelu(approximate='tanh')`), hence the
+//! variant's name. TF32 follows `set_allow_tf32`, as cuBLAS matmul does.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublaslt::{result as lt, sys as ltsys};
+use kiln_core::shape::Layout;
+use kiln_core::{DType, Device, Error, Result, Tensor};
+
+use crate::buffer::CudaBuffer;
+use crate::device::CudaDevice;
+
+/// What cuBLASLt applies to `a @ b` before writing it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// `a @ b`
+    None,
+    /// `a @ b + bias`
+    Bias,
+    /// `relu(a @ b)`
+    Relu,
+    /// `relu(a @ b + bias)`
+    BiasRelu,
+    /// `gelu_tanh(a @ b)`
+    GeluTanh,
+    /// `gelu_tanh(a @ b + bias)`
+    BiasGeluTanh,
+}
+
+impl Epilogue {
+    fn has_bias(self) -> bool {
+        matches!(
+            self,
+            Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGeluTanh
+        )
+    }
+    fn lt(self) -> ltsys::cublasLtEpilogue_t {
+        use ltsys::cublasLtEpilogue_t::*;
+        match self {
+            Epilogue::None => CUBLASLT_EPILOGUE_DEFAULT,
+            Epilogue::Bias => CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::Relu => CUBLASLT_EPILOGUE_RELU,
+            Epilogue::BiasRelu => CUBLASLT_EPILOGUE_RELU_BIAS,
+            Epilogue::GeluTanh => CUBLASLT_EPILOGUE_GELU,
+            Epilogue::BiasGeluTanh => CUBLASLT_EPILOGUE_GELU_BIAS,
+        }
+    }
+}
+
+/// A device's cuBLASLt handle.
+pub(crate) struct LtHandle(ltsys::cublasLtHandle_t);
+// SAFETY: used only under the device's mutex
+unsafe impl Send for LtHandle {}
+
+/// Workspace offered to cuBLASLt's heuristics (cuBLAS's own default on Hopper is 32 MiB).
+const WORKSPACE: usize = 32 << 20;
+
+const OP: &str = "matmul_epilogue";
+
+fn lt_err(dev: usize, what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device {
+        op: OP,
+        lhs: Device::Cuda(dev),
+        rhs: Device::Cuda(dev),
+        msg: format!("cuBLASLt {what} failed: {e:?}"),
+    }
+}
+
+/// `epilogue(a @ b [+ bias])`: `a` [M, K], `b` [K, N], `bias` [N], all on one CUDA device, one
+/// dtype of f32, f16 or bf16. Returns a new [M, N] tensor on that device.
+pub fn matmul_epilogue(
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    epilogue: Epilogue,
+) -> Result<Tensor> {
+    check(a, b, bias, epilogue)?;
+    let dev = CudaDevice::get(crate::runtime::ordinal(OP, a.device())?)?;
+    let (m, k, n) = (a.shape()[0], a.shape()[1], b.shape()[1]);
+    let dtype = a.dtype();
+    if k == 0 {
+        return Err(Error::unsupported(
+            OP,
+            format!(
+                "an empty inner dimension (a {:?} @ b {:?})",
+                a.shape(),
+                b.shape()
+            ),
+        ));
+    }
+    let out = dev.alloc(m * n, dtype)?;
+    if m * n > 0 {
+        let (ab, al) = crate::runtime::operand(OP, a)?;
+        let (bb, bl) = crate::runtime::operand(OP, b)?;
+        let bias = bias.map(|t| crate::runtime::operand(OP, t)).transpose()?;
+        run(&dev, (ab, al), (bb, bl), bias, epilogue, &out, [m, k, n])?;
+    }
+    Ok(Tensor::from_device_buffer(
+        Arc::new(out),
+        Layout::contiguous(&[m, n]),
+    ))
+}
+
+fn check(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, epilogue: Epilogue) -> Result<()> {
+    let mut all = vec![a, b];
+    all.extend(bias);
+    for t in &all {
+        if !matches!(t.device(), Device::Cuda(_)) || t.device() != a.device() {
+            return Err(Error::Device {
+                op: OP,
+                lhs: a.device(),
+                rhs: t.device(),
+                msg: format!(
+                    "operands must be on one CUDA device: a {:?} on {}, b {:?} on {}",
+                    a.shape(),
+                    a.device(),
+                    b.shape(),
+                    b.device()
+                ),
+            });
+        }
+        if t.dtype() != a.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                lhs: a.dtype(),
+                rhs: t.dtype(),
+            });
+        }
+    }
+    if !matches!(a.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(Error::dtype(
+            OP,
+            a.dtype(),
+            "cuBLASLt epilogues take f32, f16 or bf16",
+        ));
+    }
+    if a.rank() != 2 || b.rank() != 2 || a.shape()[1] != b.shape()[0] {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "a {:?} @ b {:?}: expected [M, K] @ [K, N]",
+                a.shape(),
+                b.shape()
+            ),
+        ));
+    }
+    let n = b.shape()[1];
+    match (bias, epilogue.has_bias()) {
+        (Some(t), true) if t.shape() != [n] => Err(Error::shape(
+            OP,
+            format!(
+                "bias {:?} for an output of {n} columns: expected [{n}]",
+                t.shape()
+            ),
+        )),
+        (None, true) => Err(Error::arg(OP, format!("{epilogue:?} needs a bias"))),
+        (Some(_), false) => Err(Error::arg(
+            OP,
+            format!("{epilogue:?} takes no bias (use a Bias variant)"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// How cuBLASLt reads one operand: pointer, stored rows x cols (column-major), leading dimension,
+/// transposed?; a copy when the view is neither row-major nor transposed.
+struct Operand {
+    ptr: u64,
+    rows: u64,
+    cols: u64,
+    ld: i64,
+    trans: bool,
+    _keep: Option<CudaBuffer>,
+}
+
+/// A row-major [r, c] view, as cuBLASLt's column-major operand of its transpose [c, r].
+fn operand(dev: &Arc<CudaDevice>, buf: &CudaBuffer, l: &Layout) -> Result<Operand> {
+    let (r, c) = (l.shape[0], l.shape[1]);
+    let st = &l.strides;
+    if (c == 1 || st[1] == 1) && (r == 1 || st[0] == c) {
+        // row-major [r, c] = column-major [c, r], ld c
+        return Ok(Operand {
+            ptr: buf.at(l.offset),
+            rows: c as u64,
+            cols: r as u64,
+            ld: c.max(1) as i64,
+            trans: false,
+            _keep: None,
+        });
+    }
+    if (r == 1 || st[0] == 1) && (c == 1 || st[1] == r) {
+        // the transpose of a row-major [c, r]: column-major [r, c], read transposed
+        return Ok(Operand {
+            ptr: buf.at(l.offset),
+            rows: r as u64,
+            cols: c as u64,
+            ld: r.max(1) as i64,
+            trans: true,
+            _keep: None,
+        });
+    }
+    let copy = crate::kernels::elementwise::copy_strided(dev, buf, l)?;
+    Ok(Operand {
+        ptr: copy.ptr,
+        rows: c as u64,
+        cols: r as u64,
+        ld: c.max(1) as i64,
+        trans: false,
+        _keep: Some(copy),
+    })
+}
+
+/// Descriptors destroyed on every path out of `run`.
+struct Descs {
+    matmul: ltsys::cublasLtMatmulDesc_t,
+    layouts: Vec<ltsys::cublasLtMatrixLayout_t>,
+    pref: ltsys::cublasLtMatmulPreference_t,
+}
+
+impl Drop for Descs {
+    fn drop(&mut self) {
+        // SAFETY: each was created once below and is destroyed once here
+        unsafe {
+            if !self.pref.is_null() {
+                let _ = lt::destroy_matmul_pref(self.pref);
+            }
+            for &l in &self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            if !self.matmul.is_null() {
+                let _ = lt::destroy_matmul_desc(self.matmul);
+            }
+        }
+    }
+}
+
+fn set_desc<T>(
+    d: ltsys::cublasLtMatmulDesc_t,
+    attr: ltsys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> std::result::Result<(), lt::CublasError> {
+    // SAFETY: `v` is a live value of the attribute's type and size
+    unsafe {
+        lt::set_matmul_desc_attribute(d, attr, (v as *const T).cast(), std::mem::size_of::<T>())
+    }
+}
+
+fn run(
+    dev: &Arc<CudaDevice>,
+    (a, la): (&CudaBuffer, &Layout),
+    (b, lb): (&CudaBuffer, &Layout),
+    bias: Option<(&CudaBuffer, &Layout)>,
+    epilogue: Epilogue,
+    out: &CudaBuffer,
+    [m, k, n]: [usize; 3],
+) -> Result<()> {
+    let o = dev.ordinal;
+    let e = |what: &'static str| move |x| lt_err(o, what, x);
+    let data = match out.dtype {
+        DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
+        DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
+        _ => ltsys::cudaDataType::CUDA_R_16BF,
+    };
+    let compute = if out.dtype == DType::F32 && crate::matmul::allow_tf32() {
+        ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+    } else {
+        ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F
+    };
+    // cuBLASLt's A is `b` (Bᵀ, [n, k]) and its B is `a` (Aᵀ, [k, m])
+    let first = operand(dev, b, lb)?;
+    let second = operand(dev, a, la)?;
+    let bias_copy;
+    let bias_ptr = match bias {
+        Some((buf, l)) if l.shape[0] <= 1 || l.strides[0] == 1 => buf.at(l.offset),
+        Some((buf, l)) => {
+            bias_copy = crate::kernels::elementwise::copy_strided(dev, buf, l)?;
+            bias_copy.ptr
+        }
+        None => 0,
+    };
+    dev.bind()?;
+    let mut guard = dev.cublaslt.lock().unwrap_or_else(|x| x.into_inner());
+    if guard.is_none() {
+        *guard = Some(LtHandle(lt::create_handle().map_err(e("create"))?));
+    }
+    let Some(handle) = guard.as_ref().map(|h| h.0) else {
+        return Err(lt_err(o, "handle", "missing"));
+    };
+    let mut d = Descs {
+        matmul: std::ptr::null_mut(),
+        layouts: Vec::new(),
+        pref: std::ptr::null_mut(),
+    };
+    d.matmul =
+        lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
+    let op = |t: bool| {
+        if t {
+            cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    use ltsys::cublasLtMatmulDescAttributes_t::*;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(first.trans)).map_err(e("transa"))?;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(second.trans)).map_err(e("transb"))?;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue.lt()).map_err(e("epilogue"))?;
+    if epilogue.has_bias() {
+        set_desc(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr).map_err(e("bias"))?;
+    }
+    for (rows, cols, ld) in [
+        (first.rows, first.cols, first.ld),
+        (second.rows, second.cols, second.ld),
+        (n as u64, m as u64, n.max(1) as i64),
+    ] {
+        d.layouts
+            .push(lt::create_matrix_layout(data, rows, cols, ld).map_err(e("layout"))?);
+    }
+    let (la_, lb_, lc_) = (d.layouts[0], d.layouts[1], d.layouts[2]);
+    d.pref = lt::create_matmul_pref().map_err(e("preference"))?;
+    let ws_limit = WORKSPACE as u64;
+    // SAFETY: a live preference; the value is a u64 as the attribute requires
+    unsafe {
+        lt::set_matmul_pref_attribute(
+            d.pref,
+            ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            (&ws_limit as *const u64).cast(),
+            std::mem::size_of::<u64>(),
+        )
+    }
+    .map_err(e("preference"))?;
+    // SAFETY: live handle and descriptors
+    let heuristic =
+        unsafe { lt::get_matmul_algo_heuristic(handle, d.matmul, la_, lb_, lc_, lc_, d.pref) }
+            .map_err(|x| {
+                lt_err(
+                    o,
+                    "heuristic",
+                    format!(
+                        "{x:?} for {epilogue:?} [{m}, {k}] @ [{k}, {n}] {}",
+                        out.dtype
+                    ),
+                )
+            })?;
+    let ws = match heuristic.workspaceSize {
+        0 => None,
+        bytes => Some(dev.alloc(bytes, DType::U8)?),
+    };
+    let (one, zero) = (1f32, 0f32);
+    // SAFETY: the pointers address live buffers of the sizes the layouts describe; beta is 0, so
+    // C (given as D) is not read; queued on the device's stream
+    unsafe {
+        lt::matmul(
+            handle,
+            d.matmul,
+            (&one as *const f32).cast(),
+            (&zero as *const f32).cast(),
+            first.ptr as *const c_void,
+            la_,
+            second.ptr as *const c_void,
+            lb_,
+            out.ptr as *const c_void,
+            lc_,
+            out.ptr as *mut c_void,
+            lc_,
+            &heuristic.algo,
+            ws.as_ref()
+                .map_or(std::ptr::null_mut(), |w| w.ptr as *mut c_void),
+            heuristic.workspaceSize,
+            dev.stream as ltsys::cudaStream_t,
+        )
+    }
+    .map_err(e("matmul"))
+}

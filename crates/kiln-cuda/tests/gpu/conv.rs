@@ -1,0 +1,130 @@
+//! conv2d forward and both gradients on the GPU (cuDNN) against the CPU in f64: stride, padding,
+//! dilation, groups (depthwise too), batch 1, 1x1 downsampling, non-contiguous operands, half
+//! types, and the TF32 switch.
+
+use kiln_core::{DType, Result, Tensor};
+
+use super::harness::{check_fwd, check_grad, input, Rng};
+
+type Outcome = std::result::Result<(), String>;
+
+/// [n, c, h, w], [o, c/groups, kh, kw], stride, padding, dilation, groups.
+type Case = (
+    [usize; 4],
+    [usize; 4],
+    [usize; 2],
+    [usize; 2],
+    [usize; 2],
+    usize,
+);
+
+const CASES: &[Case] = &[
+    ([1, 3, 8, 8], [4, 3, 3, 3], [1, 1], [1, 1], [1, 1], 1), // batch 1
+    ([2, 4, 9, 7], [6, 4, 3, 2], [2, 1], [0, 1], [1, 1], 1), // stride, non-square kernel
+    ([2, 3, 11, 10], [5, 3, 3, 3], [1, 1], [2, 2], [2, 2], 1), // dilation
+    ([2, 4, 7, 7], [6, 2, 3, 3], [1, 1], [1, 1], [1, 1], 2), // groups
+    ([2, 4, 6, 6], [4, 1, 3, 3], [2, 2], [1, 1], [1, 1], 4), // depthwise, stride 2
+    ([2, 8, 8, 8], [16, 8, 1, 1], [2, 2], [0, 0], [1, 1], 1), // ResNet's 1x1 downsample
+    ([3, 3, 15, 15], [8, 3, 7, 7], [2, 2], [3, 3], [1, 1], 1), // ResNet's stem (small)
+    ([1, 2, 5, 6], [3, 2, 5, 6], [1, 1], [0, 0], [1, 1], 1), // kernel = input: 1x1 output
+];
+
+fn conv(t: &[Tensor], c: &Case) -> Result<Tensor> {
+    let (_, _, stride, padding, dilation, groups) = *c;
+    t[0].conv2d(&t[1], None, stride, padding, dilation, groups)
+}
+
+fn conv_fallbacks() -> u64 {
+    kiln_cuda::host_fallbacks()
+        .iter()
+        .filter(|(name, _)| name.starts_with("conv2d"))
+        .map(|(_, n)| n)
+        .sum()
+}
+
+/// Forward, grad input and grad weight of every case, f32 on cuDNN (FMA math) vs f64 on the CPU,
+/// with no host fallback taken.
+pub fn cudnn_forward_and_backward() -> Outcome {
+    let e = |x: kiln_core::Error| x.to_string();
+    let before = conv_fallbacks();
+    for (i, c) in CASES.iter().enumerate() {
+        let mut rng = Rng::new(2000 + i as u64);
+        let strided = i % 2 == 1;
+        let x = input(&mut rng, &c.0, -1.0, 1.0, strided).map_err(e)?;
+        let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
+        check_grad(&format!("conv2d case {i} {c:?}"), &[x, w], 1e-5, |t| {
+            conv(t, c)
+        })?;
+    }
+    let after = conv_fallbacks();
+    if after != before {
+        return Err(format!(
+            "{} convolutions took the host path (is cuDNN missing?): {:?}",
+            after - before,
+            kiln_cuda::host_fallbacks()
+        ));
+    }
+    // the default path is the graph API (cheap per call); the legacy API only in benchmark mode
+    let (graph, _) = kiln_cuda::cudnn_plan_counts();
+    if !kiln_cuda::cudnn_benchmark() && graph == 0 {
+        return Err(format!(
+            "no convolution ran on a graph-API plan: {:?}",
+            kiln_cuda::cudnn_graph_error()
+        ));
+    }
+    Ok(())
+}
+
+/// conv2d with bias through the layer, batch 1, as a model runs it.
+pub fn cudnn_bias_and_layer() -> Outcome {
+    let e = |x: kiln_core::Error| x.to_string();
+    let mut rng = Rng::new(2100);
+    let x = input(&mut rng, &[1, 3, 10, 9], -1.0, 1.0, false).map_err(e)?;
+    let w = input(&mut rng, &[5, 3, 3, 3], -0.5, 0.5, false).map_err(e)?;
+    let b = input(&mut rng, &[5], -0.5, 0.5, false).map_err(e)?;
+    check_grad("conv2d with bias", &[x, w, b], 1e-5, |t| {
+        t[0].conv2d(&t[1], Some(&t[2]), [2, 1], [1, 1], [1, 1], 1)
+    })
+}
+
+/// f16 and bf16 convolutions (tensor cores, f32 accumulation) within their precision; the CPU
+/// reference computes from the same rounded inputs.
+pub fn cudnn_half_types() -> Outcome {
+    let e = |x: kiln_core::Error| x.to_string();
+    for (dtype, tol) in [(DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+        for (i, c) in CASES.iter().enumerate().take(5) {
+            let mut rng = Rng::new(2200 + i as u64);
+            let x = input(&mut rng, &c.0, -1.0, 1.0, false).map_err(e)?;
+            let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
+            let (x, w) = (x.to_dtype(dtype).map_err(e)?, w.to_dtype(dtype).map_err(e)?);
+            check_fwd(&format!("conv2d {dtype} case {i}"), &[x, w], tol, |t| {
+                let t: Vec<Tensor> = t.iter().map(|v| v.to_dtype(dtype)).collect::<Result<_>>()?;
+                conv(&t, c)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// With TF32 allowed, f32 convolutions stay within TF32's precision; the switch goes back off.
+pub fn cudnn_tf32_switch() -> Outcome {
+    let e = |x: kiln_core::Error| x.to_string();
+    let mut rng = Rng::new(2300);
+    let c = &CASES[6];
+    let x = input(&mut rng, &c.0, -1.0, 1.0, false).map_err(e)?;
+    let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
+    kiln_cuda::set_allow_tf32(true);
+    let r = check_fwd("conv2d tf32", &[x.clone(), w.clone()], 5e-3, |t| conv(t, c));
+    kiln_cuda::set_allow_tf32(false);
+    r?;
+    // and off again: full f32 precision (a plan made with TF32 must not be reused)
+    check_fwd("conv2d after tf32", &[x, w], 1e-5, |t| conv(t, c))
+}
+
+/// The legacy API's path (benchmark mode: algorithms timed once per shape) on the same cases.
+pub fn cudnn_benchmark_mode() -> Outcome {
+    kiln_cuda::set_cudnn_benchmark(true);
+    let r = cudnn_forward_and_backward();
+    kiln_cuda::set_cudnn_benchmark(false);
+    r
+}
