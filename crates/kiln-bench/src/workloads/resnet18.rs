@@ -72,17 +72,13 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
 
 fn run_on_device(ctx: &mut Ctx, mut model: kiln::models::resnet::ResNet, x: Tensor) -> BenchResult {
     let device = ctx.dev;
-    if !ctx.eager_only {
-        return Err(format!(
-            "resnet18 on {device} runs eagerly only (the GPU compiler is not built yet): pass \
-             --mode eager"
-        )
-        .into());
-    }
     let reference = once("resnet18: CPU reference", || no_grad(|| model.forward(&x))).0?;
     model.to(device)?;
     let x = x.to(device)?;
     let timer = ctx.timer();
+    if !ctx.eager_only {
+        return compiled_on_device(ctx, &model, &x, &reference);
+    }
     let call = || -> kiln::Result<Tensor> {
         let y = no_grad(|| model.forward(&x))?;
         kiln::cuda::synchronize(device)?;
@@ -155,6 +151,40 @@ fn run_on_device(ctx: &mut Ctx, mut model: kiln::models::resnet::ResNet, x: Tens
     );
     let fallbacks: u64 = kiln::cuda::host_fallbacks().iter().map(|(_, n)| n).sum();
     ctx.emit(W, "eager", "host_fallbacks", fallbacks as f64, "count");
+    Ok(())
+}
+
+/// The model compiled in `ctx`'s mode on the device: eager and compiled forwards timed alike
+/// (back-to-back calls, the device synchronized at the end of each timed run, as PyTorch's
+/// `bench_ms` does), the cold compile, and the compiled output against the CPU's.
+fn compiled_on_device(
+    ctx: &mut Ctx,
+    model: &kiln::models::resnet::ResNet,
+    x: &Tensor,
+    reference: &Tensor,
+) -> BenchResult {
+    let timer = ctx.timer();
+    let t = timer.time("resnet18: eager (cuda)", || no_grad(|| model.forward(x)))?;
+    ctx.emit(W, "eager", "call", t.ms(), "ms");
+    let compiled = kiln::compile(model, ctx.opts())?;
+    let (first, t) = with_fresh_cache(|| {
+        once("resnet18: cold compile (cuda)", || {
+            no_grad(|| compiled.forward(x))
+        })
+    });
+    first?;
+    let variant = ctx.mode_name();
+    ctx.emit(W, variant, "cold_compile", t.as_secs_f64(), "s");
+    let (t, out) =
+        timer.time_keep("resnet18: compiled (cuda)", || no_grad(|| compiled.forward(x)))?;
+    ctx.emit(W, variant, "call", t.ms(), "ms");
+    ctx.emit(
+        W,
+        variant,
+        "max_rel_diff_vs_cpu",
+        max_rel_diff(&out, reference)?,
+        "ratio",
+    );
     Ok(())
 }
 
