@@ -175,8 +175,9 @@ fn compiled_on_device(
     first?;
     let variant = ctx.mode_name();
     ctx.emit(W, variant, "cold_compile", t.as_secs_f64(), "s");
-    let (t, out) =
-        timer.time_keep("resnet18: compiled (cuda)", || no_grad(|| compiled.forward(x)))?;
+    let (t, out) = timer.time_keep("resnet18: compiled (cuda)", || {
+        no_grad(|| compiled.forward(x))
+    })?;
     ctx.emit(W, variant, "call", t.ms(), "ms");
     ctx.emit(
         W,

@@ -375,12 +375,29 @@ fn build_pointwise(
     (finish_outputs(b, &outputs, text, parallel), ok)
 }
 
-/// The kernel of a reduction: outer loops over the kept dims, inner loops over the reduced ones,
-/// the operand's pointwise producers evaluated inside the inner loop.
-pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
+/// What a reduction kernel is made of, whatever loops walk it: the builder holding the operand's
+/// expression `value` at every input index (loop variable `i<d>` per input dim), the
+/// accumulator's C type, initial value and combine step, the output offset (in the kept dims'
+/// variables), and the kept and reduced (dim, extent) lists.
+pub(crate) struct ReductionParts<'a> {
+    pub(crate) b: Builder<'a>,
+    pub(crate) value: String,
+    pub(crate) acc_t: &'static str,
+    pub(crate) init: String,
+    pub(crate) step: fn(&str, &str) -> String,
+    pub(crate) out_offset: String,
+    pub(crate) kept: Vec<(usize, usize)>,
+    pub(crate) reduced: Vec<(usize, usize)>,
+}
+
+pub(crate) fn reduction_parts<'a>(
+    g: &'a Graph,
+    sched: &'a Schedule,
+    root: NodeId,
+) -> ReductionParts<'a> {
     let node = &g.nodes[root];
     let Op::Prim(Prim::Reduce { op, dims }) = &node.op else {
-        unreachable!("reduction_kernel on a non-reduction (the scheduler classifies it)")
+        unreachable!("a reduction kernel for a non-reduction (the scheduler classifies it)")
     };
     debug_assert_eq!(sched.kinds[root], Kind::Reduction);
     let src = node.args[0];
@@ -388,23 +405,44 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
     let mut b = Builder::new(g, sched, ext);
     let idx: Vec<Ix> = (0..in_shape.len()).map(Ix::var).collect();
-    let v = b.value(src, &idx, false);
+    let value = b.value(src, &idx, false);
     let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
     let out_idx: Vec<Ix> = (0..in_shape.len())
-        .map(|d| {
-            if dims.contains(&d) {
-                Ix::constant(0)
-            } else {
-                Ix::var(d)
-            }
+        .map(|d| match dims.contains(&d) {
+            true => Ix::constant(0),
+            false => Ix::var(d),
         })
         .collect();
-    let off = linear(&out_idx, &node.shape).to_c("i");
-    let kept: Vec<(usize, usize)> = (0..in_shape.len())
-        .filter(|d| !dims.contains(d))
-        .map(|d| (d, in_shape[d]))
-        .collect();
-    let reduced: Vec<(usize, usize)> = dims.iter().map(|&d| (d, in_shape[d])).collect();
+    ReductionParts {
+        b,
+        value,
+        acc_t,
+        init,
+        step,
+        out_offset: linear(&out_idx, &node.shape).to_c("i"),
+        kept: (0..in_shape.len())
+            .filter(|d| !dims.contains(d))
+            .map(|d| (d, in_shape[d]))
+            .collect(),
+        reduced: dims.iter().map(|&d| (d, in_shape[d])).collect(),
+    }
+}
+
+/// The kernel of a reduction: outer loops over the kept dims, inner loops over the reduced ones,
+/// the operand's pointwise producers evaluated inside the inner loop.
+pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
+    let ReductionParts {
+        b,
+        value: v,
+        acc_t,
+        init,
+        step,
+        out_offset: off,
+        kept,
+        reduced,
+    } = reduction_parts(g, sched, root);
+    let node = &g.nodes[root];
+    let in_shape = &g.nodes[node.args[0]].shape;
     let numel: usize = in_shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
     let mut text = String::new();

@@ -9,16 +9,14 @@ use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::Arc;
 
-use kiln_compile::graph::{Graph, NodeId, Op};
+use kiln_compile::graph::{Graph, NodeId};
 use kiln_compile::CompiledGraph;
 use kiln_core::device::runtime_for;
-use kiln_core::prim::Prim;
 use kiln_core::{DType, Result};
 
 use crate::backend::{plan_graph, Planned, Target};
-use crate::codegen::c::{pointwise_body, Builder, PointwiseBody};
-use crate::ir::index::Ix;
-use crate::ir::lower::{c_dtype, linear, reduce_c};
+use crate::codegen::c::{pointwise_body, reduction_parts, Builder, PointwiseBody, ReductionParts};
+use crate::ir::lower::c_dtype;
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
@@ -188,32 +186,17 @@ impl Target for Cuda {
     }
 
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
+        let ReductionParts {
+            b,
+            value: v,
+            acc_t,
+            init,
+            step,
+            out_offset: off,
+            kept,
+            reduced,
+        } = reduction_parts(g, sched, root);
         let node = &g.nodes[root];
-        let Op::Prim(Prim::Reduce { op, dims }) = &node.op else {
-            unreachable!("reduction kernel on a non-reduction (the scheduler classifies it)")
-        };
-        let src = node.args[0];
-        let in_shape = g.nodes[src].shape.clone();
-        let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
-        let mut b = Builder::new(g, sched, ext);
-        let idx: Vec<Ix> = (0..in_shape.len()).map(Ix::var).collect();
-        let v = b.value(src, &idx, false);
-        let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
-        let out_idx: Vec<Ix> = (0..in_shape.len())
-            .map(|d| {
-                if dims.contains(&d) {
-                    Ix::constant(0)
-                } else {
-                    Ix::var(d)
-                }
-            })
-            .collect();
-        let off = linear(&out_idx, &node.shape).to_c("i");
-        let kept: Vec<(usize, usize)> = (0..in_shape.len())
-            .filter(|d| !dims.contains(d))
-            .map(|d| (d, in_shape[d]))
-            .collect();
-        let reduced: Vec<(usize, usize)> = dims.iter().map(|&d| (d, in_shape[d])).collect();
         let rows: usize = kept.iter().map(|k| k.1).product();
         let red: usize = reduced.iter().map(|k| k.1).product();
         let out_t = ty(node.dtype);
