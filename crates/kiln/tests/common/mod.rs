@@ -6,6 +6,9 @@
 
 use std::sync::{Mutex, MutexGuard};
 
+#[path = "../../../kiln-core/tests/support/mock_device.rs"]
+mod mock_device;
+
 use kiln::core::storage::CpuStorage;
 use kiln::prelude::*;
 use kiln::{compile_fn, FnStats};
@@ -192,8 +195,9 @@ pub fn deep_copy(t: &Tensor) -> Tensor {
     host.to(test_device()).unwrap()
 }
 
-/// Where the differential tests put their arguments: the CPU, or the GPU when
-/// `KILN_TEST_DEVICE=cuda` (the GPU machine runs the whole op suite so: compiled CUDA kernels
+/// Where the differential tests put their arguments: the CPU, the GPU when
+/// `KILN_TEST_DEVICE=cuda`, or a mock device (host memory, CPU kernels, compiled graphs on the
+/// interpreter: the capture's device plumbing without a GPU) when `KILN_TEST_DEVICE=mock` (the GPU machine runs the whole op suite so: compiled CUDA kernels
 /// against eager CUDA kernels; see ARCHITECTURE.md). Ops that create tensors without a device
 /// argument create them on the CPU, as PyTorch's do.
 pub fn test_device() -> Device {
@@ -202,6 +206,10 @@ pub fn test_device() -> Device {
         Ok("cuda") => {
             kiln::cuda::init();
             Device::Cuda(0)
+        }
+        Ok("mock") => {
+            mock_device::setup();
+            mock_device::DEV
         }
         _ => Device::Cpu,
     })
