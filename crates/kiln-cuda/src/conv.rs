@@ -610,79 +610,53 @@ fn make_plan(handle: dsys::cudnnHandle_t, key: &PlanKey) -> DnnResult<Option<Pla
     );
     const N: usize = 8;
     let mut count = 0i32;
+    // the three directions differ in the query pair, the perf struct and the descriptor order
+    macro_rules! choose {
+        ($perf:ty, $find:path, $get:path, ($a:expr, $b:expr, $c:expr, $d:expr), $algo:path) => {{
+            let mut perf: [$perf; N] = std::mem::zeroed();
+            let query = if key.benchmark { $find } else { $get };
+            query(
+                handle,
+                $a,
+                $b,
+                $c,
+                $d,
+                N as i32,
+                &mut count,
+                perf.as_mut_ptr(),
+            )
+            .result()?;
+            perf[..count.clamp(0, N as i32) as usize]
+                .iter()
+                .find(|r| usable(key, r.status, r.memory, r.mathType))
+                .map(|r| ($algo(r.algo), r.mathType))
+        }};
+    }
     // SAFETY: live handle and descriptors; the result arrays hold N entries (all-zero bytes are a
     // valid value of each perf struct: algorithm 0, success, math type 0)
     let chosen: Option<(Algo, dsys::cudnnMathType_t)> = unsafe {
         match key.kind {
-            Kind::Forward => {
-                let mut perf: [dsys::cudnnConvolutionFwdAlgoPerf_t; N] = std::mem::zeroed();
-                let query = if key.benchmark {
-                    dsys::cudnnFindConvolutionForwardAlgorithm
-                } else {
-                    dsys::cudnnGetConvolutionForwardAlgorithm_v7
-                };
-                query(
-                    handle,
-                    xd.0,
-                    wd.0,
-                    cd.0,
-                    yd.0,
-                    N as i32,
-                    &mut count,
-                    perf.as_mut_ptr(),
-                )
-                .result()?;
-                perf[..count.clamp(0, N as i32) as usize]
-                    .iter()
-                    .find(|r| usable(key, r.status, r.memory, r.mathType))
-                    .map(|r| (Algo::Forward(r.algo), r.mathType))
-            }
-            Kind::GradInput => {
-                let mut perf: [dsys::cudnnConvolutionBwdDataAlgoPerf_t; N] = std::mem::zeroed();
-                let query = if key.benchmark {
-                    dsys::cudnnFindConvolutionBackwardDataAlgorithm
-                } else {
-                    dsys::cudnnGetConvolutionBackwardDataAlgorithm_v7
-                };
-                query(
-                    handle,
-                    wd.0,
-                    yd.0,
-                    cd.0,
-                    xd.0,
-                    N as i32,
-                    &mut count,
-                    perf.as_mut_ptr(),
-                )
-                .result()?;
-                perf[..count.clamp(0, N as i32) as usize]
-                    .iter()
-                    .find(|r| usable(key, r.status, r.memory, r.mathType))
-                    .map(|r| (Algo::GradInput(r.algo), r.mathType))
-            }
-            Kind::GradWeight => {
-                let mut perf: [dsys::cudnnConvolutionBwdFilterAlgoPerf_t; N] = std::mem::zeroed();
-                let query = if key.benchmark {
-                    dsys::cudnnFindConvolutionBackwardFilterAlgorithm
-                } else {
-                    dsys::cudnnGetConvolutionBackwardFilterAlgorithm_v7
-                };
-                query(
-                    handle,
-                    xd.0,
-                    yd.0,
-                    cd.0,
-                    wd.0,
-                    N as i32,
-                    &mut count,
-                    perf.as_mut_ptr(),
-                )
-                .result()?;
-                perf[..count.clamp(0, N as i32) as usize]
-                    .iter()
-                    .find(|r| usable(key, r.status, r.memory, r.mathType))
-                    .map(|r| (Algo::GradWeight(r.algo), r.mathType))
-            }
+            Kind::Forward => choose!(
+                dsys::cudnnConvolutionFwdAlgoPerf_t,
+                dsys::cudnnFindConvolutionForwardAlgorithm,
+                dsys::cudnnGetConvolutionForwardAlgorithm_v7,
+                (xd.0, wd.0, cd.0, yd.0),
+                Algo::Forward
+            ),
+            Kind::GradInput => choose!(
+                dsys::cudnnConvolutionBwdDataAlgoPerf_t,
+                dsys::cudnnFindConvolutionBackwardDataAlgorithm,
+                dsys::cudnnGetConvolutionBackwardDataAlgorithm_v7,
+                (wd.0, yd.0, cd.0, xd.0),
+                Algo::GradInput
+            ),
+            Kind::GradWeight => choose!(
+                dsys::cudnnConvolutionBwdFilterAlgoPerf_t,
+                dsys::cudnnFindConvolutionBackwardFilterAlgorithm,
+                dsys::cudnnGetConvolutionBackwardFilterAlgorithm_v7,
+                (xd.0, yd.0, cd.0, wd.0),
+                Algo::GradWeight
+            ),
         }
     };
     let Some((algo, algo_math)) = chosen else {

@@ -199,7 +199,8 @@ impl CudaDevice {
         self.checks.take_error()
     }
 
-    /// Queues `f` on the stream. `params` point at each argument's value.
+    /// Queues `f` on the stream over a one-dimensional grid. `params` point at each argument's
+    /// value.
     pub(crate) fn launch(
         &self,
         f: sys::CUfunction,
@@ -208,11 +209,22 @@ impl CudaDevice {
         shared: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.launch_grid(f, [grid, 1, 1], block, shared, params)
+    }
+
+    /// `launch` over a grid of up to three dimensions.
+    pub(crate) fn launch_grid(
+        &self,
+        f: sys::CUfunction,
+        grid: [u32; 3],
+        block: u32,
+        shared: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let grid = (grid[0], grid[1], grid[2]);
         // SAFETY: callers pass the argument list the kernel was generated with
-        unsafe {
-            result::launch_kernel(f, (grid, 1, 1), (block, 1, 1), shared, self.stream, params)
-        }
-        .map_err(|e| cu_err("cuLaunchKernel", self.ordinal, e))
+        unsafe { result::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, params) }
+            .map_err(|e| cu_err("cuLaunchKernel", self.ordinal, e))
     }
 
     pub fn memory_stats(&self) -> MemoryStats {

@@ -5,11 +5,11 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::sys;
 use kiln_core::device::DeviceKernel;
 use kiln_core::{Error, Result};
 
-use crate::device::{cu_err, CudaDevice};
+use crate::device::CudaDevice;
 
 pub(crate) struct GeneratedKernel {
     pub(crate) f: sys::CUfunction,
@@ -37,25 +37,17 @@ impl DeviceKernel for GeneratedKernel {
                 ),
             ));
         }
+        // the driver reads each argument through a pointer to it: a copy and the pointers on the
+        // stack, no allocation per launch
         let mut values = [0u64; MAX_PARAMS];
         values[..params.len()].copy_from_slice(params);
-        let mut ptrs: Vec<*mut c_void> = values[..params.len()]
-            .iter_mut()
-            .map(|v| (v as *mut u64).cast::<c_void>())
-            .collect();
-        self.dev.bind()?;
-        // SAFETY: the generator emitted the kernel with one 8-byte parameter per entry of
-        // `params`, in this order; `values` outlives the call (the driver copies the arguments)
-        unsafe {
-            result::launch_kernel(
-                self.f,
-                (grid[0], grid[1], grid[2]),
-                (block, 1, 1),
-                0,
-                self.dev.stream,
-                &mut ptrs,
-            )
+        let mut ptrs = [std::ptr::null_mut::<c_void>(); MAX_PARAMS];
+        for (p, v) in ptrs.iter_mut().zip(values.iter_mut()) {
+            *p = (v as *mut u64).cast::<c_void>();
         }
-        .map_err(|e| cu_err("cuLaunchKernel", self.dev.ordinal, e))
+        self.dev.bind()?;
+        // the generator emitted one 8-byte parameter per entry of `params`, in this order
+        self.dev
+            .launch_grid(self.f, grid, block, 0, &mut ptrs[..params.len()])
     }
 }

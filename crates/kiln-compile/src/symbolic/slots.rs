@@ -136,41 +136,9 @@ pub fn erased_key(g: &Graph) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::Node;
-    use kiln_core::DType;
 
     fn graph(n: usize) -> Graph {
-        let mut g = Graph {
-            num_inputs: 1,
-            ..Graph::default()
-        };
-        let node = |op, args, shape: Vec<usize>| Node {
-            op,
-            args,
-            shape,
-            dtype: DType::F32,
-            grad_enabled: true,
-            requires_grad: false,
-            device: kiln_core::Device::Cpu,
-        };
-        let x = g.push(node(Op::Input(0), vec![], vec![n, 3]));
-        let r = g.push(node(
-            Op::Prim(Prim::Reshape(vec![3 * n])),
-            vec![x],
-            vec![3 * n],
-        ));
-        let s = g.push(node(
-            Op::Prim(Prim::Slice {
-                dim: 0,
-                start: 1,
-                end: 3 * n,
-                step: 1,
-            }),
-            vec![r],
-            vec![3 * n - 1],
-        ));
-        g.outputs = vec![s];
-        g
+        super::super::test_graph(n, 1)
     }
 
     #[test]

@@ -238,44 +238,10 @@ fn describe_slot(g: &Graph, k: SlotKind) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::Node;
-    use kiln_core::prim::Prim;
-    use kiln_core::DType;
 
     /// x: [n, 3] -> reshape [3n] -> slice [1, 3n) (stride 2 when `odd_branch`)
     fn graph(n: usize, odd_branch: bool) -> Graph {
-        let mut g = Graph {
-            num_inputs: 1,
-            ..Graph::default()
-        };
-        let node = |op, args, shape: Vec<usize>| Node {
-            op,
-            args,
-            shape,
-            dtype: DType::F32,
-            grad_enabled: true,
-            requires_grad: false,
-            device: kiln_core::Device::Cpu,
-        };
-        let x = g.push(node(Op::Input(0), vec![], vec![n, 3]));
-        let r = g.push(node(
-            Op::Prim(Prim::Reshape(vec![3 * n])),
-            vec![x],
-            vec![3 * n],
-        ));
-        let step = if odd_branch { 2 } else { 1 };
-        let s = g.push(node(
-            Op::Prim(Prim::Slice {
-                dim: 0,
-                start: 1,
-                end: 3 * n,
-                step,
-            }),
-            vec![r],
-            vec![(3 * n - 1).div_ceil(step)],
-        ));
-        g.outputs = vec![s];
-        g
+        super::super::test_graph(n, if odd_branch { 2 } else { 1 })
     }
 
     #[test]

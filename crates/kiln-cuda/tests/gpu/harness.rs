@@ -124,6 +124,21 @@ fn to_ref(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// The inputs moved to the GPU, and their f64 copies on the CPU (the reference); leaves that
+/// require grad when `grad`.
+fn placed(inputs: &[Tensor], grad: bool) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
+    let leaf = |t: Tensor| if grad { t.with_grad() } else { Ok(t) };
+    let gpu = inputs
+        .iter()
+        .map(|t| leaf(t.to(CUDA)?))
+        .collect::<Result<_>>()?;
+    let cpu = inputs
+        .iter()
+        .map(|t| leaf(to_ref(t)?))
+        .collect::<Result<_>>()?;
+    Ok((gpu, cpu))
+}
+
 /// Runs `f` on the inputs moved to the GPU and on their f64 copies on the CPU; compares outputs.
 pub fn check_fwd(
     what: &str,
@@ -132,16 +147,7 @@ pub fn check_fwd(
     f: impl Fn(&[Tensor]) -> Result<Tensor>,
 ) -> std::result::Result<(), String> {
     let e = |x: kiln_core::Error| format!("{what}: {x}");
-    let gpu: Vec<Tensor> = inputs
-        .iter()
-        .map(|t| t.to(CUDA))
-        .collect::<Result<_>>()
-        .map_err(e)?;
-    let cpu: Vec<Tensor> = inputs
-        .iter()
-        .map(to_ref)
-        .collect::<Result<_>>()
-        .map_err(e)?;
+    let (gpu, cpu) = placed(inputs, false).map_err(e)?;
     let out = f(&gpu).map_err(e)?;
     if out.device() != CUDA {
         return Err(format!(
@@ -161,16 +167,7 @@ pub fn check_grad(
     f: impl Fn(&[Tensor]) -> Result<Tensor>,
 ) -> std::result::Result<(), String> {
     let e = |x: kiln_core::Error| format!("{what}: {x}");
-    let gpu: Vec<Tensor> = inputs
-        .iter()
-        .map(|t| t.to(CUDA)?.with_grad())
-        .collect::<Result<_>>()
-        .map_err(e)?;
-    let cpu: Vec<Tensor> = inputs
-        .iter()
-        .map(|t| to_ref(t)?.with_grad())
-        .collect::<Result<_>>()
-        .map_err(e)?;
+    let (gpu, cpu) = placed(inputs, true).map_err(e)?;
     let run = |xs: &[Tensor]| -> Result<Tensor> {
         let y = f(xs)?;
         // weights make every output element's gradient different (a plain sum hides transposes)

@@ -48,7 +48,8 @@ pub(crate) struct Builder<'a> {
     inplace_ok: bool,
 }
 
-fn ty(d: DType) -> &'static str {
+/// The C type of a value of `d` (what the builder declares its temporaries as).
+pub(crate) fn ty(d: DType) -> &'static str {
     c_dtype(d).unwrap_or("double")
 }
 

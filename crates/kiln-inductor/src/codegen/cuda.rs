@@ -12,11 +12,12 @@ use std::sync::Arc;
 use kiln_compile::graph::{Graph, NodeId};
 use kiln_compile::CompiledGraph;
 use kiln_core::device::runtime_for;
-use kiln_core::{DType, Result};
+use kiln_core::Result;
 
 use crate::backend::{plan_graph, Planned, Target};
-use crate::codegen::c::{pointwise_body, reduction_parts, Builder, PointwiseBody, ReductionParts};
-use crate::ir::lower::c_dtype;
+use crate::codegen::c::{
+    pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
+};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
@@ -73,10 +74,6 @@ impl Cuda {
         let want = units.div_ceil(per_block).max(1);
         want.min(self.sm_count.max(1) as usize * 32) as u32
     }
-}
-
-fn ty(d: DType) -> &'static str {
-    c_dtype(d).unwrap_or("double")
 }
 
 /// `const long long i<d> = ...;` for each (dim, extent) of `vars`, splitting the flat index

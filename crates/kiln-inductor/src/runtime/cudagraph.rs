@@ -43,8 +43,8 @@ struct Recording {
     /// What the recorded work reads: the graph's own buffers, or the static inputs themselves.
     inputs: Vec<Tensor>,
     outputs: Vec<Tensor>,
-    /// For each output: the input it is (an in-place update of a static input), if any.
-    output_is_input: Vec<Option<usize>>,
+    /// For each output: whether it is one of `inputs` (an in-place update), handed back as is.
+    output_is_input: Vec<bool>,
     /// The handles last given to the caller, to see whether they are still held.
     handed_out: Vec<WeakTensor>,
 }
@@ -92,7 +92,7 @@ impl CudaGraphed {
         let (outputs, graph) = (run?, graph?);
         let output_is_input = outputs
             .iter()
-            .map(|o| mine.iter().position(|m| m.same_tensor(o)))
+            .map(|o| mine.iter().any(|m| m.same_tensor(o)))
             .collect();
         Ok(Recording {
             graph,
@@ -140,15 +140,14 @@ impl CudaGraphed {
         super::pool::count(|s| s.graph_replays += 1);
         let mut out = Vec::with_capacity(rec.outputs.len());
         rec.handed_out.clear();
-        for (o, is_input) in rec.outputs.iter().zip(&rec.output_is_input) {
-            match is_input {
+        for (o, &is_input) in rec.outputs.iter().zip(&rec.output_is_input) {
+            if is_input {
                 // an in-place update hands back the input itself (the caller skips its copy)
-                Some(_) => out.push(o.clone()),
-                None => {
-                    let h = o.detach();
-                    rec.handed_out.push(h.downgrade());
-                    out.push(h);
-                }
+                out.push(o.clone());
+            } else {
+                let h = o.detach();
+                rec.handed_out.push(h.downgrade());
+                out.push(h);
             }
         }
         Ok(out)
