@@ -7,9 +7,9 @@
 //! or, in benchmark mode and where the graph API has none, the legacy API's descriptors and the
 //! algorithm its heuristics (or timings) rank first among those allowed.
 //!
-//! TF32 follows the matmul switch (`set_allow_tf32`, off by default): with it off, f32
-//! convolutions are restricted to FMA kernels (`CUDNN_FMA_MATH`), as PyTorch's
-//! `torch.backends.cudnn.allow_tf32 = False` does.
+//! TF32 has its own switch, as in PyTorch (`set_cudnn_allow_tf32`, on by default like
+//! `torch.backends.cudnn.allow_tf32`; matmul's `set_allow_tf32` is off by default): with it off,
+//! f32 convolutions are restricted to FMA kernels (`CUDNN_FMA_MATH`).
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -55,6 +55,18 @@ pub fn set_cudnn_benchmark(on: bool) {
 pub fn cudnn_benchmark() -> bool {
     BENCHMARK.load(Ordering::Relaxed)
 }
+
+/// `torch.backends.cudnn.allow_tf32` (on by default, as in PyTorch, unlike matmul's
+/// `set_allow_tf32`): f32 convolutions may round their operands to TF32 on tensor cores (about
+/// 10 mantissa bits, several times the f32 rate). A test that compares convolutions with f32
+/// precision turns it off.
+pub fn set_cudnn_allow_tf32(on: bool) {
+    CUDNN_TF32.store(on, Ordering::Relaxed);
+}
+pub fn cudnn_allow_tf32() -> bool {
+    CUDNN_TF32.load(Ordering::Relaxed)
+}
+static CUDNN_TF32: AtomicBool = AtomicBool::new(true);
 
 /// Plans kept per device before the cache is cleared (a model has tens of distinct convolutions).
 const MAX_PLANS: usize = 4096;
@@ -258,7 +270,7 @@ pub(crate) fn run(
         padding: p.padding,
         dilation: p.dilation,
         groups: p.groups,
-        tf32: crate::matmul::allow_tf32(),
+        tf32: cudnn_allow_tf32(),
         benchmark: cudnn_benchmark(),
         alignment: alignment(&[a.ptr(), b.ptr(), out.ptr]),
     };

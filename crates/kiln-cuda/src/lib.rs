@@ -30,7 +30,10 @@ mod runtime;
 use std::sync::Arc;
 
 pub use alloc::MemoryStats;
-pub use conv::{cudnn_benchmark, cudnn_graph_error, cudnn_plan_counts, set_cudnn_benchmark};
+pub use conv::{
+    cudnn_allow_tf32, cudnn_benchmark, cudnn_graph_error, cudnn_plan_counts, set_cudnn_allow_tf32,
+    set_cudnn_benchmark,
+};
 pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};

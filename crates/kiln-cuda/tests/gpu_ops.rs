@@ -620,6 +620,8 @@ fn main() {
     // trials running side by side would move them (allocator_steady_state saw others' cuMemAllocs)
     args.test_threads = Some(1);
     kiln_cuda::init();
+    // the convolution checks compare with f32 precision; `cudnn_tf32_switch` turns TF32 on
+    kiln_cuda::set_cudnn_allow_tf32(false);
     let available = kiln_cuda::is_available();
     if !available {
         eprintln!(

@@ -36,6 +36,15 @@ pub trait Target {
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Self::Kernel;
     /// The buffers a kernel reads, in argument order.
     fn inputs<'k>(&self, k: &'k Self::Kernel) -> &'k [NodeId];
+    /// For a kernel that one launch can run beside others (`horizontal.rs`): its block size and
+    /// parameter count. `None` where the target has no such kernels.
+    fn side_by_side(&self, _k: &Self::Kernel) -> Option<(u32, usize)> {
+        None
+    }
+    /// One kernel running `members` side by side, or `None` when they do not fit in one.
+    fn horizontal(&self, _members: &[&Self::Kernel]) -> Option<Self::Kernel> {
+        None
+    }
 }
 
 /// The C target (`codegen/c.rs`).
@@ -158,7 +167,8 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
             },
         });
     }
-    group(t, graph, &sched, planned)
+    let planned = group(t, graph, &sched, planned);
+    crate::horizontal::fuse(t, graph, &roots, planned)
 }
 
 /// Merges runs of consecutive single-value pointwise kernels of one shape into grouped kernels:

@@ -6,6 +6,7 @@
 
 mod backend;
 pub mod codegen;
+mod horizontal;
 pub mod ir;
 pub mod runtime;
 pub mod schedule;

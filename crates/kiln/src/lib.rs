@@ -25,8 +25,8 @@ pub use kiln_compile::{
 pub use kiln_inductor as inductor;
 
 /// The CUDA runtime: `kiln::cuda::init()` makes `Device::Cuda(n)` usable (`is_available`,
-/// `memory_stats`, `empty_cache`, `synchronize`, `set_allow_tf32`). Without CUDA it is still
-/// there, and says why it cannot run.
+/// `memory_stats`, `empty_cache`, `synchronize`, `set_allow_tf32`, `set_cudnn_allow_tf32`).
+/// Without CUDA it is still there, and says why it cannot run.
 pub use kiln_cuda as cuda;
 
 /// `use kiln::prelude::*;` brings in what a training script needs.

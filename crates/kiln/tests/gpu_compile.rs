@@ -135,6 +135,26 @@ fn pointwise_chain() -> Outcome {
     })
 }
 
+/// Pointwise kernels large enough to move four elements per load and store: a length no
+/// multiple of four (the tail after the vectors), and an input one element into its buffer (not
+/// aligned for a vector: the scalar loop), each equal to eager.
+fn vector_loads_any_alignment() -> Outcome {
+    differential("vector_tail", &[&[4099], &[4099]], 1e-5, |x| {
+        Ok(vec![x[0].mul(&x[1])?.sin()?, x[0].add(2.0)?])
+    })?;
+    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![a[0].mul(&a[1])?.exp()?]) };
+    let compiled = kiln::compile_fn(f, CompileOptions::default()).map_err(err)?;
+    let base = randn(&[8204], 7).map_err(err)?.to(CUDA).map_err(err)?;
+    let y = randn(&[8200], 8).map_err(err)?.to(CUDA).map_err(err)?;
+    for start in [0usize, 1, 4] {
+        let x = base.narrow(0, start, 8200).map_err(err)?;
+        let got = compiled.call(&[x.clone(), y.clone()]).map_err(err)?;
+        let want = f(&[x, y.clone()]).map_err(err)?;
+        same(&format!("offset {start}"), &got[0], &want[0], 1e-6)?;
+    }
+    Ok(())
+}
+
 fn reductions_every_strategy() -> Outcome {
     // short rows (a thread each), medium (a warp each), long (a block each), all dims
     differential(
@@ -241,6 +261,60 @@ fn optimizer_steps<O: Optimizer + Send>(make: impl Fn(Vec<Tensor>) -> Result<O>)
 
 fn adam_step() -> Outcome {
     optimizer_steps(|ps| Adam::new(ps, AdamConfig::default()))
+}
+
+/// A compiled Adam step over parameters of many shapes runs as a few horizontal launches (each
+/// running every parameter's kernels side by side), not a few launches per parameter, and
+/// equals the eager step.
+fn adam_many_parameters_few_launches() -> Outcome {
+    let shapes: [&[usize]; 8] = [
+        &[300, 40],
+        &[40],
+        &[40, 40],
+        &[7],
+        &[5000],
+        &[3, 3, 16, 8],
+        &[1],
+        &[64, 33],
+    ];
+    let make = || -> Result<Vec<Tensor>> {
+        manual_seed(21);
+        shapes
+            .iter()
+            .map(|s| {
+                let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
+                p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
+                Ok(p)
+            })
+            .collect()
+    };
+    let (eager_ps, compiled_ps) = (make().map_err(err)?, make().map_err(err)?);
+    let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
+    let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
+    let step = kiln::compile_fn(
+        |_: &[Tensor]| {
+            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
+            Ok(vec![])
+        },
+        CompileOptions::default(),
+    )
+    .map_err(err)?;
+    for k in 0..3 {
+        eager.step().map_err(err)?;
+        let before = exec_stats().kernel_launches;
+        step.call(&[]).map_err(err)?;
+        let launches = exec_stats().kernel_launches - before;
+        if k > 0 && launches > 4 {
+            return Err(format!(
+                "{launches} kernel launches for a step over {} parameters",
+                shapes.len()
+            ));
+        }
+        for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
+            same(&format!("step {k} parameter {i}"), c, e, 1e-6)?;
+        }
+    }
+    Ok(())
 }
 
 fn plain_sgd_step() -> Outcome {
@@ -385,6 +459,8 @@ fn main() {
     // one at a time: the tests seed kiln's process-wide generator
     args.test_threads = Some(1);
     kiln::cuda::init();
+    // the checks compare with f32 precision, convolutions included
+    kiln::cuda::set_cudnn_allow_tf32(false);
     let available = kiln::cuda::is_available();
     if !available {
         eprintln!("gpu_compile: no CUDA device ({}); tests ignored", {
@@ -393,7 +469,12 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 11] = [
+    let tests: [(&str, Check); 13] = [
+        ("vector_loads_any_alignment", vector_loads_any_alignment),
+        (
+            "adam_many_parameters_few_launches",
+            adam_many_parameters_few_launches,
+        ),
         (
             "reduce_overhead_replays_with_new_inputs",
             reduce_overhead_replays_with_new_inputs,

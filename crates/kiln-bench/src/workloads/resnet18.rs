@@ -4,8 +4,8 @@
 //!
 //! On a CUDA device (`--device cuda`) the model is moved there (`Module::to`) and run eagerly: each
 //! timed call ends with a device synchronization, so the time is the device's, not the queueing's.
-//! Rows: `eager` (TF32 off, kiln's and PyTorch's matmul default), `eager_tf32` (TF32 on, PyTorch's
-//! default for cuDNN convolutions), `eager_cudnn_benchmark` (algorithms timed once per shape through
+//! Rows: `eager` (PyTorch's defaults: cuDNN convolutions in TF32, matmuls in f32), `eager_f32`
+//! (convolutions in f32 too, `set_cudnn_allow_tf32(false)`), `eager_cudnn_benchmark` (algorithms timed once per shape through
 //! cuDNN's legacy API, rather than a graph-API plan from its heuristics), the largest difference from the CPU's logits, the host's time to queue one
 //! forward, and each stage's device and host time.
 
@@ -93,14 +93,16 @@ fn run_on_device(ctx: &mut Ctx, mut model: kiln::models::resnet::ResNet, x: Tens
         max_rel_diff(&out, &reference)?,
         "ratio",
     );
-    kiln::cuda::set_allow_tf32(true);
-    let tf32 = timer.time_keep("resnet18: eager, TF32 (cuda)", call);
-    kiln::cuda::set_allow_tf32(false);
-    let (t, out) = tf32?;
-    ctx.emit(W, "eager_tf32", "call", t.ms(), "ms");
+    // the rows above ran PyTorch's defaults (cuDNN convolutions in TF32); this one in full f32,
+    // as `torch.backends.cudnn.allow_tf32 = False`
+    kiln::cuda::set_cudnn_allow_tf32(false);
+    let f32_only = timer.time_keep("resnet18: eager, convolutions in f32 (cuda)", call);
+    kiln::cuda::set_cudnn_allow_tf32(true);
+    let (t, out) = f32_only?;
+    ctx.emit(W, "eager_f32", "call", t.ms(), "ms");
     ctx.emit(
         W,
-        "eager_tf32",
+        "eager_f32",
         "max_rel_diff_vs_cpu",
         max_rel_diff(&out, &reference)?,
         "ratio",

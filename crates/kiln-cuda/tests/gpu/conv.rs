@@ -113,9 +113,9 @@ pub fn cudnn_tf32_switch() -> Outcome {
     let c = &CASES[6];
     let x = input(&mut rng, &c.0, -1.0, 1.0, false).map_err(e)?;
     let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
-    kiln_cuda::set_allow_tf32(true);
+    kiln_cuda::set_cudnn_allow_tf32(true);
     let r = check_fwd("conv2d tf32", &[x.clone(), w.clone()], 5e-3, |t| conv(t, c));
-    kiln_cuda::set_allow_tf32(false);
+    kiln_cuda::set_cudnn_allow_tf32(false);
     r?;
     // and off again: full f32 precision (a plan made with TF32 must not be reused)
     check_fwd("conv2d after tf32", &[x, w], 1e-5, |t| conv(t, c))

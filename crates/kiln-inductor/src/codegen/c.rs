@@ -4,7 +4,7 @@
 //! kernel is large enough to pay for the threads. The function name is a hash of its text, so
 //! identical kernels — the same block repeated 64 times — are one kernel.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
@@ -38,7 +38,14 @@ pub(crate) struct Builder<'a> {
     sched: &'a Schedule,
     ext: Vec<i64>,
     pub(crate) params: Vec<NodeId>,
+    /// The values the same at every element (read from scalars, constants, and what is computed
+    /// from them alone: an optimizer's bias corrections), computed once before the loops: a
+    /// double-precision `pow` per element costs more than the element's bytes.
+    pub(crate) pre: String,
+    /// The lines of one element, inside the loops.
     pub(crate) body: String,
+    /// The values (temporaries and literals) that `pre` holds or that need no loop.
+    invariant: HashSet<String>,
     memo: HashMap<(NodeId, Vec<Ix>), String>,
     temps: usize,
     /// In an in-place kernel: each input whose storage an output is, the index written and that
@@ -46,6 +53,12 @@ pub(crate) struct Builder<'a> {
     inplace: Vec<(NodeId, Ix, String)>,
     /// False once an in-place input is read anywhere but the index written.
     inplace_ok: bool,
+    /// Lane mode (`codegen/cuda.rs`'s vector loop): the flat offset the kernel writes. A load at
+    /// exactly that offset reads lane `k` of four consecutive elements loaded as one vector
+    /// before the lanes run (`<buffer>_v.v[k]`).
+    lanes_at: Option<Ix>,
+    /// The buffers read as vectors in lane mode: (C name, dtype), in first-read order.
+    pub(crate) vector_reads: Vec<(String, DType)>,
 }
 
 /// The C type of a value of `d` (what the builder declares its temporaries as).
@@ -61,19 +74,38 @@ impl<'a> Builder<'a> {
             sched,
             ext,
             params: Vec::new(),
+            pre: String::new(),
             body: String::new(),
+            invariant: HashSet::new(),
             memo: HashMap::new(),
             temps: 0,
             inplace: Vec::new(),
             inplace_ok: true,
+            lanes_at: None,
+            vector_reads: Vec::new(),
         }
     }
 
     fn temp(&mut self, d: DType, expr: String) -> String {
+        self.temp_where(d, expr, false)
+    }
+
+    /// A temporary in the loop body, or in `pre` when it is `invariant`.
+    fn temp_where(&mut self, d: DType, expr: String, invariant: bool) -> String {
         let name = format!("t{}", self.temps);
         self.temps += 1;
-        let _ = writeln!(self.body, "    const {} {name} = {expr};", ty(d));
+        let lines = if invariant {
+            self.invariant.insert(name.clone());
+            &mut self.pre
+        } else {
+            &mut self.body
+        };
+        let _ = writeln!(lines, "    const {} {name} = {expr};", ty(d));
         name
+    }
+
+    fn invariant(&self, values: &[&String]) -> bool {
+        values.iter().all(|v| self.invariant.contains(*v))
     }
 
     fn param(&mut self, id: NodeId) -> usize {
@@ -103,7 +135,20 @@ impl<'a> Builder<'a> {
             }
             None => format!("b{}", self.param(id)),
         };
-        let v = self.temp(self.g.nodes[id].dtype, format!("{buf}[{}]", off.to_c("i")));
+        let node = &self.g.nodes[id];
+        let dtype = node.dtype;
+        // one element of a read-only buffer that is not empty: the same at every element
+        let invariant = off.as_constant().is_some()
+            && !self.inplace.iter().any(|(input, _, _)| *input == id)
+            && !node.shape.contains(&0);
+        let v = if self.lanes_at.as_ref() == Some(&off) {
+            if !self.vector_reads.iter().any(|(name, _)| *name == buf) {
+                self.vector_reads.push((buf.clone(), dtype));
+            }
+            self.temp(dtype, format!("{buf}_v.v[k]"))
+        } else {
+            self.temp_where(dtype, format!("{buf}[{}]", off.to_c("i")), invariant)
+        };
         self.memo.insert(key, v.clone());
         v
     }
@@ -156,19 +201,20 @@ impl<'a> Builder<'a> {
             Prim::Unary(op) => {
                 let a = self.value(node.args[0], idx, false);
                 let e = unary_c(*op, &a, arg_dtype(0));
-                self.temp(node.dtype, e)
+                self.temp_where(node.dtype, e, self.invariant(&[&a]))
             }
             Prim::Binary(op) => {
                 let a = self.value(node.args[0], idx, false);
                 let b = self.value(node.args[1], idx, false);
                 let e = binary_c(*op, &a, &b, arg_dtype(0));
-                self.temp(node.dtype, e)
+                self.temp_where(node.dtype, e, self.invariant(&[&a, &b]))
             }
             Prim::Where => {
                 let c = self.value(node.args[0], idx, false);
                 let a = self.value(node.args[1], idx, false);
                 let b = self.value(node.args[2], idx, false);
-                self.temp(node.dtype, format!("{c} ? {a} : {b}"))
+                let invariant = self.invariant(&[&c, &a, &b]);
+                self.temp_where(node.dtype, format!("{c} ? {a} : {b}"), invariant)
             }
             Prim::Cast(to) => {
                 let a = self.value(node.args[0], idx, false);
@@ -177,9 +223,13 @@ impl<'a> Builder<'a> {
                 } else {
                     format!("({})({a})", ty(*to))
                 };
-                self.temp(node.dtype, e)
+                self.temp_where(node.dtype, e, self.invariant(&[&a]))
             }
-            Prim::Full { value, dtype, .. } => float_literal(*value, *dtype),
+            Prim::Full { value, dtype, .. } => {
+                let literal = float_literal(*value, *dtype);
+                self.invariant.insert(literal.clone());
+                literal
+            }
             Prim::Iota { dtype, .. } => format!("(({})({}))", ty(*dtype), idx[0].to_c("i")),
             Prim::Pad { pads, value } => {
                 let src = node.args[0];
@@ -317,10 +367,15 @@ pub(crate) struct PointwiseBody<'a> {
     pub(crate) ok: bool,
 }
 
+///
+/// With `lanes`, the body is one lane `k` of a vector of four consecutive elements: loads at the
+/// written offset read `<buffer>_v.v[k]` and the stores write `<output>_s.v[k]` (the CUDA target
+/// loads and stores those vectors around the lanes).
 pub(crate) fn pointwise_body<'a>(
     g: &'a Graph,
     sched: &'a Schedule,
     roots: &[(NodeId, Option<NodeId>)],
+    lanes: bool,
 ) -> PointwiseBody<'a> {
     let shape = &g.nodes[roots[0].0].shape;
     let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
@@ -338,12 +393,19 @@ pub(crate) fn pointwise_body<'a>(
         .filter_map(|((_, input), name)| input.map(|i| (i, written.clone(), name.clone())))
         .collect();
     let off = written.to_c("i");
+    if lanes {
+        b.lanes_at = Some(written);
+    }
     let mut stores = String::new();
     for ((root, _), name) in roots.iter().zip(&names) {
         let v = b.value(*root, &idx, true);
         // a later value of the group reads this one from its register
         b.memo.insert((*root, idx.clone()), v.clone());
-        let _ = writeln!(stores, "    {name}[{off}] = {v};");
+        match lanes {
+            true => writeln!(stores, "    {name}_s.v[k] = {v};"),
+            false => writeln!(stores, "    {name}[{off}] = {v};"),
+        }
+        .ok();
     }
     let ok = b.inplace_ok;
     let outputs: Vec<(NodeId, String)> = roots.iter().map(|r| r.0).zip(names).collect();
@@ -366,11 +428,11 @@ fn build_pointwise(
         stores,
         outputs,
         ok,
-    } = pointwise_body(g, sched, roots);
+    } = pointwise_body(g, sched, roots, false);
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
     let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
-    let mut text = String::new();
+    let mut text = b.pre.clone();
     loops(&mut text, &vars, parallel);
     let _ = write!(text, "  {{\n{}{stores}  }}\n", b.body);
     (finish_outputs(b, &outputs, text, parallel), ok)
@@ -446,7 +508,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let in_shape = &g.nodes[node.args[0]].shape;
     let numel: usize = in_shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
-    let mut text = String::new();
+    let mut text = b.pre.clone();
     loops(&mut text, &kept, parallel);
     let _ = writeln!(text, "  {{\n  {acc_t} acc = {init};");
     loops(&mut text, &reduced, false);

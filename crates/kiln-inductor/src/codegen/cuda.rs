@@ -12,7 +12,7 @@ use std::sync::Arc;
 use kiln_compile::graph::{Graph, NodeId};
 use kiln_compile::CompiledGraph;
 use kiln_core::device::runtime_for;
-use kiln_core::Result;
+use kiln_core::{DType, Result};
 
 use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
@@ -38,6 +38,7 @@ const PRELUDE: &str = r#"#define int64_t long long
 #define kiln_cosf cosf
 #define kiln_sin sin
 #define kiln_cos cos
+template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 "#;
 
 /// Threads per block of pointwise kernels and of per-thread and per-warp reductions.
@@ -50,6 +51,10 @@ const BLOCK_FROM: usize = 4096;
 /// Elements from which a pointwise kernel's threads take `UNROLL` elements per iteration.
 const UNROLL_FROM: usize = 1 << 20;
 const UNROLL: usize = 4;
+/// Elements from which a pointwise kernel moves four consecutive elements per load and store
+/// (16 bytes of f32): the size of the accesses, not only their number, decides how much of the
+/// bandwidth a memory-bound kernel reaches.
+const VECTOR_FROM: usize = 4096;
 
 /// One generated CUDA kernel and how to launch it.
 #[derive(Clone, Debug)]
@@ -57,10 +62,19 @@ pub struct CudaKernel {
     pub name: String,
     /// The `extern "C" __global__` definition.
     pub source: String,
+    /// The `__device__` functions the definition calls (name, definition): the members of a
+    /// horizontal kernel, emitted once per translation unit however many kernels call them.
+    pub device_fns: Vec<(String, String)>,
     /// The buffers it reads, in argument order (the outputs come after them).
     pub inputs: Vec<NodeId>,
     pub grid: [u32; 3],
     pub block: u32,
+    /// The parameter list, with names, and the body (which reads its block index and block
+    /// count from `kbid` and `knblk`): what a horizontal kernel calls it by.
+    sig: String,
+    text: String,
+    /// The C type of each parameter (inputs, then outputs).
+    param_types: Vec<String>,
 }
 
 /// The CUDA target for a device with `sm_count` multiprocessors (grid-stride loops launch a few
@@ -92,37 +106,119 @@ fn split_index(out: &mut String, flat: &str, vars: &[(usize, usize)], indent: &s
     }
 }
 
-/// The kernel's parameter list: its input buffers, then one pointer per output.
-fn signature(b: &Builder<'_>, g: &Graph, outputs: &[(NodeId, String)]) -> String {
-    let mut params: Vec<String> = b
+/// The kernel's parameters, each (C type, name): its input buffers, then one per output.
+fn parameters(b: &Builder<'_>, g: &Graph, outputs: &[(NodeId, String)]) -> Vec<(String, String)> {
+    let mut params: Vec<(String, String)> = b
         .params
         .iter()
         .enumerate()
         .map(|(p, &id)| {
             let t = ty(g.nodes[id].dtype);
-            format!("const {t} *__restrict__ b{p}")
+            (format!("const {t} *__restrict__"), format!("b{p}"))
         })
         .collect();
     for (root, name) in outputs {
         let t = ty(g.nodes[*root].dtype);
-        params.push(format!("{t} *__restrict__ {name}"));
+        params.push((format!("{t} *__restrict__"), name.clone()));
     }
-    params.join(", ")
+    params
 }
 
 /// Names the kernel by the hash of its text (identical kernels of repeated blocks are one).
-fn finish(b: Builder<'_>, sig: String, text: String, grid: u32, block: u32) -> CudaKernel {
+fn finish(
+    inputs: Vec<NodeId>,
+    params: Vec<(String, String)>,
+    text: String,
+    grid: u32,
+    block: u32,
+) -> CudaKernel {
+    let sig = params
+        .iter()
+        .map(|(t, n)| format!("{t} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ");
     let hash = xxhash_rust::xxh3::xxh3_64(format!("{sig}{text}{block}").as_bytes());
     let name = format!("k_{hash:016x}");
     CudaKernel {
         source: format!(
-            "extern \"C\" __global__ void __launch_bounds__({block}) {name}({sig}) {{\n{text}}}\n"
+            "extern \"C\" __global__ void __launch_bounds__({block}) {name}({sig}) {{\n  const \
+             long long kbid = blockIdx.x, knblk = gridDim.x;\n{text}}}\n"
         ),
         name,
-        inputs: b.params,
+        device_fns: Vec::new(),
+        inputs,
         grid: [grid, 1, 1],
         block,
+        sig,
+        text,
+        param_types: params.into_iter().map(|(t, _)| t).collect(),
     }
+}
+
+/// The loop over four-element vectors of a pointwise kernel in lane mode (`lanes`), taken when
+/// every vector pointer is aligned to its vector's size; it leaves `e0` at the first element it
+/// did not cover, for the scalar loop after it.
+fn vector_loop(
+    text: &mut String,
+    g: &Graph,
+    lanes: &PointwiseBody<'_>,
+    vars: &[(usize, usize)],
+    numel: usize,
+) {
+    let mut vectors: Vec<(String, DType)> = lanes.b.vector_reads.clone();
+    for (root, name) in &lanes.outputs {
+        // an in-place output is also read as a vector: one alignment test
+        if !vectors.iter().any(|(n, _)| n == name) {
+            vectors.push((name.clone(), g.nodes[*root].dtype));
+        }
+    }
+    let aligned = vectors
+        .iter()
+        .map(|(name, d)| {
+            format!(
+                "(unsigned long long){name} % {} == 0",
+                4 * d.size_in_bytes()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" && ");
+    let nvec = numel / 4;
+    let _ = writeln!(
+        text,
+        "  if ({aligned}) {{\n    for (long long q = e0; q < {nvec}; q += stride) {{"
+    );
+    for (name, d) in &lanes.b.vector_reads {
+        let t = ty(*d);
+        let _ = writeln!(
+            text,
+            "      const kiln_v4<{t}> {name}_v = ((const kiln_v4<{t}> *){name})[q];"
+        );
+    }
+    for (root, name) in &lanes.outputs {
+        let _ = writeln!(
+            text,
+            "      kiln_v4<{}> {name}_s;",
+            ty(g.nodes[*root].dtype)
+        );
+    }
+    let _ = writeln!(
+        text,
+        "      #pragma unroll\n      for (int k = 0; k < 4; k++) {{\n      const long long e = \
+         q * 4 + k;"
+    );
+    split_index(text, "e", vars, "      ", "rem");
+    text.push_str(&lanes.b.body);
+    text.push_str(&lanes.stores);
+    let _ = writeln!(text, "      }}");
+    for (root, name) in &lanes.outputs {
+        let t = ty(g.nodes[*root].dtype);
+        let _ = writeln!(text, "      ((kiln_v4<{t}> *){name})[q] = {name}_s;");
+    }
+    let _ = writeln!(
+        text,
+        "    }}\n    e0 = {} + (long long)kbid * blockDim.x + threadIdx.x;\n  }}",
+        nvec * 4
+    );
 }
 
 impl Target for Cuda {
@@ -136,31 +232,34 @@ impl Target for Cuda {
     ) -> (CudaKernel, bool) {
         let shape = &g.nodes[roots[0].0].shape;
         let numel: usize = shape.iter().product();
-        let PointwiseBody {
-            b,
-            stores,
-            outputs,
-            ok,
-        } = pointwise_body(g, sched, roots);
+        let scalar = pointwise_body(g, sched, roots, false);
         let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
         // one element at flat index `e`, in a scope of its own
         let element = |indent: &str| {
             let mut t = String::new();
             split_index(&mut t, "e", &vars, indent, "rem");
-            t.push_str(&b.body);
-            t.push_str(&stores);
+            t.push_str(&scalar.b.body);
+            t.push_str(&scalar.stores);
             t
         };
-        let mut text = String::new();
+        let mut text = scalar.b.pre.clone();
         let _ = writeln!(
             text,
-            "  const long long stride = (long long)gridDim.x * blockDim.x;\n  long long e0 = \
-             (long long)blockIdx.x * blockDim.x + threadIdx.x;"
+            "  const long long stride = knblk * blockDim.x;\n  long long e0 = kbid * \
+             blockDim.x + threadIdx.x;"
         );
+        if numel >= VECTOR_FROM {
+            let lanes = pointwise_body(g, sched, roots, true);
+            // the same traversal loads the same buffers in the same order (and names the
+            // hoisted values alike)
+            if lanes.b.params == scalar.b.params && lanes.b.pre == scalar.b.pre {
+                vector_loop(&mut text, g, &lanes, &vars, numel);
+            }
+        }
         if numel >= UNROLL_FROM {
             // UNROLL elements a stride apart per iteration, in one basic block: their loads are
-            // independent, so they are in flight together (a memory-bound kernel needs the bytes
-            // in flight; one 4-byte load per thread at a time leaves a third of the bandwidth)
+            // independent, so they are in flight together (unaligned buffers, where the vector
+            // loop above could not run)
             let _ = writeln!(
                 text,
                 "  for (; e0 + {} * stride < {numel}; e0 += {UNROLL} * stride) {{",
@@ -177,9 +276,14 @@ impl Target for Cuda {
             "  for (; e0 < {numel}; e0 += stride) {{\n    const long long e = e0;"
         );
         let _ = writeln!(text, "{}  }}", element("    "));
-        let sig = signature(&b, g, &outputs);
-        let grid = self.blocks(numel, BLOCK as usize);
-        (finish(b, sig, text, grid, BLOCK), ok)
+        let params = parameters(&scalar.b, g, &scalar.outputs);
+        // a thread per vector of four where the vector loop can run (one per element would
+        // leave three blocks in four with nothing to do); the loops are grid-stride, so the
+        // scalar fallback is correct with these blocks too
+        let per_thread = if numel >= VECTOR_FROM { 4 } else { 1 };
+        let grid = self.blocks(numel.div_ceil(per_thread), BLOCK as usize);
+        let ok = scalar.ok;
+        (finish(scalar.b.params, params, text, grid, BLOCK), ok)
     }
 
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
@@ -200,13 +304,13 @@ impl Target for Cuda {
         let store = format!("out[{off}] = ({out_t})acc;");
         let accumulate = format!("{}      acc = {};\n", b.body, step("acc", &v));
         let combine = step("acc", "other");
-        let mut text = String::new();
+        let mut text = b.pre.clone();
         let (grid, block) = if red < WARP_FROM {
             // a thread per output element, its reduced elements in a loop nest
             let _ = writeln!(
                 text,
-                "  for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; \
-                 row < {rows}; row += (long long)gridDim.x * blockDim.x) {{"
+                "  for (long long row = kbid * blockDim.x + threadIdx.x; row < {rows}; \
+                 row += knblk * blockDim.x) {{"
             );
             split_index(&mut text, "row", &kept, "    ", "rem");
             let _ = writeln!(text, "    {acc_t} acc = {init};");
@@ -225,11 +329,11 @@ impl Target for Cuda {
             };
             let (first_row, lane) = if per_block {
                 (
-                    format!("(long long)blockIdx.x * {rows_per_block} + threadIdx.x / 32"),
+                    format!("kbid * {rows_per_block} + threadIdx.x / 32"),
                     "threadIdx.x % 32",
                 )
             } else {
-                ("(long long)blockIdx.x".to_string(), "threadIdx.x")
+                ("kbid".to_string(), "threadIdx.x")
             };
             if !per_block {
                 let _ = writeln!(text, "  __shared__ {acc_t} partial[{}];", ROW_BLOCK / 32);
@@ -237,7 +341,7 @@ impl Target for Cuda {
             let _ = writeln!(
                 text,
                 "  for (long long row = {first_row}; row < {rows}; \
-                 row += (long long)gridDim.x * {rows_per_block}) {{"
+                 row += knblk * {rows_per_block}) {{"
             );
             split_index(&mut text, "row", &kept, "    ", "rem_row");
             let _ = writeln!(text, "    {acc_t} acc = {init};");
@@ -270,12 +374,70 @@ impl Target for Cuda {
             (self.blocks(rows, rows_per_block), block)
         };
         let outputs = [(root, "out".to_string())];
-        let sig = signature(&b, g, &outputs);
-        finish(b, sig, text, grid, block)
+        let params = parameters(&b, g, &outputs);
+        finish(b.params, params, text, grid, block)
     }
 
     fn inputs<'k>(&self, k: &'k CudaKernel) -> &'k [NodeId] {
         &k.inputs
+    }
+
+    fn side_by_side(&self, k: &CudaKernel) -> Option<(u32, usize)> {
+        Some((k.block, k.param_types.len()))
+    }
+
+    /// A dispatcher over the members' blocks: the first `grid[0]` blocks run member 0 (as a
+    /// `__device__` function told its block index and count), the next ones member 1, and so
+    /// on. Every member is a grid-stride loop, correct for any block count, and the branch is
+    /// uniform over a block, so the members' `__syncthreads` stay sound.
+    fn horizontal(&self, members: &[&CudaKernel]) -> Option<CudaKernel> {
+        let block = members.first()?.block;
+        if members.iter().any(|m| m.block != block) {
+            return None;
+        }
+        let mut device_fns: Vec<(String, String)> = Vec::new();
+        let mut inputs = Vec::new();
+        let mut ins = Vec::new();
+        let mut outs = Vec::new();
+        let mut text = String::new();
+        let mut start = 0u64;
+        for (i, m) in members.iter().enumerate() {
+            let f = format!("d{}", &m.name[1..]);
+            if !device_fns.iter().any(|(n, _)| *n == f) {
+                let def = format!(
+                    "__device__ __noinline__ void {f}({}, const long long kbid, const long long \
+                     knblk) {{\n{}}}\n",
+                    m.sig, m.text
+                );
+                device_fns.push((f.clone(), def));
+            }
+            inputs.extend_from_slice(&m.inputs);
+            // the dispatcher only passes pointers on: two members may read one buffer
+            let plain = |t: &String| t.replace(" *__restrict__", " *");
+            let names: Vec<String> = (0..m.param_types.len())
+                .map(|j| format!("a{i}_{j}"))
+                .collect();
+            for (j, (t, n)) in m.param_types.iter().zip(&names).enumerate() {
+                let param = (plain(t), n.clone());
+                match j < m.inputs.len() {
+                    true => ins.push(param),
+                    false => outs.push(param),
+                }
+            }
+            let g = u64::from(m.grid[0]);
+            let _ = writeln!(
+                text,
+                "  if (kbid < {}) {{ {f}({}, kbid - {start}, {g}); return; }}",
+                start + g,
+                names.join(", ")
+            );
+            start += g;
+        }
+        let grid = u32::try_from(start).ok()?;
+        ins.extend(outs);
+        let mut k = finish(inputs, ins, text, grid, block);
+        k.device_fns = device_fns;
+        Some(k)
     }
 }
 
@@ -292,8 +454,15 @@ pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph
     let planned = plan_graph(&target, graph);
     let mut source = String::from(PRELUDE);
     let mut names: Vec<String> = Vec::new();
+    let mut device_fns: Vec<&str> = Vec::new();
     for p in &planned {
         if let Planned::Kernel { kernel, .. } = p {
+            for (name, def) in &kernel.device_fns {
+                if !device_fns.contains(&name.as_str()) {
+                    source.push_str(def);
+                    device_fns.push(name);
+                }
+            }
             if !names.contains(&kernel.name) {
                 source.push_str(&kernel.source);
                 names.push(kernel.name.clone());

@@ -187,6 +187,7 @@ impl CompiledCpu {
                         let _span =
                             profiler::span(profiler::Category::Kernel, || name.to_string().into());
                         call(f, &args_t, &out_t, sizes)?;
+                        pool::count(|s| s.kernel_launches += 1);
                     }
                     for (&(node, _), t) in outs.iter().zip(out_t) {
                         vals[node] = Some(t);

@@ -29,6 +29,8 @@ pub struct ExecStats {
     pub inplace_fallbacks: u64,
     /// Calls answered by replaying a recorded device graph (reduce-overhead).
     pub graph_replays: u64,
+    /// Generated kernels launched (a horizontal kernel counts once: `horizontal.rs`).
+    pub kernel_launches: u64,
 }
 
 thread_local! {

@@ -205,6 +205,8 @@ pub fn test_device() -> Device {
     *DEVICE.get_or_init(|| match std::env::var("KILN_TEST_DEVICE").as_deref() {
         Ok("cuda") => {
             kiln::cuda::init();
+            // compiled against eager with f32 precision: convolutions too (TF32 is cuDNN's default)
+            kiln::cuda::set_cudnn_allow_tf32(false);
             Device::Cuda(0)
         }
         Ok("mock") => {

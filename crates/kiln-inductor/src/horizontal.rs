@@ -1,0 +1,313 @@
+//! Horizontal fusion: independent kernels launched as one. On a GPU every launch costs a few
+//! microseconds of host and device time whatever it computes, so an optimizer step over many
+//! parameters, or the small scalar kernels of a graph, cost their launches more than their
+//! bytes; `Target::horizontal` runs several kernels' blocks in one launch (the multi-tensor
+//! kernel PyTorch's fused optimizers hand-write, here for any independent kernels).
+//!
+//! A planned kernel moves up to join the earliest kernel it can run beside: nothing it
+//! reads is produced at or after that point, it overwrites no storage read there, and no step
+//! there overwrites storage it reads. Extern steps keep their order (random ops draw in order),
+//! only kernels move, and only earlier: a value is never needed before it is computed. The
+//! earliest, not the closest: a chain of small kernels each feeding one large one (an
+//! optimizer's scalar bias corrections, each read by its parameter's update) then gathers into
+//! two launches, where joining the closest would pair each update with the next scalar.
+
+use kiln_compile::graph::{Graph, NodeId};
+
+use crate::backend::{Planned, Target};
+use crate::runtime::plan::Alloc;
+
+/// How many steps back a kernel looks for a launch to join (bounds planning time).
+const LOOKBACK: usize = 64;
+/// Most kernels in one launch.
+const MAX_MEMBERS: usize = 64;
+/// Most parameters of one launch (4 KiB of pointers: what every CUDA driver accepts).
+const MAX_PARAMS: usize = 512;
+
+/// A step being planned: an extern, or the kernels one launch will run.
+struct Entry<K> {
+    step: Step<K>,
+    /// Nodes the step reads, and the nodes it produces.
+    reads: Vec<NodeId>,
+    produces: Vec<NodeId>,
+    /// Storage (alias roots) the step reads, and storage it overwrites in place.
+    read_roots: Vec<NodeId>,
+    overwrites: Vec<NodeId>,
+    /// Block size and parameter count, for kernels that can share a launch.
+    side: Option<(u32, usize)>,
+}
+
+enum Step<K> {
+    Extern(NodeId),
+    Kernels(Vec<(K, Vec<(NodeId, Alloc)>)>),
+}
+
+fn intersects(a: &[NodeId], b: &[NodeId]) -> bool {
+    a.iter().any(|x| b.contains(x))
+}
+
+impl<K> Entry<K> {
+    fn new<T: Target<Kernel = K>>(t: &T, g: &Graph, roots: &[NodeId], p: Planned<K>) -> Self {
+        match p {
+            Planned::Extern { node } => {
+                let reads = g.nodes[node].args.clone();
+                Entry {
+                    read_roots: reads.iter().map(|&a| roots[a]).collect(),
+                    reads,
+                    produces: vec![node],
+                    overwrites: Vec::new(),
+                    side: None,
+                    step: Step::Extern(node),
+                }
+            }
+            Planned::Kernel { kernel, outs } => {
+                let overwrites: Vec<NodeId> = outs
+                    .iter()
+                    .filter_map(|&(_, a)| match a {
+                        Alloc::InPlace(input) => Some(roots[input]),
+                        _ => None,
+                    })
+                    .collect();
+                let reads = t.inputs(&kernel).to_vec();
+                let mut read_roots: Vec<NodeId> = reads.iter().map(|&a| roots[a]).collect();
+                read_roots.extend(&overwrites);
+                // a launch with an empty output is skipped whole (`runtime/exec.rs`)
+                let empty = outs.iter().any(|&(n, _)| g.nodes[n].shape.contains(&0));
+                Entry {
+                    side: if empty { None } else { t.side_by_side(&kernel) },
+                    reads,
+                    produces: outs.iter().map(|o| o.0).collect(),
+                    read_roots,
+                    overwrites,
+                    step: Step::Kernels(vec![(kernel, outs)]),
+                }
+            }
+        }
+    }
+
+    /// Whether `self`, planned after `earlier`, must stay after it.
+    fn after(&self, earlier: &Entry<K>) -> bool {
+        intersects(&self.reads, &earlier.produces)
+            || intersects(&self.overwrites, &earlier.read_roots)
+            || intersects(&self.read_roots, &earlier.overwrites)
+    }
+
+    fn joins(&self, other: &Entry<K>) -> bool {
+        let (Some((b1, p1)), Some((b2, p2)), Step::Kernels(members)) =
+            (self.side, other.side, &self.step)
+        else {
+            return false;
+        };
+        b1 == b2 && p1 + p2 <= MAX_PARAMS && members.len() < MAX_MEMBERS
+    }
+
+    fn absorb(&mut self, other: Entry<K>) {
+        let (Step::Kernels(members), Step::Kernels(more)) = (&mut self.step, other.step) else {
+            return;
+        };
+        members.extend(more);
+        self.reads.extend(other.reads);
+        self.produces.extend(other.produces);
+        self.read_roots.extend(other.read_roots);
+        self.overwrites.extend(other.overwrites);
+        if let (Some(a), Some(b)) = (&mut self.side, other.side) {
+            a.1 += b.1;
+        }
+    }
+
+    fn finish<T: Target<Kernel = K>>(self, t: &T) -> Vec<Planned<K>> {
+        let members = match self.step {
+            Step::Extern(node) => return vec![Planned::Extern { node }],
+            Step::Kernels(m) => m,
+        };
+        if members.len() > 1 {
+            let refs: Vec<&K> = members.iter().map(|m| &m.0).collect();
+            if let Some(kernel) = t.horizontal(&refs) {
+                let outs = members.into_iter().flat_map(|m| m.1).collect();
+                return vec![Planned::Kernel { kernel, outs }];
+            }
+        }
+        // one kernel, or members no launch can hold together: independent, in any order
+        members
+            .into_iter()
+            .map(|(kernel, outs)| Planned::Kernel { kernel, outs })
+            .collect()
+    }
+}
+
+/// The planned steps with independent kernels joined into shared launches (unchanged for a
+/// target without horizontal kernels). `roots`: each node's storage (`plan::alias_roots`).
+pub fn fuse<T: Target>(
+    t: &T,
+    g: &Graph,
+    roots: &[NodeId],
+    planned: Vec<Planned<T::Kernel>>,
+) -> Vec<Planned<T::Kernel>> {
+    let mut entries: Vec<Entry<T::Kernel>> = Vec::with_capacity(planned.len());
+    for p in planned {
+        let e = Entry::new(t, g, roots, p);
+        let mut at = None;
+        if e.side.is_some() {
+            for j in (0..entries.len()).rev().take(LOOKBACK) {
+                if e.after(&entries[j]) {
+                    break;
+                }
+                if entries[j].joins(&e) {
+                    at = Some(j);
+                }
+            }
+        }
+        match at {
+            Some(j) => entries[j].absorb(e),
+            None => entries.push(e),
+        }
+    }
+    entries.into_iter().flat_map(|e| e.finish(t)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::graph::{Node, Op};
+    use kiln_core::prim::{BinaryOp, Prim, ReduceOp};
+    use kiln_core::{DType, Device};
+
+    use super::*;
+    use crate::backend::plan_graph;
+    use crate::codegen::cuda::Cuda;
+
+    fn node(op: Op, args: Vec<NodeId>, shape: &[usize]) -> Node {
+        Node {
+            op,
+            args,
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            grad_enabled: false,
+            requires_grad: false,
+            device: Device::Cuda(0),
+        }
+    }
+
+    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
+        let i = g.num_inputs;
+        g.num_inputs += 1;
+        g.push(node(Op::Input(i), vec![], shape))
+    }
+
+    fn binary(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeId {
+        let shape = g.nodes[a].shape.clone();
+        g.push(node(Op::Prim(Prim::Binary(op)), vec![a, b], &shape))
+    }
+
+    /// (kernel launches, values each computes) of a graph planned for a GPU.
+    fn launches(g: &Graph) -> Vec<usize> {
+        plan_graph(&Cuda { sm_count: 2 }, g)
+            .iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { outs, .. } => Some(outs.len()),
+                Planned::Extern { .. } => None,
+            })
+            .collect()
+    }
+
+    /// An optimizer-like step: each parameter of its own shape updated in place from its
+    /// gradient. The updates are independent: one launch.
+    #[test]
+    fn independent_updates_share_one_launch() {
+        let mut g = Graph::default();
+        for shape in [&[64usize, 32][..], &[10], &[5, 5, 5]] {
+            let index = g.num_inputs;
+            let p = input(&mut g, shape);
+            let grad = input(&mut g, shape);
+            let new = binary(&mut g, BinaryOp::Sub, p, grad);
+            g.mutated_inputs.push((g.outputs.len(), index));
+            g.outputs.push(new);
+        }
+        assert_eq!(launches(&g), vec![3]);
+        let planned = plan_graph(&Cuda { sm_count: 2 }, &g);
+        let Some(Planned::Kernel { kernel, outs }) = planned.first() else {
+            panic!("no kernel planned");
+        };
+        assert!(outs.iter().all(|o| matches!(o.1, Alloc::InPlace(_))));
+        // three shapes, three member functions, one dispatcher branch each
+        assert_eq!(kernel.device_fns.len(), 3);
+        assert_eq!(kernel.source.matches("if (kbid <").count(), 3);
+    }
+
+    /// Adam's shape: each parameter's step count bumped in place (a scalar kernel), then the
+    /// parameter updated reading the new count. The counts gather in one launch and the
+    /// updates in another; joining the closest launch instead would pair each update with the
+    /// next count, a launch per parameter.
+    #[test]
+    fn scalar_then_update_chains_gather_in_two_launches() {
+        let mut g = Graph::default();
+        let one = input(&mut g, &[]);
+        for shape in [&[64usize, 32][..], &[10], &[5, 5, 5], &[7]] {
+            let (step_index, p_index) = (g.num_inputs, g.num_inputs + 1);
+            let step = input(&mut g, &[]);
+            let p = input(&mut g, shape);
+            let grad = input(&mut g, shape);
+            let bumped = binary(&mut g, BinaryOp::Add, step, one);
+            g.mutated_inputs.push((g.outputs.len(), step_index));
+            g.outputs.push(bumped);
+            let wide = g.push(node(
+                Op::Prim(Prim::Expand(shape.to_vec())),
+                vec![bumped],
+                shape,
+            ));
+            let scaled = binary(&mut g, BinaryOp::Mul, grad, wide);
+            let new = binary(&mut g, BinaryOp::Sub, p, scaled);
+            g.mutated_inputs.push((g.outputs.len(), p_index));
+            g.outputs.push(new);
+        }
+        assert_eq!(launches(&g), vec![4, 4]);
+    }
+
+    /// A kernel reading another's value stays after it.
+    #[test]
+    fn a_reader_of_a_value_waits_for_it() {
+        let mut g = Graph::default();
+        let a = input(&mut g, &[8, 4]);
+        let b = input(&mut g, &[8, 4]);
+        let c = input(&mut g, &[4]);
+        let x = binary(&mut g, BinaryOp::Mul, a, b);
+        // a broadcast read of x: not the same loop as x, and it needs x computed
+        let xt = g.push(node(Op::Prim(Prim::Permute(vec![1, 0])), vec![x], &[4, 8]));
+        let s = g.push(node(
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![1],
+            }),
+            vec![xt],
+            &[4],
+        ));
+        let y = binary(&mut g, BinaryOp::Add, s, c);
+        g.outputs = vec![x, y];
+        assert_eq!(launches(&g).len(), 3);
+    }
+
+    /// A kernel overwriting a parameter in place does not run beside a kernel still reading the
+    /// parameter's old values.
+    #[test]
+    fn an_in_place_write_waits_for_readers_of_the_old_value() {
+        let mut g = Graph::default();
+        let p = input(&mut g, &[64, 32]);
+        let grad = input(&mut g, &[64, 32]);
+        let norm = g.push(node(
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![1],
+            }),
+            vec![p],
+            &[64],
+        ));
+        let new = binary(&mut g, BinaryOp::Sub, p, grad);
+        g.outputs = vec![norm, new];
+        g.mutated_inputs = vec![(1, 0)];
+        assert_eq!(launches(&g), vec![1, 1]);
+        let planned = plan_graph(&Cuda { sm_count: 2 }, &g);
+        assert!(planned.iter().any(|s| matches!(
+            s,
+            Planned::Kernel { outs, .. } if matches!(outs[0].1, Alloc::InPlace(_))
+        )));
+    }
+}
