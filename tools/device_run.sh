@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: named steps run in order, each with its wall time, its whole log
+# under $OUT (or /tmp/kiln-out) and its last lines on stdout, so tests, kiln-bench and PyTorch's
+# baseline come from the same run on the same GPU.
+#
+# Here:   cargo build --release --workspace --tests
+#         mkdir -p carry/gpu; cp the test binaries (target/release/deps/NAME-HASH → carry/gpu/NAME)
+#         and target/release/kiln-bench into carry/gpu; strip them; cp ../shared/bench/*.py carry/
+# There:  bash tools/device_run.sh STEP...   (carry: ["carry"])
+#
+# Steps: gpu_compile gpu_ops cuda_memory compile_ops (the op suite with KILN_TEST_DEVICE=cuda)
+#        bench:WORKLOAD[:MODE] (kiln-bench on cuda; MODE default, reduce-overhead, eager, ...)
+#        torch:W1,W2,... (torch_baseline.py) jax:W1,W2,... (jax_baseline.py) bert_minilm
+set -u
+bin=carry/gpu
+out=${OUT:-/tmp/kiln-out}
+mkdir -p "$out"
+export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-cache}
+export PYTHONUNBUFFERED=1
+# the CUDA libraries live in PyTorch's pip folders
+site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
+for d in "$site"/nvidia/*/lib; do LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"; done
+export LD_LIBRARY_PATH
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+
+run_step() {
+  local step=$1 log
+  log="$out/$(echo "$step" | tr ':,' '__').log"
+  local t0=$SECONDS
+  case $step in
+    gpu_compile | gpu_ops | cuda_memory) "$bin/$step" >"$log" 2>&1 ;;
+    compile_ops) KILN_TEST_DEVICE=cuda "$bin/compile_ops" >"$log" 2>&1 ;;
+    bert_minilm) "$bin/bert_minilm" >"$log" 2>&1 ;;
+    bench:*)
+      IFS=: read -r _ w m <<<"$step"
+      "$bin/kiln-bench" "$w" --device cuda --mode "${m:-default}" >"$log" 2>&1 ;;
+    torch:*) timeout 400 python3 carry/torch_baseline.py $(echo "${step#torch:}" | tr , ' ') \
+      2>&1 | grep -v -i warning >"$log" ;;
+    jax:*) timeout 300 python3 carry/jax_baseline.py $(echo "${step#jax:}" | tr , ' ') \
+      2>&1 | grep -v -i warning >"$log" ;;
+    *) echo "unknown step $step" >"$log" ;;
+  esac
+  echo "== $step: exit $?, $((SECONDS - t0)) s"
+  case $step in
+    bench:* | torch:* | jax:*) grep '^{' "$log" | cut -c1-200 ;;
+    *) tail -n 25 "$log" ;;
+  esac
+}
+
+for s in "$@"; do run_step "$s"; done
+# at most 8 files come back: the logs travel as one archive
+tar -czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log
