@@ -56,6 +56,10 @@ pub trait DeviceGraph: Send + Sync {
     fn replay(&self) -> Result<()>;
 }
 
+/// Most parameters one generated kernel launch takes, eight bytes each: 4 KiB of arguments, what
+/// every CUDA driver accepts. The compiler's horizontal kernels are packed up to it.
+pub const MAX_KERNEL_PARAMS: usize = 512;
+
 /// A compiled generated kernel, loaded on its device (`DeviceRuntime::load_kernels`).
 pub trait DeviceKernel: Send + Sync {
     /// Queues the kernel on its device's stream: `grid` blocks of `block` threads, with `params`

@@ -22,8 +22,9 @@ pub(crate) struct GeneratedKernel {
 unsafe impl Send for GeneratedKernel {}
 unsafe impl Sync for GeneratedKernel {}
 
-/// Most arguments a generated kernel takes (pointers and sizes).
-const MAX_PARAMS: usize = 64;
+/// Most arguments a generated kernel takes (pointers and sizes): a horizontal kernel (an
+/// optimizer step over every parameter of a model) takes hundreds.
+const MAX_PARAMS: usize = kiln_core::device::MAX_KERNEL_PARAMS;
 
 impl DeviceKernel for GeneratedKernel {
     fn launch(&self, grid: [u32; 3], block: u32, params: &[u64]) -> Result<()> {

@@ -38,7 +38,7 @@ pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
 pub use matmul_lt::{matmul_epilogue, Epilogue};
-pub use nvrtc::kernel_cache_stats;
+pub use nvrtc::{kernel_cache_stats, kernel_compile_times};
 
 use device::CudaDevice;
 use kiln_core::{Device, Error, Result};

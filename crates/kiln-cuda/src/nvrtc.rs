@@ -3,13 +3,20 @@
 //! on disk (by the hash of source + target + NVRTC version) under `KILN_CACHE_DIR/cuda`, with the CPU
 //! kernel cache's rules: atomic writes (temporary file, then rename), a checksum beside each entry,
 //! a mismatching or unloadable entry rebuilt.
+//!
+//! NVRTC compiles straight to the device's machine code (a CUBIN for `sm_XY`), which is what the
+//! disk cache keeps: loading PTX instead would have the driver assemble it again in every process.
+//! No lock is held while NVRTC runs, so the compiler's translation units build on parallel threads.
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{result, sys};
+use cudarc::nvrtc::result as nvrtc;
+use cudarc::nvrtc::sys as nvrtc_sys;
 use kiln_core::{Device, Error, Result};
 
 use crate::device::{cu_err, CudaDevice};
@@ -19,6 +26,8 @@ pub(crate) const ENTRY: &str = "k";
 
 static COMPILES: AtomicU64 = AtomicU64::new(0);
 static DISK_HITS: AtomicU64 = AtomicU64::new(0);
+static COMPILE_NS: AtomicU64 = AtomicU64::new(0);
+static LOAD_NS: AtomicU64 = AtomicU64::new(0);
 
 /// (NVRTC compilations, disk-cache hits) so far in this process.
 pub fn kernel_cache_stats() -> (u64, u64) {
@@ -28,27 +37,36 @@ pub fn kernel_cache_stats() -> (u64, u64) {
     )
 }
 
+/// Time spent so far in this process (summed over threads): NVRTC compiling, and the driver
+/// loading modules onto devices. What a cold compile of a graph on a GPU costs, apart from the
+/// compiler's own work.
+pub fn kernel_compile_times() -> (Duration, Duration) {
+    (
+        Duration::from_nanos(COMPILE_NS.load(Ordering::Relaxed)),
+        Duration::from_nanos(LOAD_NS.load(Ordering::Relaxed)),
+    )
+}
+
 /// The kernel for `signature` on `dev`, generating its source with `source` on a miss.
 pub(crate) fn kernel(
     dev: &Arc<CudaDevice>,
     signature: &str,
     source: impl FnOnce() -> String,
 ) -> Result<sys::CUfunction> {
-    let mut table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(&f) = table.get(signature) {
+    if let Some(&f) = dev
+        .kernels
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(signature)
+    {
         return Ok(f);
     }
-    let src = source();
-    let ptx = ptx_for(dev, signature, &src)?;
-    dev.bind()?;
-    let c = CString::new(ptx).map_err(|_| compile_err(signature, "PTX holds a NUL byte"))?;
-    // SAFETY: `c` is NUL-terminated PTX; the module stays loaded for the process
-    let module = unsafe { result::module::load_data(c.as_ptr().cast()) }
-        .map_err(|e| cu_err("cuModuleLoadData", dev.ordinal, e))?;
-    let name = CString::new(ENTRY).map_err(|_| compile_err(signature, "bad entry name"))?;
-    let f = unsafe { result::module::get_function(module, name) }
-        .map_err(|e| cu_err("cuModuleGetFunction", dev.ordinal, e))?;
-    table.insert(signature.to_string(), f);
+    let module = load_module(dev, signature, &source())?;
+    let f = function(dev, module, signature, ENTRY)?;
+    dev.kernels
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(signature.to_string(), f);
     Ok(f)
 }
 
@@ -59,31 +77,57 @@ pub(crate) fn module_kernels(
     src: &str,
     names: &[String],
 ) -> Result<Vec<sys::CUfunction>> {
-    let key = format!("gen:{}", checksum(src.as_bytes()));
-    let mut table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
-    let have: Option<Vec<sys::CUfunction>> = names
-        .iter()
-        .map(|n| table.get(&format!("{key}:{n}")).copied())
-        .collect();
+    // inside a fresh-cache scope (cold-compile measurements) a module loaded before is not reused
+    let key = format!(
+        "gen:{}:{}",
+        kiln_core::cache::scope_id(),
+        checksum(src.as_bytes())
+    );
+    let have: Option<Vec<sys::CUfunction>> = {
+        let table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        names
+            .iter()
+            .map(|n| table.get(&format!("{key}:{n}")).copied())
+            .collect()
+    };
     if let Some(fs) = have {
         return Ok(fs);
     }
-    let ptx = ptx_for(dev, &key, src)?;
-    dev.bind()?;
-    let c = CString::new(ptx).map_err(|_| compile_err(&key, "PTX holds a NUL byte"))?;
-    // SAFETY: `c` is NUL-terminated PTX; the module stays loaded for the process
-    let module = unsafe { result::module::load_data(c.as_ptr().cast()) }
-        .map_err(|e| cu_err("cuModuleLoadData", dev.ordinal, e))?;
-    let mut out = Vec::with_capacity(names.len());
-    for n in names {
-        let name = CString::new(n.as_str()).map_err(|_| compile_err(&key, "bad kernel name"))?;
-        // SAFETY: the module is loaded; the name is NUL-terminated
-        let f = unsafe { result::module::get_function(module, name) }
-            .map_err(|e| cu_err("cuModuleGetFunction", dev.ordinal, e))?;
+    let module = load_module(dev, &key, src)?;
+    let fs = names
+        .iter()
+        .map(|n| function(dev, module, &key, n))
+        .collect::<Result<Vec<_>>>()?;
+    let mut table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
+    for (n, &f) in names.iter().zip(&fs) {
         table.insert(format!("{key}:{n}"), f);
-        out.push(f);
     }
-    Ok(out)
+    Ok(fs)
+}
+
+/// `src` compiled for `dev` (from the disk cache when there) and loaded; the module stays loaded
+/// for the process.
+fn load_module(dev: &Arc<CudaDevice>, signature: &str, src: &str) -> Result<sys::CUmodule> {
+    let image = cubin_for(dev, signature, src)?;
+    dev.bind()?;
+    let start = Instant::now();
+    // SAFETY: `image` is a complete CUBIN, alive for the call
+    let module = unsafe { result::module::load_data(image.as_ptr().cast()) }
+        .map_err(|e| cu_err("cuModuleLoadData", dev.ordinal, e))?;
+    LOAD_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    Ok(module)
+}
+
+fn function(
+    dev: &CudaDevice,
+    module: sys::CUmodule,
+    signature: &str,
+    name: &str,
+) -> Result<sys::CUfunction> {
+    let c = CString::new(name).map_err(|_| compile_err(signature, "bad kernel name"))?;
+    // SAFETY: the module is loaded; the name is NUL-terminated
+    unsafe { result::module::get_function(module, c) }
+        .map_err(|e| cu_err("cuModuleGetFunction", dev.ordinal, e))
 }
 
 fn compile_err(signature: &str, msg: impl std::fmt::Display) -> Error {
@@ -103,48 +147,82 @@ fn nvrtc_version() -> String {
 }
 
 fn cache_dir() -> PathBuf {
-    let base = match std::env::var("KILN_CACHE_DIR") {
-        Ok(d) => PathBuf::from(d),
-        Err(_) => match std::env::var("HOME") {
-            Ok(h) => Path::new(&h).join(".cache").join("kiln"),
-            Err(_) => std::env::temp_dir().join("kiln-cache"),
-        },
-    };
-    base.join("cuda")
+    kiln_core::cache::cache_root().join("cuda")
 }
 
 fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
 }
 
-/// PTX for `src`: from the disk cache when a verified entry exists, else compiled and stored.
-fn ptx_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<String> {
-    let key = checksum(format!("{src}|{}|{}", dev.arch, nvrtc_version()).as_bytes());
+/// The device's machine code for `src`: from the disk cache when a verified entry exists, else
+/// compiled by NVRTC and stored.
+fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
+    let sm = dev.arch.replace("compute_", "sm_");
+    let key = checksum(format!("{src}|{sm}|{}|cubin", nvrtc_version()).as_bytes());
     let dir = cache_dir();
-    let path = dir.join(format!("{key}.ptx"));
-    let sum_path = dir.join(format!("{key}.ptx.xxh3"));
-    if let (Ok(ptx), Ok(want)) = (std::fs::read(&path), std::fs::read_to_string(&sum_path)) {
-        if checksum(&ptx) == want.trim() {
-            if let Ok(s) = String::from_utf8(ptx) {
-                DISK_HITS.fetch_add(1, Ordering::Relaxed);
-                return Ok(s);
-            }
+    let path = dir.join(format!("{key}.cubin"));
+    let sum_path = dir.join(format!("{key}.cubin.xxh3"));
+    if let (Ok(image), Ok(want)) = (std::fs::read(&path), std::fs::read_to_string(&sum_path)) {
+        if checksum(&image) == want.trim() {
+            DISK_HITS.fetch_add(1, Ordering::Relaxed);
+            return Ok(image);
         }
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(dev.arch),
-        // no contraction into FMAs: results stay close to the CPU reference's rounding
-        fmad: Some(false),
-        options: vec!["--std=c++17".into()],
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts)
-        .map_err(|e| compile_err(signature, format!("{e:?}\n--- source ---\n{src}")))?
-        .to_src();
+    let start = Instant::now();
+    let image = compile_cubin(signature, src, &sm)?;
+    COMPILE_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     COMPILES.fetch_add(1, Ordering::Relaxed);
     // a cache that cannot be written only costs a recompile in the next process
-    let _ = store(&dir, &path, &sum_path, ptx.as_bytes());
-    Ok(ptx)
+    let _ = store(&dir, &path, &sum_path, &image);
+    Ok(image)
+}
+
+/// NVRTC's program API, for the CUBIN (cudarc's `compile_ptx` gives PTX only).
+fn compile_cubin(signature: &str, src: &str, sm: &str) -> Result<Vec<u8>> {
+    let c_src = CString::new(src).map_err(|_| compile_err(signature, "source holds a NUL byte"))?;
+    let nv = |what: &str, e: nvrtc::NvrtcError| compile_err(signature, format!("{what}: {e:?}"));
+    let prog = nvrtc::create_program(&c_src, None).map_err(|e| nv("nvrtcCreateProgram", e))?;
+    let options = [
+        format!("--gpu-architecture={sm}"),
+        // no contraction into FMAs: results stay close to the CPU reference's rounding
+        "--fmad=false".to_string(),
+        "--std=c++17".to_string(),
+    ];
+    // SAFETY: `prog` is a live program until destroyed below; the CUBIN buffer has the size
+    // NVRTC reported
+    let out = unsafe {
+        match nvrtc::compile_program(prog, &options) {
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .and_then(|()| {
+                        let mut image = vec![0u8; size];
+                        nvrtc_sys::nvrtcGetCUBIN(prog, image.as_mut_ptr().cast())
+                            .result()
+                            .map(|()| image)
+                    })
+                    .map_err(|e| nv("nvrtcGetCUBIN", e))
+            }
+            Err(e) => {
+                let log = nvrtc::get_program_log(prog)
+                    .map(|l| {
+                        let bytes: Vec<u8> = l.iter().map(|&c| c as u8).collect();
+                        String::from_utf8_lossy(&bytes)
+                            .trim_end_matches('\0')
+                            .to_string()
+                    })
+                    .unwrap_or_default();
+                Err(compile_err(
+                    signature,
+                    format!("{e:?}\n{log}\n--- source ---\n{src}"),
+                ))
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    out
 }
 
 fn store(dir: &Path, path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Result<()> {

@@ -22,7 +22,7 @@ const LOOKBACK: usize = 64;
 /// Most kernels in one launch.
 const MAX_MEMBERS: usize = 64;
 /// Most parameters of one launch (4 KiB of pointers: what every CUDA driver accepts).
-const MAX_PARAMS: usize = 512;
+const MAX_PARAMS: usize = kiln_core::device::MAX_KERNEL_PARAMS;
 
 /// A step being planned: an extern, or the kernels one launch will run.
 struct Entry<K> {

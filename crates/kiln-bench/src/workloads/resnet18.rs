@@ -169,6 +169,7 @@ fn compiled_on_device(
     let t = timer.time("resnet18: eager (cuda)", || no_grad(|| model.forward(x)))?;
     ctx.emit(W, "eager", "call", t.ms(), "ms");
     let compiled = kiln::compile(model, ctx.opts())?;
+    let (nvrtc0, load0) = kiln::cuda::kernel_compile_times();
     let (first, t) = with_fresh_cache(|| {
         once("resnet18: cold compile (cuda)", || {
             no_grad(|| compiled.forward(x))
@@ -177,6 +178,17 @@ fn compiled_on_device(
     first?;
     let variant = ctx.mode_name();
     ctx.emit(W, variant, "cold_compile", t.as_secs_f64(), "s");
+    // of which: NVRTC (summed over its parallel threads) and the driver loading the modules
+    let (nvrtc, load) = kiln::cuda::kernel_compile_times();
+    let nvrtc_s = (nvrtc - nvrtc0).as_secs_f64();
+    ctx.emit(W, variant, "cold_compile_nvrtc_thread_time", nvrtc_s, "s");
+    ctx.emit(
+        W,
+        variant,
+        "cold_compile_module_load",
+        (load - load0).as_secs_f64(),
+        "s",
+    );
     let (t, out) = timer.time_keep("resnet18: compiled (cuda)", || {
         no_grad(|| compiled.forward(x))
     })?;

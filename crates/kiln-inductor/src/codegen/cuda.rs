@@ -5,7 +5,6 @@
 //! by the length of what it reduces. All kernels of a graph are one translation unit, compiled
 //! once by NVRTC (through kiln-core's `DeviceRuntime::load_kernels`, which caches by source).
 
-use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::Arc;
 
@@ -18,6 +17,7 @@ use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
     pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
 };
+use crate::codegen::cuda_units::{self, KernelSource};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
@@ -452,33 +452,24 @@ pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph
         sm_count: rt.multiprocessors(device)?,
     };
     let planned = plan_graph(&target, graph);
-    let mut source = String::from(PRELUDE);
-    let mut names: Vec<String> = Vec::new();
-    let mut device_fns: Vec<&str> = Vec::new();
+    let mut kernels: Vec<KernelSource<'_>> = Vec::new();
     for p in &planned {
         if let Planned::Kernel { kernel, .. } = p {
-            for (name, def) in &kernel.device_fns {
-                if !device_fns.contains(&name.as_str()) {
-                    source.push_str(def);
-                    device_fns.push(name);
-                }
-            }
-            if !names.contains(&kernel.name) {
-                source.push_str(&kernel.source);
-                names.push(kernel.name.clone());
+            if !kernels.iter().any(|k| k.name == kernel.name) {
+                kernels.push(KernelSource {
+                    name: &kernel.name,
+                    source: &kernel.source,
+                    device_fns: &kernel.device_fns,
+                });
             }
         }
     }
-    crate::log_output_code(&source);
-    let loaded: HashMap<String, _> = if names.is_empty() {
-        HashMap::new()
-    } else {
-        names
-            .iter()
-            .cloned()
-            .zip(rt.load_kernels(device, &source, &names)?)
-            .collect()
-    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let units = cuda_units::units(PRELUDE, &kernels, threads);
+    for (source, _) in &units {
+        crate::log_output_code(source);
+    }
+    let loaded = cuda_units::load(&rt, device, &units)?;
     let steps = planned
         .into_iter()
         .map(|p| match p {

@@ -1,6 +1,8 @@
 //! Source generation from the schedule. `c`: C with OpenMP for the CPU (and the expression
-//! builder both targets share); `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC.
+//! builder both targets share); `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_units`: a graph's kernels as a few
+//! translation units built on parallel threads).
 
 pub mod c;
 pub mod cuda;
+mod cuda_units;
 pub mod template;

@@ -118,11 +118,6 @@ pub fn toolchain() -> Option<&'static Toolchain> {
     .as_ref()
 }
 
-fn dir_override() -> &'static Mutex<Option<PathBuf>> {
-    static D: OnceLock<Mutex<Option<PathBuf>>> = OnceLock::new();
-    D.get_or_init(Default::default)
-}
-
 /// Runs `f` with an empty kernel cache — a new, empty disk folder and no kernels loaded in memory —
 /// to measure cold compiles (PyTorch's `fresh_inductor_cache`). Kernels loaded before stay usable
 /// by the graphs already compiled; the folder is removed afterwards.
@@ -135,13 +130,10 @@ pub fn with_fresh_cache<R>(f: impl FnOnce() -> R) -> R {
     ));
     let saved_kernels =
         std::mem::take(&mut loaded().lock().unwrap_or_else(|e| e.into_inner()).kernels);
-    let prev = dir_override()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .replace(dir.clone());
     kiln_compile::reset();
-    let out = f();
-    *dir_override().lock().unwrap_or_else(|e| e.into_inner()) = prev;
+    // the folder of every kernel cache, the CUDA target's included (kiln-cuda keys its loaded
+    // modules by the scope too)
+    let out = kiln_core::cache::with_root(dir.clone(), f);
     let mut l = loaded().lock().unwrap_or_else(|e| e.into_inner());
     for (k, v) in saved_kernels {
         l.kernels.entry(k).or_insert(v);
@@ -163,20 +155,7 @@ pub fn forget_loaded_kernels() {
 }
 
 pub fn cache_dir() -> PathBuf {
-    if let Some(d) = dir_override()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .clone()
-    {
-        return d;
-    }
-    if let Ok(d) = std::env::var("KILN_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    match std::env::var("HOME") {
-        Ok(h) => Path::new(&h).join(".cache").join("kiln"),
-        Err(_) => std::env::temp_dir().join("kiln-cache"),
-    }
+    kiln_core::cache::cache_root()
 }
 
 #[derive(Default)]

@@ -1,0 +1,72 @@
+//! The kiln cache folder, shared by every kernel cache (kiln-inductor's C kernels, kiln-cuda's
+//! NVRTC kernels): `$KILN_CACHE_DIR`, else `~/.cache/kiln`. A fresh-cache scope (`with_root`,
+//! behind kiln-inductor's `with_fresh_cache`, PyTorch's `fresh_inductor_cache`) points it at an
+//! empty folder and gives the scope an id that in-memory kernel tables put in their keys, so a
+//! cold compile measured inside it misses in memory and on disk alike, on every device.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// The scope in force: its folder and id.
+static SCOPE: Mutex<Option<(PathBuf, u64)>> = Mutex::new(None);
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// The cache folder in force: the scope's, else `$KILN_CACHE_DIR`, else `~/.cache/kiln`.
+pub fn cache_root() -> PathBuf {
+    if let Some((d, _)) = &*SCOPE.lock().unwrap_or_else(|e| e.into_inner()) {
+        return d.clone();
+    }
+    if let Some(d) = std::env::var_os("KILN_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => Path::new(&h).join(".cache").join("kiln"),
+        None => std::env::temp_dir().join("kiln-cache"),
+    }
+}
+
+/// 0 outside a fresh-cache scope, the scope's own id inside one.
+pub fn scope_id() -> u64 {
+    SCOPE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_ref()
+        .map_or(0, |s| s.1)
+}
+
+/// Runs `f` with `dir` as the cache folder and a new scope id; the previous ones come back after.
+pub fn with_root<R>(dir: PathBuf, f: impl FnOnce() -> R) -> R {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let prev = SCOPE
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .replace((dir, id));
+    // restored on unwind too: a panicking measurement must not leave the process in the scope
+    struct Restore(Option<(PathBuf, u64)>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            *SCOPE.lock().unwrap_or_else(|e| e.into_inner()) = self.0.take();
+        }
+    }
+    let _restore = Restore(prev);
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scope_changes_the_root_and_id_and_restores_them() {
+        let (root, id) = (cache_root(), scope_id());
+        let dir = std::env::temp_dir().join("kiln-cache-scope-test");
+        let inner = with_root(dir.clone(), || {
+            let nested = with_root(dir.join("n"), scope_id);
+            (cache_root(), scope_id(), nested)
+        });
+        assert_eq!(inner.0, dir);
+        assert!(inner.1 != 0 && inner.2 != 0 && inner.1 != inner.2);
+        assert_eq!((cache_root(), scope_id()), (root, id));
+    }
+}

@@ -1,0 +1,163 @@
+//! A graph's CUDA kernels compiled as a few translation units on parallel threads. NVRTC's time
+//! grows with the source it is given, and a network's graph has tens of distinct kernels (one per
+//! channel count and spatial size), so one unit for all of them puts seconds on the critical path
+//! of a cold start; split across threads, the wall time is one unit's. Each unit still holds
+//! several kernels (NVRTC has a fixed cost per program), and the split depends only on the source
+//! text, so a graph compiled again finds the same units in the runtime's caches.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kiln_core::device::{DeviceKernel, DeviceRuntime};
+use kiln_core::{Device, Result};
+
+/// Fewest kernels worth a unit of their own.
+const KERNELS_PER_UNIT: usize = 4;
+/// Most units (and threads) per graph.
+const MAX_UNITS: usize = 16;
+
+/// One kernel to compile: its name, its `__global__` definition, and the `__device__` functions
+/// it calls (name, definition).
+pub(crate) struct KernelSource<'a> {
+    pub name: &'a str,
+    pub source: &'a str,
+    pub device_fns: &'a [(String, String)],
+}
+
+/// The translation units for `kernels` (distinct names, in order): each the prelude, the device
+/// functions its kernels call, and its kernels' definitions, with the names it defines. Kernels
+/// are dealt to units largest first, each to the unit with the least source so far.
+pub(crate) fn units(
+    prelude: &str,
+    kernels: &[KernelSource<'_>],
+    threads: usize,
+) -> Vec<(String, Vec<String>)> {
+    let n = kernels
+        .len()
+        .div_ceil(KERNELS_PER_UNIT)
+        .clamp(1, threads.clamp(1, MAX_UNITS));
+    let mut order: Vec<usize> = (0..kernels.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(kernels[i].source.len()));
+    let mut members: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut sizes = vec![0usize; n];
+    for i in order {
+        let u = (0..n).min_by_key(|&u| sizes[u]).unwrap_or(0);
+        sizes[u] += kernels[i].source.len();
+        members[u].push(i);
+    }
+    members
+        .into_iter()
+        .filter(|m| !m.is_empty())
+        .map(|mut m| {
+            // in the graph's order: the unit's text does not depend on how the sizes tied
+            m.sort_unstable();
+            let mut src = prelude.to_string();
+            let mut fns: Vec<&str> = Vec::new();
+            for &i in &m {
+                for (name, def) in kernels[i].device_fns {
+                    if !fns.contains(&name.as_str()) {
+                        src.push_str(def);
+                        fns.push(name);
+                    }
+                }
+            }
+            for &i in &m {
+                src.push_str(kernels[i].source);
+            }
+            (
+                src,
+                m.iter().map(|&i| kernels[i].name.to_string()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// Compiles and loads `units` on `device`, one thread per unit.
+pub(crate) fn load(
+    rt: &Arc<dyn DeviceRuntime>,
+    device: Device,
+    units: &[(String, Vec<String>)],
+) -> Result<HashMap<String, Arc<dyn DeviceKernel>>> {
+    let loaded: Vec<Result<Vec<Arc<dyn DeviceKernel>>>> = match units {
+        [one] => vec![rt.load_kernels(device, &one.0, &one.1)],
+        _ => std::thread::scope(|s| {
+            let handles: Vec<_> = units
+                .iter()
+                .map(|(src, names)| s.spawn(move || rt.load_kernels(device, src, names)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(kiln_core::Error::arg(
+                            "kiln backend",
+                            "a thread compiling CUDA kernels panicked",
+                        ))
+                    })
+                })
+                .collect()
+        }),
+    };
+    let mut out = HashMap::new();
+    for ((_, names), kernels) in units.iter().zip(loaded) {
+        out.extend(names.iter().cloned().zip(kernels?));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(
+        name: &str,
+        len: usize,
+        fns: &[(String, String)],
+    ) -> (String, String, Vec<(String, String)>) {
+        let body = format!("__global__ void {name}() {{ /*{}*/ }}\n", "x".repeat(len));
+        (name.to_string(), body, fns.to_vec())
+    }
+
+    /// Every kernel lands in exactly one unit, with the device functions it calls and without
+    /// the others'; units are balanced by source size and split only for enough kernels.
+    #[test]
+    fn kernels_are_dealt_to_balanced_units_with_their_device_functions() {
+        let f = vec![("d1".to_string(), "__device__ void d1() {}\n".to_string())];
+        let owned: Vec<_> = (0..12)
+            .map(|i| {
+                kernel(
+                    &format!("k{i}"),
+                    100 * (i % 3 + 1),
+                    if i == 5 { &f } else { &[] },
+                )
+            })
+            .collect();
+        let ks: Vec<KernelSource<'_>> = owned
+            .iter()
+            .map(|(n, s, d)| KernelSource {
+                name: n,
+                source: s,
+                device_fns: d,
+            })
+            .collect();
+        let us = units("PRELUDE\n", &ks, 16);
+        assert_eq!(us.len(), 3, "12 kernels, 4 per unit");
+        let mut seen: Vec<&String> = us.iter().flat_map(|u| &u.1).collect();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 12);
+        for (src, names) in &us {
+            assert!(src.starts_with("PRELUDE\n"));
+            assert_eq!(
+                src.contains("d1()"),
+                names.iter().any(|n| n == "k5"),
+                "{names:?}"
+            );
+        }
+        let lens: Vec<usize> = us.iter().map(|u| u.0.len()).collect();
+        let (lo, hi) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
+        assert!(hi - lo <= 400, "unbalanced units: {lens:?}");
+        assert_eq!(units("P", &ks[..3], 16).len(), 1, "few kernels: one unit");
+        assert_eq!(units("P", &ks, 1).len(), 1, "one thread: one unit");
+    }
+}
