@@ -327,3 +327,65 @@ fn two_symbols_and_backward_through_aot_eager() -> Result<()> {
     );
     Ok(())
 }
+
+#[test]
+fn explain_reports_symbolic_entries() -> Result<()> {
+    use kiln_compile::{EntryReport, SymbolReport, SymbolicReport};
+    let f = compile_fn(|a: &[Tensor]| Ok(vec![body(&a[0])?]), opts("eager"))?;
+    for n in [4usize, 6, 9, 1] {
+        f.call(&[Tensor::randn(&[n, 3], DType::F32)?])?;
+    }
+    let x = Tensor::randn(&[5, 3], DType::F32)?;
+    let report = f.explain(std::slice::from_ref(&x))?;
+    assert_eq!(bits(&report.outputs[0]), bits(&body(&x)?));
+    assert_eq!(
+        report.entries,
+        vec![
+            EntryReport::Static {
+                shapes: vec![vec![4, 3]]
+            },
+            EntryReport::Symbolic(SymbolicReport {
+                symbols: vec![SymbolReport {
+                    name: "s0".into(),
+                    dims: vec![(0, 0)],
+                }],
+                guards: vec!["s0 >= 1".into()],
+                sizes_seen: vec![vec![vec![1, 3]], vec![vec![6, 3]], vec![vec![9, 3]]],
+            }),
+        ]
+    );
+    let text = report.to_string();
+    assert!(
+        text.contains(
+            "Entry 1: symbolic, s0 = argument 0 dim 0; guards s0 >= 1; \
+             sizes seen [[1, 3]] [[6, 3]] [[9, 3]]"
+        ),
+        "{text}"
+    );
+    assert_eq!(
+        f.stats().traces,
+        4,
+        "explain leaves the function's caches alone"
+    );
+
+    // arguments of one size share a symbol (duck sizing): both dims are named
+    let g = compile_fn(|a: &[Tensor]| Ok(vec![a[0].mul(&a[1])?]), opts("eager"))?;
+    for n in [4usize, 6] {
+        let t = Tensor::randn(&[n, 3], DType::F32)?;
+        g.call(&[t.clone(), t.sin()?])?;
+    }
+    let t = Tensor::randn(&[2, 3], DType::F32)?;
+    let e = g.explain(&[t.clone(), t])?;
+    match &e.entries[..] {
+        [EntryReport::Static { .. }, EntryReport::Symbolic(s)] => {
+            assert_eq!(s.symbols[0].dims, vec![(0, 0), (1, 0)], "{e}");
+        }
+        other => panic!("a static and a symbolic entry, not {other:?}"),
+    }
+    assert!(
+        kiln_compile::explain(|a: &[Tensor]| Ok(vec![a[0].sin()?]), &[x])?
+            .entries
+            .is_empty()
+    );
+    Ok(())
+}

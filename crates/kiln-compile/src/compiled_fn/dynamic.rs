@@ -28,6 +28,7 @@ use kiln_core::{Device, Result, Tensor};
 use super::{build_entry, out_slots, replay, CompiledFn, Entry, OutSlot};
 use crate::backends::CompiledGraph;
 use crate::cache;
+use crate::explain::{SymbolReport, SymbolicReport};
 use crate::graph::{Graph, Op};
 use crate::logs::{self, Channel};
 use crate::symbolic::compiled::PerSizeCompiled;
@@ -52,6 +53,39 @@ impl SymEntry {
         seen.iter().any(|shapes| {
             shapes.len() == args.len() && shapes.iter().zip(args).all(|(s, a)| s == a.shape())
         })
+    }
+    /// For `CompiledFn::explain`: the symbols as argument dimensions, the guards, the sizes seen.
+    pub fn report(&self, sources: &[Source]) -> SymbolicReport {
+        let mut sizes_seen: Vec<Vec<Vec<usize>>> = self
+            .seen
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect();
+        sizes_seen.sort();
+        SymbolicReport {
+            symbols: self
+                .graph
+                .symbols
+                .iter()
+                .enumerate()
+                .map(|(k, s)| SymbolReport {
+                    name: format!("s{k}"),
+                    // symbols are made from argument dimensions only
+                    dims: s
+                        .dims
+                        .iter()
+                        .filter_map(|&(j, d)| match sources.get(j) {
+                            Some(Source::Arg(i)) => Some((*i, d)),
+                            _ => None,
+                        })
+                        .collect(),
+                })
+                .collect(),
+            guards: self.graph.guards.iter().map(|g| g.to_string()).collect(),
+            sizes_seen,
+        }
     }
     fn remember(&self, args: &[Tensor]) {
         self.seen
