@@ -211,6 +211,24 @@ impl<'f> CompiledFn<'f> {
         self.lock().stats.clone()
     }
 
+    /// `kiln::explain` of this function's code on `args` (traced once on the interpreter; the
+    /// function's caches are not touched), plus its cache entries: static, or symbolic with their
+    /// symbols, symbol guards and the sizes they ran at.
+    pub fn explain(&self, args: &[Tensor]) -> Result<crate::ExplainOutput> {
+        let mut out = crate::explain(|a: &[Tensor]| (self.f)(a), args)?;
+        let entries: Vec<Arc<Entry>> = self.lock().entries.clone();
+        out.entries = entries
+            .iter()
+            .map(|e| match &e.sym {
+                Some(s) => crate::explain::EntryReport::Symbolic(s.report(&e.sources)),
+                None => crate::explain::EntryReport::Static {
+                    shapes: e.guards.args.iter().map(|g| g.shape.clone()).collect(),
+                },
+            })
+            .collect();
+        Ok(out)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, FnState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }

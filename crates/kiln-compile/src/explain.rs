@@ -1,5 +1,7 @@
 //! `kiln::explain`: what compiling a function would do — graphs, breaks with their source locations,
-//! ops per graph, guards — from one traced run (`torch._dynamo.explain`).
+//! ops per graph, guards — from one traced run (`torch._dynamo.explain`). `CompiledFn::explain`
+//! adds what the compiled function holds: its cache entries, static or symbolic (each symbol's
+//! argument dimensions, the symbol guards, the sizes the entry has run at).
 
 use std::fmt;
 
@@ -18,6 +20,66 @@ pub struct ExplainOutput {
     pub guards: Vec<String>,
     /// The function's outputs from this run.
     pub outputs: Vec<Tensor>,
+    /// The cache entries of a compiled function, oldest first (`CompiledFn::explain`; empty for
+    /// `explain` of a plain function, which has none).
+    pub entries: Vec<EntryReport>,
+}
+
+/// One cache entry of a compiled function.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EntryReport {
+    /// Specialised to these argument shapes.
+    Static { shapes: Vec<Vec<usize>> },
+    /// One graph for many sizes.
+    Symbolic(SymbolicReport),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SymbolReport {
+    /// `s0`, `s1`: as guards and `KILN_LOGS=recompiles` name it.
+    pub name: String,
+    /// The (argument, dim) pairs it stands for; more than one when arguments share a size (duck
+    /// sizing: a call where they differ does not instantiate the entry).
+    pub dims: Vec<(usize, usize)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SymbolicReport {
+    pub symbols: Vec<SymbolReport>,
+    /// The guards on the symbols' values (`s0 >= 1`).
+    pub guards: Vec<String>,
+    /// The argument shapes the entry has run at (each traced and found to instantiate it), sorted.
+    pub sizes_seen: Vec<Vec<Vec<usize>>>,
+}
+
+impl fmt::Display for EntryReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EntryReport::Static { shapes } => write!(f, "static, argument shapes {shapes:?}"),
+            EntryReport::Symbolic(s) => {
+                let syms: Vec<String> = s
+                    .symbols
+                    .iter()
+                    .map(|sym| {
+                        let dims: Vec<String> = sym
+                            .dims
+                            .iter()
+                            .map(|(a, d)| format!("argument {a} dim {d}"))
+                            .collect();
+                        format!("{} = {}", sym.name, dims.join(" = "))
+                    })
+                    .collect();
+                let seen: Vec<String> = s.sizes_seen.iter().map(|v| format!("{v:?}")).collect();
+                write!(
+                    f,
+                    "symbolic, {}; guards {}; sizes seen {}",
+                    syms.join(", "),
+                    s.guards.join(", "),
+                    seen.join(" ")
+                )
+            }
+        }
+    }
 }
 
 impl ExplainOutput {
@@ -59,6 +121,7 @@ where
         guards: Guards::new(args, &sources, 0).describe(),
         graphs: records.into_iter().map(|r| r.graph).collect(),
         outputs,
+        entries: Vec::new(),
     })
 }
 
@@ -84,6 +147,12 @@ impl fmt::Display for ExplainOutput {
         writeln!(f, "Guards:")?;
         for g in &self.guards {
             writeln!(f, "  {g}")?;
+        }
+        if !self.entries.is_empty() {
+            writeln!(f, "Cache Entries:")?;
+            for (i, e) in self.entries.iter().enumerate() {
+                writeln!(f, "  Entry {i}: {e}")?;
+            }
         }
         Ok(())
     }

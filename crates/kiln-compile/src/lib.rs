@@ -22,7 +22,7 @@ pub mod trace;
 pub use backends::{list_backends, register_backend, Backend, BackendContext, CompiledGraph};
 pub use cache::{reset, stats as cache_stats, CacheStats};
 pub use compiled_fn::{compile_fn, compile_named, CompiledFn, FnStats};
-pub use explain::{explain, ExplainOutput};
+pub use explain::{explain, EntryReport, ExplainOutput, SymbolReport, SymbolicReport};
 pub use graph::{Graph, Node, NodeId, Op};
 pub use options::{BackendChoice, CompileOptions, Mode};
 pub use symbolic::{mark_dynamic, mark_static};

@@ -1,6 +1,6 @@
 //! Dynamic shapes (issue 9) on the `eager` and `aot_eager` backends: automatic dynamic, marks,
-//! `dynamic: Some(true/false)`, the specialised sizes 0 and 1, recompile messages, and Rust code
-//! that branches on a size where the tracer cannot see it.
+//! `dynamic: Some(true/false)`, size 1 reusing a symbolic entry it instantiates, the specialised
+//! size 0, recompile messages, and Rust code that branches on a size where the tracer cannot see it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -65,31 +65,112 @@ fn the_recompile_message_names_the_dimension_and_the_symbol() -> Result<()> {
     );
     assert!(m.contains("argument 0 dim 0 changed (4 -> 6)"), "{m}");
     assert!(m.contains("s0 = argument 0 dim 0"), "{m}");
-    assert!(m.contains("s0 >= 2"), "{m}");
+    assert!(m.contains("s0 >= 1"), "{m}");
     Ok(())
 }
 
 #[test]
-fn sizes_0_and_1_are_specialised_by_a_guard() -> Result<()> {
-    let f = compile_fn(
-        |a: &[Tensor]| Ok(vec![a[0].sin()?.mul(3.0)?]),
-        opts("eager"),
-    )?;
-    for n in [4usize, 6, 1, 8, 1] {
-        let x = Tensor::randn(&[n, 2], DType::F32)?;
+fn size_1_reuses_a_symbolic_entry_it_instantiates_and_0_is_specialised() -> Result<()> {
+    // `w` is expanded to [n, 3], except at n = 1, where broadcasting needs no expand: the trace at
+    // 1 is the symbolic graph but for that identity
+    let w = Tensor::randn(&[1, 3], DType::F32)?;
+    let scaled = |x: &Tensor| x.sin()?.mul(3.0)?.add(&w)?.sum(&[1], true);
+    let f = compile_fn(|a: &[Tensor]| Ok(vec![scaled(&a[0])?]), opts("eager"))?;
+    for n in [4usize, 6, 1, 8, 1, 0] {
+        let x = Tensor::randn(&[n, 3], DType::F32)?;
         let got = f.call(std::slice::from_ref(&x))?;
-        assert_eq!(bits(&got[0]), bits(&x.sin()?.mul(3.0)?));
+        assert_eq!(bits(&got[0]), bits(&scaled(&x)?), "n = {n}");
     }
     let s = f.stats();
     assert_eq!(
-        (s.compiles, s.symbolic_compiles),
-        (3, 1),
-        "size 1 has its own entry: {s:?}"
+        (
+            s.compiles,
+            s.symbolic_compiles,
+            s.symbolic_reuses,
+            s.replays
+        ),
+        (3, 1, 2, 1),
+        "1 and 8 reuse the symbolic entry, the second 1 replays it, 0 has its own: {s:?}"
     );
-    assert_eq!(s.symbolic_reuses, 1, "{s:?}");
-    let m = &s.recompile_log[1];
-    assert!(m.contains("s0 = 1 fails the guard s0 >= 2"), "{m}");
-    assert!(m.contains("argument 0 dim 0 = 1 is specialised"), "{m}");
+    let one = &s.recompile_log[1];
+    assert!(
+        one.contains("instantiates symbolic entry 1 at s0=1"),
+        "{one}"
+    );
+    assert!(one.contains("size 1 for s0"), "{one}");
+    let zero = s.recompile_log.last().expect("a message for size 0");
+    assert!(zero.contains("s0 = 0 fails the guard s0 >= 1"), "{zero}");
+    assert!(
+        zero.contains("argument 0 dim 0 = 0 is specialised"),
+        "{zero}"
+    );
+    Ok(())
+}
+
+/// Before any symbolic entry, a size-1 call gets a static entry (symbols are made from sizes >= 2
+/// only); the next size unifies with the static entry at 7, not with the one at 1, and the
+/// symbolic entry then serves size 1 too.
+#[test]
+fn a_static_entry_at_size_1_is_not_what_a_symbol_is_fitted_from() -> Result<()> {
+    let scaled = |x: &Tensor| x.sin()?.mul(3.0)?.sum(&[1], true);
+    let f = compile_fn(|a: &[Tensor]| Ok(vec![scaled(&a[0])?]), opts("eager"))?;
+    for n in [7usize, 1, 12, 5] {
+        let x = Tensor::randn(&[n, 3], DType::F32)?;
+        let got = f.call(std::slice::from_ref(&x))?;
+        assert_eq!(bits(&got[0]), bits(&scaled(&x)?), "n = {n}");
+    }
+    let s = f.stats();
+    assert_eq!(
+        (s.compiles, s.symbolic_compiles, s.symbolic_reuses),
+        (3, 1, 1),
+        "{s:?}"
+    );
+    assert!(
+        s.recompile_log[0].contains("argument 0 dim 0 = 1 is specialised"),
+        "{s:?}"
+    );
+    assert!(
+        s.recompile_log[1].contains("argument 0 dim 0 changed (7 -> 12)"),
+        "{s:?}"
+    );
+    Ok(())
+}
+
+/// `squeeze` drops every size-1 dim: at batch 1 the sum runs over another axis and returns
+/// another shape, so the trace at 1 is not the symbolic graph and gets its own entry.
+fn squeezed(x: &Tensor) -> Result<Tensor> {
+    x.squeeze()?.sin()?.sum(&[0], false)
+}
+
+#[test]
+fn a_size_1_trace_of_another_structure_gets_its_own_entry() -> Result<()> {
+    for backend in ["eager", "aot_eager"] {
+        let f = compile_fn(|a: &[Tensor]| Ok(vec![squeezed(&a[0])?]), opts(backend))?;
+        for n in [4usize, 6, 1, 9, 1] {
+            let x = Tensor::randn(&[n, 3], DType::F32)?;
+            let got = f.call(std::slice::from_ref(&x))?;
+            let want = squeezed(&x)?;
+            assert_eq!(got[0].shape(), want.shape(), "{backend}, n = {n}");
+            assert_eq!(bits(&got[0]), bits(&want), "{backend}, n = {n}");
+        }
+        let s = f.stats();
+        assert_eq!(
+            (
+                s.compiles,
+                s.symbolic_compiles,
+                s.symbolic_reuses,
+                s.replays
+            ),
+            (3, 1, 1, 1),
+            "{backend}: static 4, symbolic from 6, 9 reuses it, 1 its own entry: {s:?}"
+        );
+        let m = &s.recompile_log[1];
+        assert!(
+            m.contains("not symbolic entry 1: the new trace has a different structure"),
+            "{m}"
+        );
+        assert!(m.contains("static"), "{m}");
+    }
     Ok(())
 }
 
@@ -243,6 +324,68 @@ fn two_symbols_and_backward_through_aot_eager() -> Result<()> {
         (s.compiles, s.symbolic_compiles, s.symbolic_reuses),
         (2, 1, 3),
         "{s:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn explain_reports_symbolic_entries() -> Result<()> {
+    use kiln_compile::{EntryReport, SymbolReport, SymbolicReport};
+    let f = compile_fn(|a: &[Tensor]| Ok(vec![body(&a[0])?]), opts("eager"))?;
+    for n in [4usize, 6, 9, 1] {
+        f.call(&[Tensor::randn(&[n, 3], DType::F32)?])?;
+    }
+    let x = Tensor::randn(&[5, 3], DType::F32)?;
+    let report = f.explain(std::slice::from_ref(&x))?;
+    assert_eq!(bits(&report.outputs[0]), bits(&body(&x)?));
+    assert_eq!(
+        report.entries,
+        vec![
+            EntryReport::Static {
+                shapes: vec![vec![4, 3]]
+            },
+            EntryReport::Symbolic(SymbolicReport {
+                symbols: vec![SymbolReport {
+                    name: "s0".into(),
+                    dims: vec![(0, 0)],
+                }],
+                guards: vec!["s0 >= 1".into()],
+                sizes_seen: vec![vec![vec![1, 3]], vec![vec![6, 3]], vec![vec![9, 3]]],
+            }),
+        ]
+    );
+    let text = report.to_string();
+    assert!(
+        text.contains(
+            "Entry 1: symbolic, s0 = argument 0 dim 0; guards s0 >= 1; \
+             sizes seen [[1, 3]] [[6, 3]] [[9, 3]]"
+        ),
+        "{text}"
+    );
+    assert_eq!(
+        f.stats().traces,
+        4,
+        "explain leaves the function's caches alone"
+    );
+
+    // arguments of one size share a symbol (duck sizing): both dims are named
+    let g = compile_fn(|a: &[Tensor]| Ok(vec![a[0].mul(&a[1])?]), opts("eager"))?;
+    for n in [4usize, 6] {
+        let t = Tensor::randn(&[n, 3], DType::F32)?;
+        g.call(&[t.clone(), t.sin()?])?;
+    }
+    let t = Tensor::randn(&[2, 3], DType::F32)?;
+    let e = g.explain(&[t.clone(), t])?;
+    match &e.entries[..] {
+        [EntryReport::Static { .. }, EntryReport::Symbolic(s)] => {
+            assert_eq!(s.symbols[0].dims, vec![(0, 0), (1, 0)], "{e}");
+        }
+        other => panic!("a static and a symbolic entry, not {other:?}"),
+    }
+    assert!(
+        kiln_compile::explain(|a: &[Tensor]| Ok(vec![a[0].sin()?]), &[x])?
+            .entries
+            .is_empty()
     );
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! `kiln::compile(&module, opts)`: a compiled module is itself a `Module`, so it drops into existing
 //! code; its parameters are the original module's (optimizers see the same tensors).
 
-use kiln_compile::{CompileOptions, CompiledFn, FnStats};
+use kiln_compile::{CompileOptions, CompiledFn, ExplainOutput, FnStats};
 use kiln_core::{Error, Result, Tensor};
 use kiln_nn::{Module, TensorKind, TrainFlag};
 
@@ -92,6 +92,11 @@ impl<'m> CompiledModule<'m> {
     }
     pub fn stats(&self) -> FnStats {
         self.func.stats()
+    }
+    /// `kiln::explain` of the module's forward on `x`, with the compiled module's cache entries
+    /// (static or symbolic: symbols, guards, sizes seen).
+    pub fn explain(&self, x: &Tensor) -> Result<ExplainOutput> {
+        self.func.explain(std::slice::from_ref(x))
     }
     pub fn original(&self) -> &'m dyn Module {
         self.inner

@@ -19,7 +19,8 @@ pub use compile::{compile, compile_fn, compile_named, list_backends, CompiledMod
 pub use kiln_compile as compiler;
 pub use kiln_compile::{
     cache_stats, explain, mark_dynamic, mark_static, register_backend, reset, Backend,
-    BackendContext, CompileOptions, CompiledFn, CompiledGraph, ExplainOutput, FnStats, Graph, Mode,
+    BackendContext, CompileOptions, CompiledFn, CompiledGraph, EntryReport, ExplainOutput, FnStats,
+    Graph, Mode, SymbolReport, SymbolicReport,
 };
 /// Loop IR, fusion and C code generation (the `kiln` backend).
 pub use kiln_inductor as inductor;

@@ -28,6 +28,7 @@ use kiln_core::{Device, Result, Tensor};
 use super::{build_entry, out_slots, replay, CompiledFn, Entry, OutSlot};
 use crate::backends::CompiledGraph;
 use crate::cache;
+use crate::explain::{SymbolReport, SymbolicReport};
 use crate::graph::{Graph, Op};
 use crate::logs::{self, Channel};
 use crate::symbolic::compiled::PerSizeCompiled;
@@ -52,6 +53,39 @@ impl SymEntry {
         seen.iter().any(|shapes| {
             shapes.len() == args.len() && shapes.iter().zip(args).all(|(s, a)| s == a.shape())
         })
+    }
+    /// For `CompiledFn::explain`: the symbols as argument dimensions, the guards, the sizes seen.
+    pub fn report(&self, sources: &[Source]) -> SymbolicReport {
+        let mut sizes_seen: Vec<Vec<Vec<usize>>> = self
+            .seen
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect();
+        sizes_seen.sort();
+        SymbolicReport {
+            symbols: self
+                .graph
+                .symbols
+                .iter()
+                .enumerate()
+                .map(|(k, s)| SymbolReport {
+                    name: format!("s{k}"),
+                    // symbols are made from argument dimensions only
+                    dims: s
+                        .dims
+                        .iter()
+                        .filter_map(|&(j, d)| match sources.get(j) {
+                            Some(Source::Arg(i)) => Some((*i, d)),
+                            _ => None,
+                        })
+                        .collect(),
+                })
+                .collect(),
+            guards: self.graph.guards.iter().map(|g| g.to_string()).collect(),
+            sizes_seen,
+        }
     }
     fn remember(&self, args: &[Tensor]) {
         self.seen
@@ -228,30 +262,52 @@ impl<'f> CompiledFn<'f> {
             match s.graph.instantiates(&cap.graph) {
                 Ok(values) => {
                     s.remember(args);
+                    // size 1 is where PyTorch specialises: say so when it reused the entry
+                    let ones: Vec<String> = values
+                        .iter()
+                        .enumerate()
+                        .filter(|&(_, &v)| v == 1)
+                        .map(|(k, _)| format!("s{k}"))
+                        .collect();
+                    let size_one = if ones.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            " (size 1 for {}: the trace at 1 is the symbolic graph there, identity \
+                             expands aside, so it is reused rather than specialised)",
+                            ones.join(", ")
+                        )
+                    };
+                    let msg = format!(
+                        "{}: {}; the trace instantiates symbolic entry {k} at {}: no compile{size_one}",
+                        self.name,
+                        why.as_deref().unwrap_or("new sizes"),
+                        show_values(&values)
+                    );
                     let mut st = self.lock();
                     st.stats.symbolic_reuses += 1;
-                    drop(st);
-                    logs::emit(Channel::Recompiles, || {
-                        format!(
-                            "{}: {}; the trace instantiates symbolic entry {k} at {}: no compile",
-                            self.name,
-                            why.as_deref().unwrap_or("new sizes"),
-                            show_values(&values)
-                        )
-                    });
+                    st.stats.log_recompile(msg);
                     return Ok(e.clone());
                 }
                 Err(r) => misses.push(format!("not symbolic entry {k}: {r}")),
             }
         }
-        let prev = entries.iter().rev().find(|e| {
-            e.sym.is_none()
-                && same_call(e, args, extra, &cap, &slots)
-                && e.graph
-                    .as_ref()
-                    .is_some_and(|g| erased_key(g) == erased_key(&cap.graph))
-        });
-        let prev_graph = prev.and_then(|e| e.graph.clone());
+        let key = erased_key(&cap.graph);
+        let candidates: Vec<&Graph> = entries
+            .iter()
+            .rev()
+            .filter(|e| e.sym.is_none() && same_call(e, args, extra, &cap, &slots))
+            .filter_map(|e| e.graph.as_ref())
+            .filter(|g| erased_key(g) == key)
+            .collect();
+        // the latest static entry of this structure, preferring one whose sizes can join the
+        // fit (every dimension it differs in is >= 2 in both): after entries at 7 and at 1, a
+        // call at 12 unifies with 7
+        let prev_graph = candidates
+            .iter()
+            .find(|p| fit_compatible(p, &cap.graph, &cap.sources))
+            .or(candidates.first())
+            .map(|p| (*p).clone());
         let (entry, how) = match self.symbolize(args, &cap, prev_graph.as_ref()) {
             Ok((sg, changed)) => {
                 let sg = Arc::new(sg);
@@ -390,8 +446,10 @@ impl<'f> CompiledFn<'f> {
                 continue;
             }
             if v < 2 {
+                // a size-1 trace may still run a symbolic entry it instantiates (`entry_for`),
+                // but symbols are made from sizes that broadcasting and squeezing leave alone
                 notes.push(format!(
-                    "argument {i} dim {d} = {v} is specialised (0 and 1 are)"
+                    "argument {i} dim {d} = {v} is specialised (symbols are made from sizes >= 2)"
                 ));
                 continue;
             }
@@ -554,6 +612,17 @@ impl<'f> CompiledFn<'f> {
         let cap = tracer.take_captured()?;
         same_sources(&cap.sources, sources).then_some(cap.graph)
     }
+}
+
+/// Whether every graph-input dimension in which traces `a` and `b` differ is at least 2 in both
+/// (a size 0 or 1 never joins a fit).
+fn fit_compatible(a: &Graph, b: &Graph, sources: &[Source]) -> bool {
+    (0..sources.len()).all(|j| match (input_shape(a, j), input_shape(b, j)) {
+        (Some(x), Some(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p == q || (*p >= 2 && *q >= 2))
+        }
+        _ => false,
+    })
 }
 
 fn show_dims(dims: &[(usize, usize)]) -> String {

@@ -1,6 +1,6 @@
-//! Guards on symbols: the facts about sizes a symbolic graph was compiled under (`s0 >= 2`, because
-//! 0 and 1 are specialised; `s1 % 8 == 0` where a kernel relies on it; two input dimensions being
-//! one symbol). Checking is evaluating each guard at the call's symbol values: a few integer
+//! Guards on symbols: the facts about sizes a symbolic graph was compiled under (`s0 >= 1`, because
+//! 0 is specialised; `s1 % 8 == 0` where a kernel relies on it; two input dimensions being one
+//! symbol). Checking is evaluating each guard at the call's symbol values: a few integer
 //! operations per guard, well under a microsecond.
 
 use std::fmt;
@@ -42,7 +42,7 @@ impl fmt::Display for SymGuard {
     }
 }
 
-/// The first guard that fails at `syms`, in words (`s0 = 1 fails s0 >= 2`).
+/// The first guard that fails at `syms`, in words (`s0 = 0 fails the guard s0 >= 1`).
 pub fn first_failure(guards: &[SymGuard], syms: &[i64]) -> Option<String> {
     let g = guards.iter().find(|g| !g.holds(syms))?;
     let vals: Vec<String> = match g {

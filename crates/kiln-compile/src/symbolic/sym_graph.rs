@@ -11,7 +11,8 @@ use super::expr::{Expr, SymId};
 use super::fit::{fit, Sample};
 use super::guards::{first_failure, SymGuard};
 use super::slots::{erased_key, slots_of, with_slots, SlotKind};
-use crate::graph::{Graph, Op};
+use crate::graph::{Graph, Node, Op};
+use kiln_core::prim::Prim;
 
 #[derive(Clone, Debug)]
 pub struct Symbol {
@@ -125,9 +126,12 @@ impl SymGraph {
                 }
             }
         }
-        // 0 and 1 are specialised (broadcasting and squeezing branch on them): their own entries
+        // 0 is specialised (an empty tensor skips the kernels): its own entry. 1 is not guarded
+        // off although broadcasting and squeezing branch on it: a size-1 call runs this graph only
+        // if its trace instantiates it exactly (`instantiates`), which proves no branch at 1
+        // changed the graph. Symbols are still made from sizes >= 2 only (`compiled_fn/dynamic.rs`)
         let guards: Vec<SymGuard> = (0..symbols.len())
-            .map(|k| SymGuard::AtLeast(Expr::sym(k), 2))
+            .map(|k| SymGuard::AtLeast(Expr::sym(k), 1))
             .collect();
         for (k, s) in symbols.iter().enumerate() {
             for &(i, d) in &s.dims[1..] {
@@ -170,11 +174,10 @@ impl SymGraph {
     }
 
     /// Whether trace `g` is this graph at some symbol values: `Ok(values)` if so, else why not.
+    /// Exactly, or but for identity views (see `instantiates_but_for_identity_views`).
     pub fn instantiates(&self, g: &Graph) -> std::result::Result<Vec<i64>, String> {
         if erased_key(g) != self.erased {
-            return Err(
-                "the new trace has a different structure (ops, wiring, dtypes or axes)".into(),
-            );
+            return self.instantiates_but_for_identity_views(g);
         }
         let (vals, kinds) = slots_of(g);
         let syms: Vec<i64> = self.binding_slots.iter().map(|&s| vals[s]).collect();
@@ -192,6 +195,48 @@ impl SymGraph {
             }
         }
         Ok(syms)
+    }
+
+    /// Broadcasting expands an operand only where its size differs, so where a symbol is 1 the
+    /// trace lacks expands (and reshapes) that this graph has and that are identities there: the
+    /// trace instantiates this graph if both are equal with value-identity views removed. Equal
+    /// after removing nodes that do not change values, they compute the same values, and the
+    /// graph run is this one at the trace's sizes, as when the trace matches exactly.
+    fn instantiates_but_for_identity_views(
+        &self,
+        g: &Graph,
+    ) -> std::result::Result<Vec<i64>, String> {
+        let different = "the new trace has a different structure (ops, wiring, dtypes or axes)";
+        let syms = self.values_at_inputs(g).ok_or(different)?;
+        if let Some(why) = first_failure(&self.guards, &syms) {
+            return Err(format!("{different}; {why}"));
+        }
+        let inst = self.instantiate(&syms).map_err(|e| e.to_string())?;
+        if without_identity_views(&inst).structure_key()
+            == without_identity_views(g).structure_key()
+        {
+            Ok(syms)
+        } else {
+            Err(format!(
+                "{different}, also with identity expands and reshapes removed"
+            ))
+        }
+    }
+
+    /// The symbol values of any trace `g`, read off its input nodes' shapes (`values_in` needs
+    /// this graph's structure); `None` if `g` lacks an input dimension a symbol is bound to.
+    fn values_at_inputs(&self, g: &Graph) -> Option<Vec<i64>> {
+        self.symbols
+            .iter()
+            .map(|s| {
+                let &(input, dim) = s.dims.first()?;
+                let node = g
+                    .nodes
+                    .iter()
+                    .find(|n| matches!(n.op, Op::Input(i) if i == input))?;
+                node.shape.get(dim).map(|&v| v as i64)
+            })
+            .collect()
     }
 
     /// The symbols' definitions and guards, for logs.
@@ -212,6 +257,35 @@ impl SymGraph {
         v.extend(self.guards.iter().map(|g| g.to_string()));
         v
     }
+}
+
+/// `g` without its value-identity views: an `Expand` or `Reshape` whose shape is its operand's
+/// is replaced by the operand (uses and outputs rewired, nodes renumbered in order).
+fn without_identity_views(g: &Graph) -> Graph {
+    let mut out = Graph {
+        nodes: Vec::with_capacity(g.nodes.len()),
+        num_inputs: g.num_inputs,
+        outputs: Vec::new(),
+        rng_span: g.rng_span,
+        mutated_inputs: g.mutated_inputs.clone(),
+        static_inputs: g.static_inputs.clone(),
+    };
+    let mut at: Vec<usize> = Vec::with_capacity(g.nodes.len());
+    for n in &g.nodes {
+        // nodes only read earlier nodes: `at` has every argument
+        let args: Vec<usize> = n.args.iter().map(|&a| at[a]).collect();
+        let identity = matches!(n.op, Op::Prim(Prim::Expand(_) | Prim::Reshape(_)))
+            && args.len() == 1
+            && out.nodes[args[0]].shape == n.shape
+            && out.nodes[args[0]].dtype == n.dtype;
+        if identity {
+            at.push(args[0]);
+        } else {
+            at.push(out.push(Node { args, ..n.clone() }));
+        }
+    }
+    out.outputs = g.outputs.iter().map(|&o| at[o]).collect();
+    out
 }
 
 pub fn show_values(syms: &[i64]) -> String {
@@ -254,8 +328,37 @@ mod tests {
         assert_eq!(sg.instantiate(&[20]).ok(), Some(graph(20, false)));
         let other = sg.instantiates(&graph(20, true)).unwrap_err();
         assert!(other.contains("different structure"), "{other}");
-        let one = sg.instantiates(&graph(1, false)).unwrap_err();
-        assert_eq!(one, "s0 = 1 fails the guard s0 >= 2");
+        // size 1 is no symbol value the fit saw, but the trace at 1 is the graph at s0 = 1
+        assert_eq!(sg.instantiates(&graph(1, false)), Ok(vec![1]));
+        assert_eq!(sg.guards, vec![SymGuard::AtLeast(Expr::sym(0), 1)]);
+        // a trace at 1 without an expand that is an identity there is still this graph
+        let bcast = |n: usize, skip_identity: bool| {
+            let mut g = graph(n, false);
+            let b = g.push(Node {
+                op: Op::Prim(Prim::Expand(vec![3 * n - 1])),
+                args: vec![1],
+                shape: vec![3 * n - 1],
+                ..g.nodes[2].clone()
+            });
+            g.nodes[b].args = vec![2];
+            if skip_identity && n == 1 {
+                g.nodes.pop();
+                g.outputs = vec![2];
+            } else {
+                g.outputs = vec![b];
+            }
+            g
+        };
+        let sb = SymGraph::unify(&[bcast(4, true), bcast(6, true), bcast(9, true)], &sym)
+            .expect("one structure");
+        assert_eq!(sb.instantiates(&bcast(1, true)), Ok(vec![1]));
+        assert_eq!(sb.instantiates(&bcast(1, false)), Ok(vec![1]));
+        let mut wrong = bcast(1, true);
+        wrong.nodes[2].op = Op::Prim(Prim::Reshape(vec![2]));
+        assert!(
+            sb.instantiates(&wrong).is_err(),
+            "a node that is no view still counts"
+        );
         // a slot that is no function of the symbols: the symbol is the culprit
         let mut odd = graph(6, false);
         odd.nodes[2].shape[0] = 7;

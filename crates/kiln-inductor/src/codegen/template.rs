@@ -7,7 +7,9 @@
 //!
 //! Sound by checking, as the graphs are: at every size the kernel's text is generated as for a
 //! static kernel and the size-generic kernel is used only if its expressions give exactly that
-//! text's constants at this size; otherwise that size gets the static kernel.
+//! text's constants at this size; otherwise that size gets the static kernel. Size 1 (which a
+//! symbolic graph now serves when its trace instantiates it) is checked the same way, and is never
+//! a sample for fitting.
 //!
 //! Text-level and target-neutral: the CUDA generator can template its kernels the same way
 //! (`c_expr` prints an expression in C syntax, which CUDA shares).
@@ -135,6 +137,12 @@ pub fn resolve(ctx: &SizeContext, place: u64, k: &Kernel) -> (Kernel, Vec<i64>) 
     if let Some(t) = seen.template.as_ref().filter(|t| instantiates(t)) {
         return (with_inputs(t), ctx.values.clone());
     }
+    if ctx.values.iter().any(|&v| v < 2) {
+        // a size-1 graph may run a symbolic entry (its trace instantiated it), but its kernels
+        // simplify at 1 (unit loops, broadcast strides) in ways no other size shows: such a size
+        // uses the template where it instantiates, and never joins a fit
+        return (k.clone(), Vec::new());
+    }
     if !seen.points.iter().any(|(v, _)| *v == ctx.values) {
         seen.points.push((ctx.values.clone(), lits.clone()));
     }
@@ -227,5 +235,59 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("* 2.5f + 1e-5f + x1"), "{text}");
+    }
+}
+
+#[cfg(test)]
+mod size_one {
+    use super::*;
+
+    /// A kernel as the generator writes it at size `n`: a loop over 3n elements reading at an
+    /// offset n (`unit` writes the loop-free text a generator makes when a loop has one trip).
+    fn kernel(n: i64, unit: bool) -> Kernel {
+        let body = if unit {
+            "b1[0] = b0[1] * 2.0f;".to_string()
+        } else {
+            format!(
+                "for (int64_t i0 = 0; i0 < {}; i0++) b1[i0] = b0[i0 + {n}] * 2.0f;",
+                3 * n
+            )
+        };
+        let source = format!(
+            "void KN(void **args) {{ float* b0 = (float*)args[0]; float* b1 = (float*)args[1]; {body} }}"
+        );
+        let name = format!("k_{:016x}", xxhash_rust::xxh3::xxh3_64(source.as_bytes()));
+        Kernel {
+            source: source.replace("KN", &name),
+            name,
+            inputs: vec![0],
+        }
+    }
+
+    fn at(n: i64) -> SizeContext {
+        SizeContext {
+            graph_id: u64::MAX - 1, // no symbolic graph of a real compile has this id
+            values: vec![n],
+        }
+    }
+
+    #[test]
+    fn size_1_uses_the_template_only_where_it_instantiates() {
+        let (k4, s4) = resolve(&at(4), 0, &kernel(4, false));
+        assert!(
+            s4.is_empty() && k4.source == kernel(4, false).source,
+            "first size: static"
+        );
+        let (k6, s6) = resolve(&at(6), 0, &kernel(6, false));
+        assert_eq!(s6, vec![6]);
+        assert!(k6.name.starts_with("ks_"), "{}", k6.source);
+        // the same text at 1, with 3 and 1 in its holes: the size-generic kernel, called at 1
+        let (k1, s1) = resolve(&at(1), 0, &kernel(1, false));
+        assert_eq!((k1.name.as_str(), s1), (k6.name.as_str(), vec![1]));
+        // the loop-free text of size 1 is no instance of it: its own static kernel
+        let (u, su) = resolve(&at(1), 0, &kernel(1, true));
+        assert!(su.is_empty() && u.source == kernel(1, true).source);
+        let (k9, s9) = resolve(&at(9), 0, &kernel(9, false));
+        assert_eq!((k9.name.as_str(), s9), (k6.name.as_str(), vec![9]));
     }
 }
