@@ -10,6 +10,7 @@
 # There:  bash tools/bench_all.sh [WORKLOAD...]          (carry: ["carry"])
 #         WORKLOAD: regional adam sincos resnet18 bert train_resnet18 train_densenet121 (the default: all)
 # Env:    MODES  kiln's and torch's compile modes (default "default reduce-overhead max-autotune");
+#         TORCH_MODES  torch's modes, if not MODES (its max-autotune compiles take minutes);
 #         PARTS  which sides run (default "kiln torch jax"); STEP_TIMEOUT seconds per step (default 900);
 #         DEVICE (default cuda), KILN_ARGS (more kiln-bench options; a CPU smoke test of this
 #         script: DEVICE=cpu KILN_ARGS=--quick PARTS=kiln BIN=target/release/kiln-bench);
@@ -23,6 +24,7 @@ bin=${BIN:-carry/gpu/kiln-bench}
 torch_py=${TORCH_PY:-carry/torch_baseline.py}
 jax_py=${JAX_PY:-carry/jax_baseline.py}
 modes=${MODES:-default reduce-overhead max-autotune}
+torch_modes=${TORCH_MODES:-$modes}
 parts=${PARTS:-kiln torch jax}
 step_timeout=${STEP_TIMEOUT:-900}
 device=${DEVICE:-cuda}
@@ -44,7 +46,7 @@ for d in "$site"/nvidia/*/lib; do [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRAR
 export LD_LIBRARY_PATH
 
 gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
-echo "{\"source\": \"meta\", \"gpu\": \"$gpu\", \"date\": \"$(date -u +%F)\", \"modes\": \"$modes\"}" >>"$jsonl"
+echo "{\"source\": \"meta\", \"gpu\": \"$gpu\", \"date\": \"$(date -u +%F)\", \"modes\": \"$modes\", \"torch_modes\": \"$torch_modes\"}" >>"$jsonl"
 echo "bench_all: ${workloads[*]} on ${gpu:-no GPU found}; modes: $modes; parts: $parts"
 
 # Runs one step: its stdout's JSON lines tagged into bench.jsonl, everything into its log.
@@ -69,7 +71,7 @@ if in_list kiln $parts; then
   done
 fi
 if in_list torch $parts; then
-  step torch '"torch"' env MODES="$modes" python3 "$torch_py" "${workloads[@]}"
+  step torch '"torch"' env MODES="$torch_modes" python3 "$torch_py" "${workloads[@]}"
 fi
 if in_list jax $parts; then
   jw=()

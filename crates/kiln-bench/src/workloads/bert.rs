@@ -226,3 +226,27 @@ pub fn compile_once(workload: &str, dev: Device, mode: Mode, quick: bool) -> Ben
     })?;
     Ok(m)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_ids_are_in_the_vocabulary_and_follow_the_seed() {
+        let vocab = 30522;
+        let a = token_ids(4, 33, vocab, 1).unwrap().to_vec::<i64>().unwrap();
+        let b = token_ids(4, 33, vocab, 1).unwrap().to_vec::<i64>().unwrap();
+        let c = token_ids(4, 33, vocab, 2).unwrap().to_vec::<i64>().unwrap();
+        assert_eq!(a.len(), 4 * 33);
+        assert!(a.iter().all(|&t| (0..vocab as i64).contains(&t)));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        // spread over the vocabulary, not stuck in a corner of it
+        let distinct: std::collections::HashSet<_> = a.iter().collect();
+        assert!(
+            distinct.len() > a.len() * 9 / 10,
+            "{} distinct",
+            distinct.len()
+        );
+    }
+}
