@@ -249,4 +249,15 @@ mod tests {
             distinct.len()
         );
     }
+
+    /// `Module::to`'s visitor check (what `--device cuda` relies on) passes for BERT.
+    #[test]
+    fn bert_can_move_between_devices() {
+        let mut cfg = BertConfig::bert_base_uncased();
+        cfg.num_hidden_layers = 2; // the structure, not the size, is under test
+        let mut m = BertModel::from_config(&cfg).unwrap();
+        let n = m.parameters().len();
+        m.to(Device::Cpu).unwrap();
+        assert!(n > 0 && m.parameters().len() == n);
+    }
 }
