@@ -142,14 +142,14 @@ impl Report {
     /// The human-readable table, torch_baseline.py's layout plus the device column.
     pub fn table(&self) -> String {
         let mut s = format!(
-            "{:<16} {:<30} {:<34} {:>16} {:<8} {}\n",
+            "{:<26} {:<30} {:<34} {:>16} {:<8} {}\n",
             "workload", "variant", "metric", "value", "unit", "device"
         );
-        s.push_str(&"-".repeat(116));
+        s.push_str(&"-".repeat(126));
         s.push('\n');
         for r in &self.rows {
             s.push_str(&format!(
-                "{:<16} {:<30} {:<34} {:>16} {:<8} {}\n",
+                "{:<26} {:<30} {:<34} {:>16} {:<8} {}\n",
                 r.workload,
                 r.variant,
                 r.metric,

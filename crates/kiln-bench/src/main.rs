@@ -3,10 +3,12 @@
 //!
 //!     cargo run --release -p kiln-bench -- WORKLOAD [--device cpu] [--mode default] [--quick]
 //!
-//! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, resnet18, dynamic, or all. One JSON object per line on
+//! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, resnet18, dynamic, bert,
+//! train_resnet18, train_densenet121, or all. One JSON object per line on
 //! stdout (`workload, variant, metric, value, unit, device`); a table on stderr at the end. With
 //! `OUT` set, the lines are also appended to `$OUT/results.jsonl`, as torch_baseline.py does.
 
+mod compile_child;
 mod harness;
 mod workloads;
 
@@ -23,14 +25,21 @@ const WORKLOADS: &[&str] = &[
     "train_digits",
     "resnet18",
     "dynamic",
+    "bert",
+    "train_resnet18",
+    "train_densenet121",
 ];
 
 /// The workloads that run with `--device cuda` so far.
 const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18"];
+/// The model workloads, which run on CUDA too (a list of their own, so that GPU_WORKLOADS's line
+/// stays one edit for whoever moves the next workload over).
+const GPU_MODEL_WORKLOADS: &[&str] = &["bert", "train_resnet18", "train_densenet121"];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
-  WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | all
-  --device  cpu (the default) or cuda / cuda:N (sincos, adam; resnet18 eagerly)
+  WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | bert
+            | train_resnet18 | train_densenet121 | all
+  --device  cpu (the default) or cuda / cuda:N (sincos, adam, resnet18, bert, train_*)
   --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
             (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
@@ -81,7 +90,11 @@ fn parse_args() -> Result<Args, String> {
         }
     }
     let workload = workload.ok_or("no workload given")?;
-    if workload != "all" && workload != WARM_CHILD && !WORKLOADS.contains(&workload.as_str()) {
+    if workload != "all"
+        && workload != WARM_CHILD
+        && !workload.starts_with(compile_child::PREFIX)
+        && !WORKLOADS.contains(&workload.as_str())
+    {
         return Err(format!("unknown workload {workload:?}"));
     }
     Ok(Args {
@@ -134,6 +147,15 @@ fn main() -> ExitCode {
             }
         };
     }
+    if let Some(key) = args.workload.strip_prefix(compile_child::PREFIX) {
+        return match compile_child::child_main(key, dev, args.mode, args.quick) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kiln-bench {}: {e}", args.workload);
+                ExitCode::FAILURE
+            }
+        };
+    }
     let selected: Vec<&str> = match args.workload.as_str() {
         "all" => WORKLOADS.to_vec(),
         w => vec![w],
@@ -166,7 +188,10 @@ fn main() -> ExitCode {
     let mut failed = false;
     for w in selected {
         let r = match w {
-            w if ctx.on_gpu() && !GPU_WORKLOADS.contains(&w) => {
+            w if ctx.on_gpu()
+                && !GPU_WORKLOADS.contains(&w)
+                && !GPU_MODEL_WORKLOADS.contains(&w) =>
+            {
                 Err(format!("{w} does not run on {} yet", ctx.device).into())
             }
             "regional" => workloads::regional::run(&mut ctx),
@@ -176,6 +201,11 @@ fn main() -> ExitCode {
             "train_digits" => workloads::train_digits::run(&mut ctx),
             "resnet18" => workloads::resnet18::run(&mut ctx),
             "dynamic" => workloads::dynamic::run(&mut ctx),
+            "bert" => workloads::bert::run(&mut ctx),
+            "train_resnet18" => workloads::train::run(&mut ctx, workloads::train::Arch::ResNet18),
+            "train_densenet121" => {
+                workloads::train::run(&mut ctx, workloads::train::Arch::DenseNet121)
+            }
             _ => unreachable!("checked in parse_args"),
         };
         // keep going: one failing workload must not hide the rest

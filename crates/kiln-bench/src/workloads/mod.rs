@@ -2,11 +2,13 @@
 //! function of the same name in `../shared/bench/torch_baseline.py`.
 
 pub mod adam;
+pub mod bert;
 pub mod dynamic;
 pub mod numpy_fn;
 pub mod regional;
 pub mod resnet18;
 pub mod sincos;
+pub mod train;
 pub mod train_digits;
 
 /// Workloads return any error; `main` prints it as the workload's error line and goes on.

@@ -8,6 +8,9 @@
 //! (convolutions in f32 too, `set_cudnn_allow_tf32(false)`), `eager_cudnn_benchmark` (algorithms timed once per shape through
 //! cuDNN's legacy API, rather than a graph-API plan from its heuristics), the largest difference from the CPU's logits, the host's time to queue one
 //! forward, and each stage's device and host time.
+//!
+//! Compiled rows (any mode but `eager`) end with the cold and warm compiles in new processes
+//! (`compile_child`: `cold_compile_new_process`, `warm_disk_cache_compile`).
 
 use kiln::inductor::with_fresh_cache;
 use kiln::models::resnet::resnet18;
@@ -15,6 +18,7 @@ use kiln::nn::Module;
 use kiln::{no_grad, DType, Device, Tensor};
 
 use super::BenchResult;
+use crate::compile_child::{emit_new_process_compiles, measure, Measured};
 use crate::harness::{once, Ctx};
 
 const W: &str = "resnet18_bs16";
@@ -67,7 +71,28 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
         max_rel_diff(&out, &eager_out)?,
         "ratio",
     );
-    Ok(())
+    emit_new_process_compiles(ctx, W, variant, "resnet18", &[])
+}
+
+/// `compile_child`'s side for `resnet18`: the model and input as `run` builds them, one eager
+/// forward, then the compile and first compiled forward measured.
+pub fn compile_once(dev: Device, mode: kiln::Mode) -> BenchResult<Measured> {
+    kiln::manual_seed(0);
+    let mut model = resnet18(1000)?;
+    model.eval();
+    let mut x = Tensor::randn(&[16, 3, 224, 224], DType::F32)?;
+    if dev != Device::Cpu {
+        model.to(dev)?;
+        x = x.to(dev)?;
+    }
+    no_grad(|| model.forward(&x))?;
+    kiln::core::device::synchronize(dev)?;
+    let opts = kiln::CompileOptions::default().mode(mode);
+    let (_, m) = measure(dev, || {
+        let c = kiln::compile(&model, opts)?;
+        no_grad(|| c.forward(&x))
+    })?;
+    Ok(m)
 }
 
 fn run_on_device(ctx: &mut Ctx, mut model: kiln::models::resnet::ResNet, x: Tensor) -> BenchResult {
@@ -200,7 +225,7 @@ fn compiled_on_device(
         max_rel_diff(&out, reference)?,
         "ratio",
     );
-    Ok(())
+    emit_new_process_compiles(ctx, W, variant, "resnet18", &[])
 }
 
 /// Device time of `f` per call: events around `reps` back-to-back calls, after two warm-up calls.

@@ -1,0 +1,188 @@
+//! Compiles in new processes: a model's compile and first compiled call timed in a fresh process
+//! against an empty kiln cache folder (cold), then in a second fresh process against the folder the
+//! first one filled (warm: torch_baseline.py's `warm_disk_cache_compile`, a process-level
+//! recompile that finds its kernels on disk).
+//!
+//! The parent runs this executable as `compile-child:KEY --device D --mode M [--quick]`, with
+//! `KILN_CACHE_DIR` pointing at one temporary folder for both children. Each child builds KEY's
+//! model from the workload's seed, runs it eagerly once (the CUDA context, the libraries and the
+//! eager kernels are not compile time: torch's warm-up ran eagerly too), then times `kiln::compile`
+//! plus the first compiled call up to the device's completion, and prints one JSON object.
+//!
+//! In-process cold rows (`with_fresh_cache`) redirect only the C kernel cache: NVRTC's PTX cache
+//! under `KILN_CACHE_DIR/cuda` stays, so on a GPU only the new-process cold row is cold throughout.
+
+use std::process::Command;
+use std::time::Instant;
+
+use kiln::{Device, Mode};
+
+use crate::harness::{spinner, Ctx};
+use crate::workloads::{self, BenchResult};
+
+/// The hidden subcommand's prefix; the key after it names the model (see `child_main`).
+pub const PREFIX: &str = "compile-child:";
+
+/// One compile's time and what it built versus found on disk.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Measured {
+    pub secs: f64,
+    /// Translation units built by the C compiler / found built on disk.
+    pub cc_builds: u64,
+    pub cc_disk_hits: u64,
+    /// CUDA kernels compiled by NVRTC / found as PTX on disk.
+    pub nvrtc_builds: u64,
+    pub nvrtc_disk_hits: u64,
+}
+
+fn counters() -> [u64; 4] {
+    let cc = kiln::inductor::kernel_cache_stats();
+    let (nvrtc, nvrtc_hits) = kiln::cuda::kernel_cache_stats();
+    [cc.compiles, cc.disk_hits, nvrtc, nvrtc_hits]
+}
+
+/// Times `f` (a compile and its first call) until `dev` has finished the queued work, with the
+/// kernel builds and disk hits it caused.
+pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Result<(R, Measured)> {
+    let before = counters();
+    let t = Instant::now();
+    let r = std::hint::black_box(f()?);
+    kiln::core::device::synchronize(dev)?;
+    let secs = t.elapsed().as_secs_f64();
+    let after = counters();
+    Ok((
+        r,
+        Measured {
+            secs,
+            cc_builds: after[0] - before[0],
+            cc_disk_hits: after[1] - before[1],
+            nvrtc_builds: after[2] - before[2],
+            nvrtc_disk_hits: after[3] - before[3],
+        },
+    ))
+}
+
+/// The child's side: compile KEY's model once and print the measurement as one JSON line.
+pub fn child_main(key: &str, dev: Device, mode: Mode, quick: bool) -> BenchResult {
+    let m = match key {
+        "resnet18" => workloads::resnet18::compile_once(dev, mode)?,
+        k if k.starts_with("bert:") => workloads::bert::compile_once(&k[5..], dev, mode, quick)?,
+        k if k.starts_with("train:") => workloads::train::compile_once(&k[6..], dev, mode, quick)?,
+        k => return Err(format!("{PREFIX}{k}: no such model").into()),
+    };
+    println!(
+        "{}",
+        serde_json::json!({
+            "seconds": m.secs,
+            "cc_builds": m.cc_builds,
+            "cc_disk_hits": m.cc_disk_hits,
+            "nvrtc_builds": m.nvrtc_builds,
+            "nvrtc_disk_hits": m.nvrtc_disk_hits,
+        })
+    );
+    Ok(())
+}
+
+/// Variables a child needs besides the cache folder (e.g. where model weights are).
+pub type ChildEnv<'a> = &'a [(&'a str, std::ffi::OsString)];
+
+/// Runs one child against `cache` and reads its measurement.
+fn run_child(
+    ctx: &Ctx,
+    key: &str,
+    cache: &std::path::Path,
+    env: ChildEnv,
+    what: &str,
+) -> BenchResult<Measured> {
+    let exe = std::env::current_exe()?;
+    let pb = spinner(format!("{key}: {what} compile (new process)"));
+    let mut cmd = Command::new(exe);
+    cmd.arg(format!("{PREFIX}{key}"))
+        .args(["--device", &ctx.device, "--mode", ctx.mode.as_str()])
+        .env("KILN_CACHE_DIR", cache)
+        // the child's rows go to its stdout only, never into $OUT/results.jsonl
+        .env_remove("OUT")
+        .envs(env.iter().map(|(k, v)| (k, v)));
+    if ctx.quick {
+        cmd.arg("--quick");
+    }
+    let out = cmd.output()?;
+    pb.finish_and_clear();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(format!(
+            "{PREFIX}{key} ({what}) failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
+    let v: serde_json::Value = stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .ok_or_else(|| format!("{PREFIX}{key}: no result in its output {stdout:?}"))?;
+    let count = |k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
+    Ok(Measured {
+        secs: v
+            .get("seconds")
+            .and_then(|x| x.as_f64())
+            .ok_or_else(|| format!("{PREFIX}{key}: no \"seconds\" in {v}"))?,
+        cc_builds: count("cc_builds"),
+        cc_disk_hits: count("cc_disk_hits"),
+        nvrtc_builds: count("nvrtc_builds"),
+        nvrtc_disk_hits: count("nvrtc_disk_hits"),
+    })
+}
+
+/// A temporary kiln cache folder, removed on drop.
+struct TempCache(std::path::PathBuf);
+
+impl Drop for TempCache {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The cold and warm new-process compiles of KEY's model, as rows of `workload`/`variant`:
+/// `cold_compile_new_process`, `warm_disk_cache_compile` and the kernels each built.
+pub fn emit_new_process_compiles(
+    ctx: &mut Ctx,
+    workload: &str,
+    variant: &str,
+    key: &str,
+    env: ChildEnv,
+) -> BenchResult {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let cache = TempCache(
+        std::env::temp_dir().join(format!("kiln-bench-cache-{}-{nanos}", std::process::id())),
+    );
+    std::fs::create_dir_all(&cache.0)?;
+    let cold = run_child(ctx, key, &cache.0, env, "cold")?;
+    let warm = run_child(ctx, key, &cache.0, env, "warm")?;
+    for (m, secs_metric, prefix) in [
+        (cold, "cold_compile_new_process", "cold"),
+        (warm, "warm_disk_cache_compile", "warm"),
+    ] {
+        ctx.emit(workload, variant, secs_metric, m.secs, "s");
+        ctx.emit(
+            workload,
+            variant,
+            &format!("{prefix}_cc_builds"),
+            m.cc_builds as f64,
+            "count",
+        );
+        if ctx.on_gpu() {
+            ctx.emit(
+                workload,
+                variant,
+                &format!("{prefix}_nvrtc_builds"),
+                m.nvrtc_builds as f64,
+                "count",
+            );
+        }
+    }
+    Ok(())
+}

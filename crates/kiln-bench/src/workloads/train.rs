@@ -1,0 +1,266 @@
+//! torch_baseline.py's `train_resnet18` and `train_densenet121` (`train_step_bench`): one training
+//! step — `zero_grad`, forward, cross-entropy, backward, Adam(lr 1e-4, weight_decay 0.005) — on a
+//! batch of 64 random 3×224×224 images with random labels, the model in train mode. torch builds
+//! both models with `num_classes=10`; so does this, so that the rows pair with torch's.
+//!
+//! Compiled variant: the model is `kiln::compile`d and the optimizer step stays eager (foreach, as
+//! torch's default Adam on CUDA), exactly what torch_baseline.py times: `torch.compile(m)` with
+//! `opt.step()` outside it.
+//!
+//! Rows: `eager` and the mode's `train_step`; `cold_compile` (the first compiled step, fresh
+//! kernel cache); `loss_max_abs_diff_vs_eager` (the losses of the first steps, compiled vs eager,
+//! from the same seed, weights and batch; the first and last of those losses are rows too);
+//! graph breaks; on a GPU, for ResNet-18, the cold and warm compiles in new processes
+//! (`compile_child`; DenseNet-121's is the long compile — torch takes 115 s — and two more of it
+//! per mode would crowd a 10-minute device call).
+//!
+//! On the CPU with `--quick` the batch is 2 × 3×32×32 (`train_*_bs2_32`), so a smoke test takes
+//! seconds rather than minutes.
+
+use kiln::inductor::with_fresh_cache;
+use kiln::models::densenet::densenet121;
+use kiln::models::resnet::resnet18;
+use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
+use kiln::nn::Module;
+use kiln::{DType, Device, Mode, Reduction, Tensor};
+
+use super::BenchResult;
+use crate::compile_child::{emit_new_process_compiles, measure, Measured};
+use crate::harness::{once, Ctx};
+
+/// torch_baseline.py's `train_step_bench` builds both models with 10 classes.
+const CLASSES: usize = 10;
+const MODEL_SEED: u64 = 0;
+const DATA_SEED: u64 = 1;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Arch {
+    ResNet18,
+    DenseNet121,
+}
+
+impl Arch {
+    fn name(self) -> &'static str {
+        match self {
+            Arch::ResNet18 => "resnet18",
+            Arch::DenseNet121 => "densenet121",
+        }
+    }
+    fn parse(s: &str) -> Option<Arch> {
+        [Arch::ResNet18, Arch::DenseNet121]
+            .into_iter()
+            .find(|a| a.name() == s)
+    }
+}
+
+/// (batch, resolution): torch's 64 × 224², or 2 × 32² on the CPU under `--quick`.
+fn shape(dev: Device, quick: bool) -> (usize, usize) {
+    match dev == Device::Cpu && quick {
+        true => (2, 32),
+        false => (64, 224),
+    }
+}
+
+/// Steps whose losses are compared, compiled vs eager.
+fn loss_steps(quick: bool) -> usize {
+    if quick {
+        3
+    } else {
+        5
+    }
+}
+
+/// The batch: seeded normal images and labels in `[0, CLASSES)`, on `dev`.
+fn batch(batch: usize, res: usize, dev: Device) -> kiln::Result<(Tensor, Tensor)> {
+    kiln::manual_seed(DATA_SEED);
+    let x = Tensor::randn(&[batch, 3, res, res], DType::F32)?;
+    let y = Tensor::uniform(&[batch], 0.0, CLASSES as f64, DType::F32)?
+        .floor()?
+        .clamp(Some(0.0), Some((CLASSES - 1) as f64))?
+        .to_dtype(DType::I64)?;
+    Ok((x.to(dev)?, y.to(dev)?))
+}
+
+/// torch_baseline.py's optimizer; foreach, as torch's default on CUDA.
+fn adam(params: Vec<Tensor>) -> kiln::Result<Adam> {
+    Adam::new(
+        params,
+        AdamConfig {
+            lr: 1e-4,
+            weight_decay: 0.005,
+            foreach: true,
+            ..AdamConfig::default()
+        },
+    )
+}
+
+/// torch_baseline.py's `step`: the loss is returned unread (reading it would wait for the device).
+fn step(model: &dyn Module, opt: &mut Adam, x: &Tensor, y: &Tensor) -> kiln::Result<Tensor> {
+    opt.zero_grad();
+    let loss = model
+        .forward(x)?
+        .cross_entropy(y, None, 0.0, Reduction::Mean)?;
+    loss.backward()?;
+    opt.step()?;
+    Ok(loss)
+}
+
+/// A model from `MODEL_SEED` in train mode on `dev` (the same weights at every call).
+fn fresh<M: Module>(build: &dyn Fn() -> kiln::Result<M>, dev: Device) -> kiln::Result<M> {
+    kiln::manual_seed(MODEL_SEED);
+    let mut m = build()?;
+    m.train(true);
+    if dev != Device::Cpu {
+        m.to(dev)?;
+    }
+    Ok(m)
+}
+
+pub fn run(ctx: &mut Ctx, arch: Arch) -> BenchResult {
+    match arch {
+        Arch::ResNet18 => run_with(ctx, arch, &|| resnet18(CLASSES)),
+        Arch::DenseNet121 => run_with(ctx, arch, &|| densenet121(CLASSES)),
+    }
+}
+
+fn run_with<M: Module>(
+    ctx: &mut Ctx,
+    arch: Arch,
+    build: &dyn Fn() -> kiln::Result<M>,
+) -> BenchResult {
+    let dev = ctx.dev;
+    let (bs, res) = shape(dev, ctx.quick);
+    let w = format!("train_{}_bs{bs}_{res}", arch.name());
+    let w = w.as_str();
+    let (x, y) = batch(bs, res, dev)?;
+    let n = loss_steps(ctx.quick);
+    let timer = ctx.timer();
+
+    let mut eager_losses = Vec::with_capacity(n);
+    {
+        let model = fresh(build, dev)?;
+        let mut opt = adam(model.parameters())?;
+        for _ in 0..n {
+            eager_losses.push(step(&model, &mut opt, &x, &y)?.item::<f32>()?);
+        }
+        let t = timer.time(&format!("{w}: eager step"), || {
+            step(&model, &mut opt, &x, &y)
+        })?;
+        ctx.emit(w, "eager", "train_step", t.ms(), "ms");
+    }
+    if ctx.eager_only {
+        return Ok(());
+    }
+
+    let variant = ctx.mode_name();
+    {
+        let model = fresh(build, dev)?;
+        let compiled = kiln::compile(&model, ctx.opts())?;
+        let mut opt = adam(model.parameters())?;
+        let (first, _) = with_fresh_cache(|| {
+            once(&format!("{w}: cold compile ({variant})"), || {
+                measure(dev, || step(&compiled, &mut opt, &x, &y))
+            })
+        });
+        let (loss, cold) = first?;
+        ctx.emit(w, variant, "cold_compile", cold.secs, "s");
+        let mut losses = vec![loss.item::<f32>()?];
+        for _ in 1..n {
+            losses.push(step(&compiled, &mut opt, &x, &y)?.item::<f32>()?);
+        }
+        let diff = losses
+            .iter()
+            .zip(&eager_losses)
+            .fold(0.0f64, |m, (a, b)| m.max((a - b).abs() as f64));
+        ctx.emit(w, variant, "loss_max_abs_diff_vs_eager", diff, "abs");
+        // the losses themselves: a difference of 0 only means something if they moved
+        for (v, ls) in [("eager", &eager_losses), (variant, &losses)] {
+            let (first, last) = (ls[0], ls[ls.len() - 1]);
+            ctx.emit(w, v, "first_loss", first as f64, "nats");
+            ctx.emit(w, v, &format!("loss_after_{n}_steps"), last as f64, "nats");
+        }
+        let t = timer.time(&format!("{w}: {variant} step"), || {
+            step(&compiled, &mut opt, &x, &y)
+        })?;
+        ctx.emit(w, variant, "train_step", t.ms(), "ms");
+        let st = compiled.stats();
+        ctx.emit(w, variant, "graph_breaks", st.graph_breaks as f64, "count");
+    }
+    // DenseNet-121's compile is the long one: two more of it per mode would crowd a device call
+    if ctx.on_gpu() && arch == Arch::ResNet18 {
+        // the children need the device's memory more than this process's cache does
+        kiln::cuda::empty_cache(dev)?;
+        emit_new_process_compiles(ctx, w, variant, &format!("train:{}", arch.name()), &[])?;
+    }
+    Ok(())
+}
+
+/// `compile_child`'s side for `train:ARCH`: model and batch as `run` builds them, one eager step,
+/// then the compile and first compiled step measured.
+pub fn compile_once(arch: &str, dev: Device, mode: Mode, quick: bool) -> BenchResult<Measured> {
+    let arch = Arch::parse(arch).ok_or_else(|| format!("train: no model {arch:?}"))?;
+    match arch {
+        Arch::ResNet18 => compile_once_with(dev, mode, quick, &|| resnet18(CLASSES)),
+        Arch::DenseNet121 => compile_once_with(dev, mode, quick, &|| densenet121(CLASSES)),
+    }
+}
+
+fn compile_once_with<M: Module>(
+    dev: Device,
+    mode: Mode,
+    quick: bool,
+    build: &dyn Fn() -> kiln::Result<M>,
+) -> BenchResult<Measured> {
+    let (bs, res) = shape(dev, quick);
+    let (x, y) = batch(bs, res, dev)?;
+    let model = fresh(build, dev)?;
+    let mut opt = adam(model.parameters())?;
+    step(&model, &mut opt, &x, &y)?;
+    kiln::core::device::synchronize(dev)?;
+    let opts = kiln::CompileOptions::default().mode(mode);
+    let (_, m) = measure(dev, || {
+        let c = kiln::compile(&model, opts)?;
+        step(&c, &mut opt, &x, &y)
+    })?;
+    Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `Module::to` checks, before copying anything, that the mutable visitors reach every tensor
+    /// the visitors list: what `--device cuda` relies on. Moving to the CPU runs the same check.
+    #[test]
+    fn the_models_can_move_between_devices() {
+        for arch in [Arch::ResNet18, Arch::DenseNet121] {
+            let before = match arch {
+                Arch::ResNet18 => fresh(&|| resnet18(CLASSES), Device::Cpu).map(|mut m| {
+                    let n = m.parameters().len();
+                    m.to(Device::Cpu).map(|_| (n, m.parameters().len()))
+                }),
+                Arch::DenseNet121 => fresh(&|| densenet121(CLASSES), Device::Cpu).map(|mut m| {
+                    let n = m.parameters().len();
+                    m.to(Device::Cpu).map(|_| (n, m.parameters().len()))
+                }),
+            };
+            let (n, after) = before.unwrap().unwrap();
+            assert!(
+                n > 0 && n == after,
+                "{arch:?}: {n} parameters before, {after} after"
+            );
+        }
+    }
+
+    #[test]
+    fn labels_are_classes() {
+        let (x, y) = batch(64, 8, Device::Cpu).unwrap();
+        assert_eq!(x.shape(), &[64, 3, 8, 8]);
+        let y = y.to_vec::<i64>().unwrap();
+        assert!(y.iter().all(|&c| (0..CLASSES as i64).contains(&c)), "{y:?}");
+        // 64 uniform draws over 10 classes miss more than two with negligible odds; a constant
+        // or a floor that always truncates to 0 would show one class
+        let seen: std::collections::HashSet<_> = y.iter().collect();
+        assert!(seen.len() >= 8, "{seen:?}");
+    }
+}
