@@ -11,6 +11,8 @@
 # Steps: gpu_compile gpu_ops cuda_memory compile_ops (the op suite with KILN_TEST_DEVICE=cuda)
 #        bench:WORKLOAD[:MODE] (kiln-bench on cuda; MODE default, reduce-overhead, eager, ...)
 #        torch:W1,W2,... (torch_baseline.py) jax:W1,W2,... (jax_baseline.py) bert_minilm
+#        bench_all:W1,W2,... (tools/bench_all.sh: kiln, torch and JAX rows into $OUT/bench.jsonl)
+#        py:SCRIPT (a python script carried in carry/)
 set -u
 bin=carry/gpu
 out=${OUT:-/tmp/kiln-out}
@@ -38,11 +40,14 @@ run_step() {
       2>&1 | grep -v -i warning >"$log" ;;
     jax:*) timeout 300 python3 carry/jax_baseline.py $(echo "${step#jax:}" | tr , ' ') \
       2>&1 | grep -v -i warning >"$log" ;;
+    bench_all:*) bash tools/bench_all.sh $(echo "${step#bench_all:}" | tr , ' ') >"$log" 2>&1 ;;
+    py:*) timeout 400 python3 "carry/${step#py:}" >"$log" 2>&1 ;;
     *) echo "unknown step $step" >"$log" ;;
   esac
   echo "== $step: exit $?, $((SECONDS - t0)) s"
   case $step in
     bench:* | torch:* | jax:*) grep '^{' "$log" | cut -c1-200 ;;
+    bench_all:* | py:*) tail -n 40 "$log" ;;
     *) tail -n 25 "$log" ;;
   esac
 }
