@@ -6,6 +6,7 @@
 
 mod backend;
 pub mod codegen;
+mod cudagraphs;
 mod horizontal;
 pub mod ir;
 pub mod runtime;
@@ -17,19 +18,23 @@ use kiln_compile::aot::AotBackend;
 use kiln_compile::logs::{self, Channel};
 
 pub use backend::{generate, CpuCodegen};
+pub use cudagraphs::CudaGraphsBackend;
 pub use runtime::cc::{
     cache_dir, forget_loaded_kernels, stats as kernel_cache_stats, with_fresh_cache,
     KernelCacheStats,
 };
 pub use runtime::pool::{stats as exec_stats, ExecStats};
 
-/// Registers the `kiln` backend (AOT autograd over generated CPU kernels). Idempotent.
+/// Registers the `kiln` backend (AOT autograd over generated kernels: C for the CPU, CUDA C for
+/// a GPU) and `cudagraphs` (AOT autograd over eager kernels recorded as CUDA graphs). Idempotent.
 pub fn register() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let kiln = Arc::new(AotBackend::new("kiln", Arc::new(CpuCodegen)));
-        // a second registration (a user registered "kiln" first) keeps the user's
+        // a second registration (a user registered the name first) keeps the user's
         let _ = kiln_compile::register_backend("kiln", kiln);
+        let cudagraphs = Arc::new(AotBackend::new("cudagraphs", Arc::new(CudaGraphsBackend)));
+        let _ = kiln_compile::register_backend("cudagraphs", cudagraphs);
     });
 }
 

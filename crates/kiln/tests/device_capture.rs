@@ -166,3 +166,47 @@ fn a_bert_on_a_device_compiles_without_graph_breaks() -> Result<()> {
     assert_eq!((stats.compiles, stats.replays), (1, 1), "{stats:?}");
     Ok(())
 }
+
+/// The `cudagraphs` backend (eager kernels, recorded as CUDA graphs on a GPU — `gpu_compile.rs`
+/// checks the replays) is registered, and where nothing can be recorded (the CPU, a device
+/// without graph capture) it runs the captured graphs on the eager kernels: equal to eager,
+/// forward and backward, call after call.
+#[test]
+fn the_cudagraphs_backend_equals_eager_where_it_cannot_record() -> Result<()> {
+    setup();
+    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+        Ok(vec![a[0]
+            .matmul(&a[1])?
+            .relu()?
+            .softmax(-1)?
+            .sum(&[1], false)?])
+    };
+    let compiled = kiln::compile_fn(f, CompileOptions::default().backend("cudagraphs"))?;
+    assert!(kiln::list_backends().contains(&"cudagraphs".to_string()));
+    for dev in [Device::Cpu, DEV] {
+        for call in 0..3 {
+            let scale = 0.1 * (call + 1) as f32;
+            let mk = |n, shape: &[usize], s| -> Result<Tensor> {
+                Tensor::from_vec(values(n, s), shape)?.to(dev)?.with_grad()
+            };
+            let (x, w) = (mk(12, &[3, 4], scale)?, mk(20, &[4, 5], 0.2)?);
+            let (xe, we) = (mk(12, &[3, 4], scale)?, mk(20, &[4, 5], 0.2)?);
+            let got = compiled.call(&[x.clone(), w.clone()])?;
+            let want = f(&[xe.clone(), we.clone()])?;
+            assert_eq!(got[0].device(), dev);
+            assert_eq!(got[0].to_vec::<f32>()?, want[0].to_vec::<f32>()?);
+            got[0].sum_all()?.backward()?;
+            want[0].sum_all()?.backward()?;
+            for (c, e) in [(&x, &xe), (&w, &we)] {
+                let (gc, ge) = (
+                    c.grad().expect("compiled grad"),
+                    e.grad().expect("eager grad"),
+                );
+                assert_eq!(gc.to_vec::<f32>()?, ge.to_vec::<f32>()?);
+            }
+        }
+    }
+    let stats = compiled.stats();
+    assert_eq!(stats.graph_breaks, 0, "{stats:?}");
+    Ok(())
+}

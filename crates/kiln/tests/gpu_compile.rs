@@ -346,6 +346,23 @@ fn sgd_momentum_step() -> Outcome {
 
 /// Forward and backward of a small MLP compiled on the GPU: loss and gradients equal eager's.
 fn mlp_forward_backward() -> Outcome {
+    mlp_with(CompileOptions::default(), 1)
+}
+
+/// The `cudagraphs` backend (eager kernels recorded as CUDA graphs, forward and AOT backward):
+/// equal to eager on every call, and the calls after the first two replay recordings.
+fn cudagraphs_backend_forward_backward() -> Outcome {
+    let before = exec_stats().graph_replays;
+    mlp_with(CompileOptions::default().backend("cudagraphs"), 4)?;
+    match exec_stats().graph_replays - before {
+        0 => Err("the cudagraphs backend replayed no recorded graph".into()),
+        _ => Ok(()),
+    }
+}
+
+/// A two-layer MLP's loss compiled with `opts`, called `calls` times (each call's loss and
+/// gradients against eager's, the gradients cleared between calls).
+fn mlp_with(opts: CompileOptions, calls: usize) -> Outcome {
     let make = || -> Result<Vec<Tensor>> {
         manual_seed(11);
         let w1 = Tensor::randn(&[64, 32], DType::F32)?
@@ -372,19 +389,24 @@ fn mlp_forward_backward() -> Outcome {
     let wc2 = wc.clone();
     let f = kiln::compile_fn(
         move |a: &[Tensor]| Ok(vec![loss(&wc2, &a[0], &a[1])?]),
-        CompileOptions::default(),
+        opts,
     )
     .map_err(err)?;
-    let lc = f.call(&[x.clone(), y.clone()]).map_err(err)?;
-    lc[0].backward().map_err(err)?;
-    let le = loss(&we, &x, &y).map_err(err)?;
-    le.backward().map_err(err)?;
-    same("loss", &lc[0], &le, 1e-6)?;
-    for (i, (c, e)) in wc.iter().zip(&we).enumerate() {
-        let (gc, ge) = (c.grad(), e.grad());
-        match (gc, ge) {
-            (Some(gc), Some(ge)) => same(&format!("grad {i}"), &gc, &ge, 1e-5)?,
-            _ => return Err(format!("grad {i} missing")),
+    for call in 0..calls {
+        for w in wc.iter().chain(&we) {
+            w.set_grad(None);
+        }
+        let lc = f.call(&[x.clone(), y.clone()]).map_err(err)?;
+        lc[0].backward().map_err(err)?;
+        let le = loss(&we, &x, &y).map_err(err)?;
+        le.backward().map_err(err)?;
+        same(&format!("call {call}: loss"), &lc[0], &le, 1e-6)?;
+        for (i, (c, e)) in wc.iter().zip(&we).enumerate() {
+            let (gc, ge) = (c.grad(), e.grad());
+            match (gc, ge) {
+                (Some(gc), Some(ge)) => same(&format!("call {call}: grad {i}"), &gc, &ge, 1e-5)?,
+                _ => return Err(format!("call {call}: grad {i} missing")),
+            }
         }
     }
     Ok(())
@@ -471,7 +493,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 13] = [
+    let tests: [(&str, Check); 14] = [
+        (
+            "cudagraphs_backend_forward_backward",
+            cudagraphs_backend_forward_backward,
+        ),
         ("vector_loads_any_alignment", vector_loads_any_alignment),
         (
             "adam_many_parameters_few_launches",
