@@ -16,7 +16,7 @@ use std::sync::{Arc, Once};
 use kiln_compile::aot::AotBackend;
 use kiln_compile::logs::{self, Channel};
 
-pub use backend::{generate, CpuCodegen};
+pub use backend::{generate, CpuCodegen, INLINE_SMALL_MATMULS};
 pub use runtime::cc::{
     cache_dir, forget_loaded_kernels, stats as kernel_cache_stats, with_fresh_cache,
     KernelCacheStats,

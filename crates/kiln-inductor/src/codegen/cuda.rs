@@ -18,6 +18,7 @@ use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
     pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
 };
+use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
@@ -81,9 +82,19 @@ pub struct CudaKernel {
 /// waves of blocks, not one block per element).
 pub struct Cuda {
     pub sm_count: u32,
+    /// Small matmuls as generated reductions (`Target::inline_matmul`).
+    pub inline_matmul: bool,
 }
 
 impl Cuda {
+    /// The target with small matmuls generated (the default of a compile on a GPU).
+    pub fn new(sm_count: u32) -> Cuda {
+        Cuda {
+            sm_count,
+            inline_matmul: true,
+        }
+    }
+
     fn blocks(&self, units: usize, per_block: usize) -> u32 {
         let want = units.div_ceil(per_block).max(1);
         want.min(self.sm_count.max(1) as usize * 32) as u32
@@ -382,6 +393,18 @@ impl Target for Cuda {
         &k.inputs
     }
 
+    /// A small matmul costs a cuBLAS launch (and, on its own, a launch per layer) many times
+    /// what its few thousand multiply-adds cost in a thread per output element.
+    fn inline_matmul(&self, dims: MatmulDims) -> bool {
+        self.inline_matmul && small_matmul(dims)
+    }
+    /// Recomputing a short chain (a bias add, ReLU and sigmoid: 7 ops) per output costs a few
+    /// hundred instructions spread over the threads; realizing it costs a kernel (a launch, or
+    /// a barrier and a round trip through L2 in a composed launch: `sequential.rs`).
+    fn matmul_operand_ops(&self) -> usize {
+        8
+    }
+
     fn side_by_side(&self, k: &CudaKernel) -> Option<(u32, usize)> {
         Some((k.block, k.param_types.len()))
     }
@@ -445,11 +468,17 @@ impl Target for Cuda {
 /// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
 /// device's eager kernels. With `cuda_graphs` (reduce-overhead, max-autotune) the launches are
 /// recorded once and replayed (`runtime/cudagraph.rs`).
-pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph>> {
+/// `inline_matmul`: small matmuls generated (the `inline_small_matmuls` option).
+pub fn compile(
+    graph: &Graph,
+    cuda_graphs: bool,
+    inline_matmul: bool,
+) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
     let target = Cuda {
         sm_count: rt.multiprocessors(device)?,
+        inline_matmul,
     };
     let planned = plan_graph(&target, graph);
     let mut source = String::from(PRELUDE);
