@@ -16,6 +16,7 @@ use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::runtime::plan::{self, Alloc};
 use crate::schedule::{schedule, MatmulFusion, Schedule, Step};
+use crate::sequential::Sequence;
 use kiln_compile::symbolic;
 
 /// Generates and compiles C/OpenMP kernels for a graph (forward or backward; `kiln` wraps it in AOT
@@ -53,6 +54,11 @@ pub trait Target {
     }
     /// One kernel running `members` side by side, or `None` when they do not fit in one.
     fn horizontal(&self, _members: &[&Self::Kernel]) -> Option<Self::Kernel> {
+        None
+    }
+    /// One kernel running a sequence of kernels in order in one block, with the barriers the
+    /// sequence asks for (`sequential.rs`), or `None` where the target cannot.
+    fn sequential(&self, _seq: &Sequence<'_, Self::Kernel>) -> Option<Self::Kernel> {
         None
     }
 }
@@ -229,6 +235,8 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
         });
     }
     let planned = group(t, graph, &sched, planned);
+    // a small graph in one launch; else independent kernels side by side
+    let planned = crate::sequential::compose(t, graph, &roots, planned);
     crate::horizontal::fuse(t, graph, &roots, planned)
 }
 

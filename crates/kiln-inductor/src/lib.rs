@@ -10,6 +10,7 @@ mod horizontal;
 pub mod ir;
 pub mod runtime;
 pub mod schedule;
+mod sequential;
 
 use std::sync::{Arc, Once};
 

@@ -106,7 +106,8 @@ fn inline() -> CompileOptions {
 fn small_matmuls_are_generated_and_at_least_as_accurate_as_eager() {
     let mut rng = Rng::new(41);
     // (a, its layout, b, its layout, eager matmuls a compiled forward and backward runs)
-    let cases: &[(&[usize], Lay, &[usize], Lay, usize)] = &[
+    type Shapes = (&'static [usize], Lay, &'static [usize], Lay, usize);
+    let cases: &[Shapes] = &[
         (&[3, 4], Lay::C, &[4, 5], Lay::C, 0),
         // transposed (non-contiguous) operands, read through their index expressions
         (&[3, 4], Lay::T, &[4, 5], Lay::T, 0),
@@ -165,7 +166,7 @@ fn small_matmuls_are_generated_and_at_least_as_accurate_as_eager() {
     };
     for (k, opts) in [(128, inline()), (8, default_on_cpu)] {
         let f = kiln::compile_fn(mm, opts).unwrap();
-        let ins = vec![
+        let ins = [
             rng.arg(Gen::Normal, &[8, k], Lay::C, false),
             rng.arg(Gen::Normal, &[k, 8], Lay::C, false),
         ];

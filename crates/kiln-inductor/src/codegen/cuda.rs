@@ -22,6 +22,7 @@ use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
+use crate::sequential::{Arg, Sequence};
 
 /// Names the builder's C uses, mapped for NVRTC (which has no C headers): fixed-width integer
 /// types, the infinities, NaN tests that need no header, and the sine/cosine the CPU target
@@ -459,6 +460,70 @@ impl Target for Cuda {
         let grid = u32::try_from(start).ok()?;
         ins.extend(outs);
         let mut k = finish(inputs, ins, text, grid, block);
+        k.device_fns = device_fns;
+        Some(k)
+    }
+    /// The members as `__device__` functions called in order by one block (block index 0 of 1:
+    /// their grid-stride loops cover their whole outputs with the block's threads), with
+    /// `__syncthreads()` where the sequence puts a barrier. A barrier orders and makes visible
+    /// the block's global writes, so a later member reads what an earlier one wrote; the
+    /// members' pointers lose `__restrict__`, which would let the compiler read a buffer written
+    /// earlier in the same launch through the non-coherent read-only cache.
+    fn sequential(&self, seq: &Sequence<'_, CudaKernel>) -> Option<CudaKernel> {
+        let block = seq.members.first()?.kernel.block;
+        if seq.members.iter().any(|m| m.kernel.block != block) {
+            return None;
+        }
+        let plain = |t: &String| t.replace(" *__restrict__", " *");
+        let mut in_types: Vec<Option<String>> = vec![None; seq.inputs.len()];
+        let mut out_types: Vec<Option<String>> = vec![None; seq.outs.len()];
+        let mut device_fns: Vec<(String, String)> = Vec::new();
+        let mut text = String::new();
+        for m in &seq.members {
+            let k = m.kernel;
+            if m.args.len() != k.param_types.len() {
+                return None;
+            }
+            let f = format!("s{}", &k.name[1..]);
+            if !device_fns.iter().any(|(n, _)| *n == f) {
+                let def = format!(
+                    "__device__ __noinline__ void {f}({}, const long long kbid, const long long \
+                     knblk) {{\n{}}}\n",
+                    plain(&k.sig),
+                    k.text
+                );
+                device_fns.push((f.clone(), def));
+            }
+            let mut names = Vec::with_capacity(m.args.len());
+            for (j, (arg, t)) in m.args.iter().zip(&k.param_types).enumerate() {
+                match *arg {
+                    Arg::In(i) => {
+                        in_types[i].get_or_insert_with(|| plain(t));
+                        names.push(format!("x{i}"));
+                    }
+                    // an output written here has its own (non-const) type; one read here was
+                    // written by an earlier member
+                    Arg::Out(i) => {
+                        if j >= k.inputs.len() {
+                            out_types[i] = Some(plain(t));
+                        }
+                        names.push(format!("y{i}"));
+                    }
+                }
+            }
+            if m.barrier_before {
+                text.push_str("  __syncthreads();\n");
+            }
+            let _ = writeln!(text, "  {f}({}, 0, 1);", names.join(", "));
+        }
+        let mut params: Vec<(String, String)> = Vec::new();
+        for (i, t) in in_types.into_iter().enumerate() {
+            params.push((t?, format!("x{i}")));
+        }
+        for (i, t) in out_types.into_iter().enumerate() {
+            params.push((t?, format!("y{i}")));
+        }
+        let mut k = finish(seq.inputs.clone(), params, text, 1, block);
         k.device_fns = device_fns;
         Some(k)
     }
