@@ -26,11 +26,11 @@ const WORKLOADS: &[&str] = &[
 ];
 
 /// The workloads that run with `--device cuda` so far.
-const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18"];
+const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18", "regional"];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | all
-  --device  cpu (the default) or cuda / cuda:N (sincos, adam; resnet18 eagerly)
+  --device  cpu (the default) or cuda / cuda:N (sincos, adam, regional, resnet18)
   --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
             (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
@@ -126,7 +126,7 @@ fn main() -> ExitCode {
         }
     };
     if args.workload == WARM_CHILD {
-        return match workloads::regional::warm_child(args.mode) {
+        return match workloads::regional::warm_child(args.mode, dev) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kiln-bench {WARM_CHILD}: {e}");
