@@ -357,6 +357,14 @@ mod tests {
         Ok(())
     }
 
+    /// 200 layers: 201 outputs and 401 inputs (x, weights, biases), over the 512 parameters
+    /// a launch takes: a launch per kernel instead.
+    #[test]
+    fn a_composition_over_the_parameter_limit_is_not_made() {
+        assert_eq!(kernels(&mlp(100, 4)).len(), 1);
+        assert!(kernels(&mlp(200, 4)).len() > 1);
+    }
+
     #[test]
     fn large_values_and_extern_steps_keep_their_own_launches() {
         // a 100x100 value: too large for one block

@@ -43,6 +43,8 @@ const PRELUDE: &str = r#"#define int64_t long long
 template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 "#;
 
+/// Most pointer parameters of a composed launch (`sequential.rs`): 4 KiB.
+const MAX_LAUNCH_PARAMS: usize = 512;
 /// Threads per block of pointwise kernels and of per-thread and per-warp reductions.
 const BLOCK: u32 = 256;
 /// Threads per block of a reduction that gives each output element a whole block.
@@ -515,6 +517,10 @@ impl Target for Cuda {
                 text.push_str("  __syncthreads();\n");
             }
             let _ = writeln!(text, "  {f}({}, 0, 1);", names.join(", "));
+        }
+        // 4 KiB of pointers: what every CUDA driver accepts as a launch's parameters
+        if in_types.len() + out_types.len() > MAX_LAUNCH_PARAMS {
+            return None;
         }
         let mut params: Vec<(String, String)> = Vec::new();
         for (i, t) in in_types.into_iter().enumerate() {
