@@ -11,11 +11,12 @@ use kiln_compile::graph::NodeId;
 
 use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
 use crate::codegen::template;
-use crate::ir::lower::Kind;
+use crate::ir::lower::{small_matmul, Kind, MatmulDims};
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::runtime::plan::{self, Alloc};
-use crate::schedule::{schedule, Schedule, Step};
+use crate::schedule::{schedule, MatmulFusion, Schedule, Step};
+use crate::sequential::Sequence;
 use kiln_compile::symbolic;
 
 /// Generates and compiles C/OpenMP kernels for a graph (forward or backward; `kiln` wraps it in AOT
@@ -34,6 +35,16 @@ pub trait Target {
         roots: &[(NodeId, Option<NodeId>)],
     ) -> (Self::Kernel, bool);
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Self::Kernel;
+    /// Whether a matmul of these sizes is generated as a reduction over k (fused with its
+    /// operands' producers and its readers) instead of running as an extern call.
+    fn inline_matmul(&self, _dims: MatmulDims) -> bool {
+        false
+    }
+    /// Longest pointwise chain a generated matmul recomputes in its operand loads (see
+    /// `schedule::MatmulFusion`).
+    fn matmul_operand_ops(&self) -> usize {
+        0
+    }
     /// The buffers a kernel reads, in argument order.
     fn inputs<'k>(&self, k: &'k Self::Kernel) -> &'k [NodeId];
     /// For a kernel that one launch can run beside others (`horizontal.rs`): its block size and
@@ -45,10 +56,40 @@ pub trait Target {
     fn horizontal(&self, _members: &[&Self::Kernel]) -> Option<Self::Kernel> {
         None
     }
+    /// One kernel running a sequence of kernels in order in one block, with the barriers the
+    /// sequence asks for (`sequential.rs`), or `None` where the target cannot.
+    fn sequential(&self, _seq: &Sequence<'_, Self::Kernel>) -> Option<Self::Kernel> {
+        None
+    }
 }
 
 /// The C target (`codegen/c.rs`).
-pub struct C;
+pub struct C {
+    /// Small matmuls as generated reductions (`Target::inline_matmul`); off unless the
+    /// `inline_small_matmuls` option turns it on (see `INLINE_SMALL_MATMULS`).
+    pub inline_matmul: bool,
+}
+
+/// `CompileOptions::option` key: `"true"` or `"false"`, whether small matmuls are generated
+/// inline (`ir::lower::small_matmul`) instead of calling gemm / cuBLAS. On by default on a GPU,
+/// off on the CPU: a generated matmul sums in double where gemm's f32 FMA chain rounds at every
+/// step, so results differ from eager in the last bits, and the CPU keeps compiled equal to eager
+/// bit for bit (ARCHITECTURE.md invariant 2). The CPU `regional` call (64 blocks of 10x10
+/// Linears) runs in about 0.6x the time with it on.
+pub const INLINE_SMALL_MATMULS: &str = "inline_small_matmuls";
+
+/// The `inline_small_matmuls` option of a compile, or `default` when it is not given.
+pub fn inline_small_matmuls(ctx: &BackendContext, default: bool) -> Result<bool> {
+    match ctx.options.get(INLINE_SMALL_MATMULS).map(String::as_str) {
+        None => Ok(default),
+        Some("true") => Ok(true),
+        Some("false") => Ok(false),
+        Some(other) => Err(kiln_core::Error::arg(
+            "compile(backend=kiln)",
+            format!("option {INLINE_SMALL_MATMULS} must be \"true\" or \"false\", got {other:?}"),
+        )),
+    }
+}
 
 impl Target for C {
     type Kernel = Kernel;
@@ -63,6 +104,17 @@ impl Target for C {
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         reduction_kernel(g, sched, root)
     }
+    fn inline_matmul(&self, dims: MatmulDims) -> bool {
+        self.inline_matmul && small_matmul(dims)
+    }
+    /// A function call per kernel costs less than a libm `tanh` recomputed per output column.
+    /// Measured on `kiln-bench regional` (64 blocks of Linear 10→10, ReLU, sigmoid; back to
+    /// back on a loaded machine): with the ReLU and sigmoid chains realized the compiled call took
+    /// about 0.6x the time it took with extern gemm calls; with them recomputed in the matmul
+    /// loads it was no faster than gemm.
+    fn matmul_operand_ops(&self) -> usize {
+        2
+    }
     fn inputs<'k>(&self, k: &'k Kernel) -> &'k [NodeId] {
         &k.inputs
     }
@@ -70,7 +122,22 @@ impl Target for C {
 
 /// The C kernels of a graph, in step order, and the steps that run them.
 pub fn generate(graph: &Graph) -> (Vec<Step>, Vec<Option<Kernel>>) {
-    kernels_of(&C, graph, &schedule(graph))
+    let c = C {
+        inline_matmul: false,
+    };
+    kernels_of(&c, graph, &schedule_for(&c, graph))
+}
+
+/// The schedule of `graph` for target `t` (which matmuls it generates).
+pub fn schedule_for<T: Target>(t: &T, graph: &Graph) -> Schedule {
+    let inline = |d| t.inline_matmul(d);
+    schedule(
+        graph,
+        &MatmulFusion {
+            inline: &inline,
+            operand_ops: t.matmul_operand_ops(),
+        },
+    )
 }
 
 fn kernels_of<T: Target>(
@@ -112,7 +179,7 @@ const MAX_GROUP: usize = 8;
 /// what the caller receives, a pooled buffer otherwise — and consecutive kernels of one shape
 /// grouped into one loop where they can be.
 pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
-    let sched = schedule(graph);
+    let sched = schedule_for(t, graph);
     let (steps, kernels) = kernels_of(t, graph, &sched);
     let reads: Vec<Vec<NodeId>> = steps
         .iter()
@@ -168,6 +235,8 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
         });
     }
     let planned = group(t, graph, &sched, planned);
+    // a small graph in one launch; else independent kernels side by side
+    let planned = crate::sequential::compose(t, graph, &roots, planned);
     crate::horizontal::fuse(t, graph, &roots, planned)
 }
 
@@ -234,7 +303,8 @@ impl Backend for CpuCodegen {
         if graph.device() != kiln_core::Device::Cpu {
             // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs
             let cuda_graphs = matches!(ctx.mode.as_str(), "reduce-overhead" | "max-autotune");
-            return match crate::codegen::cuda::compile(graph, cuda_graphs) {
+            let inline_matmul = inline_small_matmuls(ctx, true)?;
+            return match crate::codegen::cuda::compile(graph, cuda_graphs, inline_matmul) {
                 Ok(compiled) => Ok(compiled),
                 Err(e) if !ctx.fullgraph => {
                     static WARN: Once = Once::new();
@@ -268,7 +338,10 @@ impl Backend for CpuCodegen {
             });
             return Ok(Arc::new(Interpreter::new(graph.clone())));
         };
-        let planned = plan_graph(&C, graph);
+        let c = C {
+            inline_matmul: inline_small_matmuls(ctx, false)?,
+        };
+        let planned = plan_graph(&c, graph);
         // one size of a symbolic graph: kernels that differ between sizes only in constants
         // become one size-generic kernel (`codegen/template.rs`)
         let sizes = symbolic::context::current();

@@ -198,9 +198,10 @@ mod tests {
         g.push(node(Op::Prim(Prim::Binary(op)), vec![a, b], &shape))
     }
 
-    /// (kernel launches, values each computes) of a graph planned for a GPU.
+    /// (kernel launches, values each computes) of a graph planned for a GPU. The graphs here
+    /// have a value too large for the whole graph to run in one block (`sequential.rs`).
     fn launches(g: &Graph) -> Vec<usize> {
-        plan_graph(&Cuda { sm_count: 2 }, g)
+        plan_graph(&Cuda::new(2), g)
             .iter()
             .filter_map(|p| match p {
                 Planned::Kernel { outs, .. } => Some(outs.len()),
@@ -214,7 +215,7 @@ mod tests {
     #[test]
     fn independent_updates_share_one_launch() {
         let mut g = Graph::default();
-        for shape in [&[64usize, 32][..], &[10], &[5, 5, 5]] {
+        for shape in [&[128usize, 64][..], &[10], &[5, 5, 5]] {
             let index = g.num_inputs;
             let p = input(&mut g, shape);
             let grad = input(&mut g, shape);
@@ -223,7 +224,7 @@ mod tests {
             g.outputs.push(new);
         }
         assert_eq!(launches(&g), vec![3]);
-        let planned = plan_graph(&Cuda { sm_count: 2 }, &g);
+        let planned = plan_graph(&Cuda::new(2), &g);
         let Some(Planned::Kernel { kernel, outs }) = planned.first() else {
             panic!("no kernel planned");
         };
@@ -241,7 +242,7 @@ mod tests {
     fn scalar_then_update_chains_gather_in_two_launches() {
         let mut g = Graph::default();
         let one = input(&mut g, &[]);
-        for shape in [&[64usize, 32][..], &[10], &[5, 5, 5], &[7]] {
+        for shape in [&[128usize, 64][..], &[10], &[5, 5, 5], &[7]] {
             let (step_index, p_index) = (g.num_inputs, g.num_inputs + 1);
             let step = input(&mut g, &[]);
             let p = input(&mut g, shape);
@@ -266,19 +267,23 @@ mod tests {
     #[test]
     fn a_reader_of_a_value_waits_for_it() {
         let mut g = Graph::default();
-        let a = input(&mut g, &[8, 4]);
-        let b = input(&mut g, &[8, 4]);
-        let c = input(&mut g, &[4]);
+        let a = input(&mut g, &[80, 64]);
+        let b = input(&mut g, &[80, 64]);
+        let c = input(&mut g, &[64]);
         let x = binary(&mut g, BinaryOp::Mul, a, b);
         // a broadcast read of x: not the same loop as x, and it needs x computed
-        let xt = g.push(node(Op::Prim(Prim::Permute(vec![1, 0])), vec![x], &[4, 8]));
+        let xt = g.push(node(
+            Op::Prim(Prim::Permute(vec![1, 0])),
+            vec![x],
+            &[64, 80],
+        ));
         let s = g.push(node(
             Op::Prim(Prim::Reduce {
                 op: ReduceOp::Sum,
                 dims: vec![1],
             }),
             vec![xt],
-            &[4],
+            &[64],
         ));
         let y = binary(&mut g, BinaryOp::Add, s, c);
         g.outputs = vec![x, y];
@@ -290,21 +295,21 @@ mod tests {
     #[test]
     fn an_in_place_write_waits_for_readers_of_the_old_value() {
         let mut g = Graph::default();
-        let p = input(&mut g, &[64, 32]);
-        let grad = input(&mut g, &[64, 32]);
+        let p = input(&mut g, &[128, 64]);
+        let grad = input(&mut g, &[128, 64]);
         let norm = g.push(node(
             Op::Prim(Prim::Reduce {
                 op: ReduceOp::Sum,
                 dims: vec![1],
             }),
             vec![p],
-            &[64],
+            &[128],
         ));
         let new = binary(&mut g, BinaryOp::Sub, p, grad);
         g.outputs = vec![norm, new];
         g.mutated_inputs = vec![(1, 0)];
         assert_eq!(launches(&g), vec![1, 1]);
-        let planned = plan_graph(&Cuda { sm_count: 2 }, &g);
+        let planned = plan_graph(&Cuda::new(2), &g);
         assert!(planned.iter().any(|s| matches!(
             s,
             Planned::Kernel { outs, .. } if matches!(outs[0].1, Alloc::InPlace(_))

@@ -11,13 +11,14 @@ mod horizontal;
 pub mod ir;
 pub mod runtime;
 pub mod schedule;
+mod sequential;
 
 use std::sync::{Arc, Once};
 
 use kiln_compile::aot::AotBackend;
 use kiln_compile::logs::{self, Channel};
 
-pub use backend::{generate, CpuCodegen};
+pub use backend::{generate, CpuCodegen, INLINE_SMALL_MATMULS};
 pub use cudagraphs::CudaGraphsBackend;
 pub use runtime::cc::{
     cache_dir, forget_loaded_kernels, stats as kernel_cache_stats, with_fresh_cache,

@@ -3,11 +3,17 @@
 //! computed inside its reader's loop (vertical fusion, and elementwise producers fused into
 //! reductions); values read by several kernels, graph outputs, reductions and the operands of extern
 //! ops are realized. Every realized value becomes one step: a generated kernel or an extern call.
+//!
+//! A small matmul the target generates (`Target::inline_matmul`) is a reduction like any other:
+//! its operands' pointwise producers are computed inside its loads (an operand element is read
+//! once per output it contributes to, so a producer chain longer than the target's
+//! `MatmulFusion::operand_ops` is realized instead), and its pointwise readers inline it as a
+//! buffer load.
 
 use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::Prim;
 
-use crate::ir::lower::{kind, Kind};
+use crate::ir::lower::{kind_with, Kind, MatmulDims};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -21,6 +27,22 @@ pub enum Step {
 const MAX_RECOMPUTE_OPS: usize = 4;
 /// Most readers a shared pointwise chain is inlined into.
 const MAX_RECOMPUTE_USERS: usize = 3;
+/// How a target generates small matmuls (`Target::inline_matmul`, `Target::matmul_operand_ops`).
+pub struct MatmulFusion<'a> {
+    /// Which matmuls are generated (the others stay extern calls).
+    pub inline: &'a dyn Fn(MatmulDims) -> bool,
+    /// Longest pointwise chain a generated matmul computes inside its operand loads (each
+    /// element of an operand is recomputed once per output it meets); longer chains are realized.
+    pub operand_ops: usize,
+}
+
+impl MatmulFusion<'_> {
+    /// Every matmul extern.
+    pub const NONE: MatmulFusion<'static> = MatmulFusion {
+        inline: &|_| false,
+        operand_ops: 0,
+    };
+}
 
 pub struct Schedule {
     pub kinds: Vec<Kind>,
@@ -35,9 +57,27 @@ fn is_pad_or_cat(g: &Graph, id: NodeId) -> bool {
     )
 }
 
-pub fn schedule(g: &Graph) -> Schedule {
+/// Realizes the value a chain of views starting at `id` looks at (the views stay index maps over
+/// its buffer).
+fn realize_below_views(g: &Graph, kinds: &[Kind], realized: &mut [bool], mut id: NodeId) {
+    while kinds[id] == Kind::Movement
+        && !is_pad_or_cat(g, id)
+        && !realized[id]
+        && g.nodes[id].args.len() == 1
+    {
+        id = g.nodes[id].args[0];
+    }
+    realized[id] = true;
+}
+
+/// The schedule of `g`, with small matmuls generated as `mm` says.
+pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
     let n = g.nodes.len();
-    let kinds: Vec<Kind> = g.nodes.iter().map(|node| kind(g, node)).collect();
+    let kinds: Vec<Kind> = g
+        .nodes
+        .iter()
+        .map(|node| kind_with(g, node, mm.inline))
+        .collect();
     let mut users = vec![0usize; n];
     let mut must_realize = vec![false; n];
     for &o in &g.outputs {
@@ -90,6 +130,13 @@ pub fn schedule(g: &Graph) -> Schedule {
         if kinds[id] == Kind::Constant {
             cheap[id] = true;
         }
+        if matches!(node.op, Op::Prim(Prim::Matmul)) && kinds[id] == Kind::Reduction {
+            for &a in &node.args {
+                if !realized[a] && cost[a] > mm.operand_ops {
+                    realize_below_views(g, &kinds, &mut realized, a);
+                }
+            }
+        }
     }
     // a realized view of a buffer is made by the core as a view (no copy), and so are the views
     // it is a view of: realize that chain too
@@ -116,5 +163,135 @@ pub fn schedule(g: &Graph) -> Schedule {
         kinds,
         realized,
         steps,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::graph::Node;
+    use kiln_core::prim::{BinaryOp, UnaryOp};
+    use kiln_core::{DType, Device};
+
+    use super::*;
+    use crate::backend::{schedule_for, C};
+    use crate::codegen::cuda::Cuda;
+
+    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
+        g.push(Node {
+            op,
+            args,
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            grad_enabled: false,
+            requires_grad: false,
+            device: Device::Cpu,
+        })
+    }
+
+    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
+        let i = g.num_inputs;
+        g.num_inputs += 1;
+        push(g, Op::Input(i), vec![], shape)
+    }
+
+    /// `tanh` applied `ops` times to x [1,m,k], @ w [1,n,k] transposed, + bias: (graph, the
+    /// chain's last node, the matmul).
+    fn linear(m: usize, k: usize, n: usize, ops: usize) -> (Graph, NodeId, NodeId) {
+        let mut g = Graph::default();
+        let mut x = input(&mut g, &[1, m, k]);
+        for _ in 0..ops {
+            x = push(
+                &mut g,
+                Op::Prim(Prim::Unary(UnaryOp::Tanh)),
+                vec![x],
+                &[1, m, k],
+            );
+        }
+        let w = input(&mut g, &[1, n, k]);
+        let wt = push(
+            &mut g,
+            Op::Prim(Prim::Permute(vec![0, 2, 1])),
+            vec![w],
+            &[1, k, n],
+        );
+        let mm = push(&mut g, Op::Prim(Prim::Matmul), vec![x, wt], &[1, m, n]);
+        let b = input(&mut g, &[1, m, n]);
+        let y = push(
+            &mut g,
+            Op::Prim(Prim::Binary(BinaryOp::Add)),
+            vec![mm, b],
+            &[1, m, n],
+        );
+        g.outputs = vec![y];
+        (g, x, mm)
+    }
+
+    #[test]
+    fn small_matmuls_are_reductions_and_large_ones_extern() {
+        let cuda = Cuda::new(2);
+        // 10x10x10: generated on both targets, the transposed weight read through its index
+        // map (not realized), the bias add a separate pointwise kernel reading the matmul
+        let (g, chain, mm) = linear(10, 10, 10, 1);
+        for s in [
+            schedule_for(
+                &C {
+                    inline_matmul: true,
+                },
+                &g,
+            ),
+            schedule_for(&cuda, &g),
+        ] {
+            assert_eq!(s.kinds[mm], Kind::Reduction);
+            assert!(s.steps.contains(&Step::Kernel { node: mm }));
+            assert!(
+                !s.realized[chain],
+                "a one-op producer is computed in the loads"
+            );
+            assert!(s.steps.iter().all(|st| matches!(st, Step::Kernel { .. })));
+        }
+        // without inlining (the default of a target): extern, operands realized
+        let s = schedule(&g, &MatmulFusion::NONE);
+        assert_eq!(s.kinds[mm], Kind::Extern);
+        assert!(s.steps.contains(&Step::Extern { node: mm }));
+        assert!(s.realized[chain]);
+        // K = 128: a gemm on both targets
+        let (g, chain, mm) = linear(8, 128, 8, 1);
+        for s in [
+            schedule_for(
+                &C {
+                    inline_matmul: true,
+                },
+                &g,
+            ),
+            schedule_for(&cuda, &g),
+        ] {
+            assert_eq!(s.kinds[mm], Kind::Extern);
+            assert!(s.realized[chain]);
+        }
+        // 2^16 < 48·48·48 multiply-adds: extern
+        let (g, _, mm) = linear(48, 48, 48, 1);
+        assert_eq!(schedule_for(&cuda, &g).kinds[mm], Kind::Extern);
+    }
+
+    #[test]
+    fn long_operand_chains_are_realized_by_the_target_s_limit() {
+        // 4 ops: over the C target's limit (2), within the CUDA target's (8)
+        let (g, chain, mm) = linear(10, 10, 10, 4);
+        let c = schedule_for(
+            &C {
+                inline_matmul: true,
+            },
+            &g,
+        );
+        assert_eq!(c.kinds[mm], Kind::Reduction);
+        assert!(c.realized[chain]);
+        let cuda = schedule_for(&Cuda::new(2), &g);
+        assert!(!cuda.realized[chain]);
+        assert_eq!(
+            cuda.steps.len(),
+            2,
+            "the matmul and the bias add: {:?}",
+            cuda.steps
+        );
     }
 }

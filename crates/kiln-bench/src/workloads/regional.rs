@@ -1,14 +1,16 @@
 //! torch_baseline.py's `regional`: 64 × Layer(Linear 10→10, ReLU, sigmoid, Linear, ReLU) after one
 //! Linear. Cold compile of the whole model vs regional compilation (each block compiled; identical
 //! blocks share one compiled graph), warm-disk-cache compiles (in this process after forgetting the
-//! loaded kernels, and in a genuinely new process), and call latency eager vs compiled.
+//! loaded kernels, and in a genuinely new process), and call latency eager vs compiled. With
+//! `--device cuda`: the same rows on the GPU (compile times from fresh child processes, see
+//! `run_gpu`) plus reduce-overhead and the kernel launches per compiled call.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kiln::inductor::{forget_loaded_kernels, kernel_cache_stats, with_fresh_cache};
 use kiln::nn::{Linear, Module, ReLU, TrainFlag};
-use kiln::{no_grad, CompiledModule, DType, Mode, Tensor};
+use kiln::{no_grad, CompiledModule, DType, Device, Mode, Tensor};
 
 use super::BenchResult;
 use crate::harness::{once, Ctx};
@@ -52,6 +54,14 @@ impl Module for Layer {
             ("relu1".into(), &self.relu1),
             ("linear2".into(), &self.linear2),
             ("relu2".into(), &self.relu2),
+        ]
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        vec![
+            ("linear1".into(), &mut self.linear1 as &mut dyn Module),
+            ("relu1".into(), &mut self.relu1),
+            ("linear2".into(), &mut self.linear2),
+            ("relu2".into(), &mut self.relu2),
         ]
     }
 }
@@ -98,6 +108,13 @@ impl<L: Module> Module for Model<L> {
         let mut c: Vec<(String, &dyn Module)> = vec![("linear".into(), &self.linear)];
         for (i, l) in self.layers.iter().enumerate() {
             c.push((format!("layers.{i}"), l as &dyn Module));
+        }
+        c
+    }
+    fn children_mut(&mut self) -> Vec<(String, &mut dyn Module)> {
+        let mut c: Vec<(String, &mut dyn Module)> = vec![("linear".into(), &mut self.linear)];
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            c.push((format!("layers.{i}"), l as &mut dyn Module));
         }
         c
     }
@@ -160,6 +177,9 @@ fn cold<'m, M: Module>(
 }
 
 pub fn run(ctx: &mut Ctx) -> BenchResult {
+    if ctx.on_gpu() {
+        return run_gpu(ctx);
+    }
     kiln::manual_seed(0);
     let x = Tensor::randn(&[10, 10], DType::F32)?;
     let eager = Model::new()?;
@@ -334,11 +354,29 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
 
 /// Runs this executable's hidden child subcommand; returns (seconds, cc builds, disk hits).
 fn warm_in_child(mode: Mode) -> BenchResult<(f64, f64, f64)> {
+    child("cpu", mode, "full", &kiln::inductor::cache_dir())
+}
+
+/// The child subcommand on `device` against cache folder `dir`, compiling the `what` model
+/// (`full`, or `regional`: each block compiled); returns (seconds, cc builds, disk hits).
+fn child(
+    device: &str,
+    mode: Mode,
+    what: &str,
+    dir: &std::path::Path,
+) -> BenchResult<(f64, f64, f64)> {
     let exe = std::env::current_exe()?;
-    let pb = crate::harness::spinner("regional: warm compile (new process)");
+    let pb = crate::harness::spinner(format!("regional: {what} compile (new process)"));
     let out = Command::new(exe)
-        .args([crate::WARM_CHILD, "--mode", mode.as_str()])
-        .env("KILN_CACHE_DIR", kiln::inductor::cache_dir())
+        .args([
+            crate::WARM_CHILD,
+            "--mode",
+            mode.as_str(),
+            "--device",
+            device,
+        ])
+        .env("KILN_CACHE_DIR", dir)
+        .env(WHAT_ENV, what)
         .output()?;
     pb.finish_and_clear();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -360,15 +398,41 @@ fn warm_in_child(mode: Mode) -> BenchResult<(f64, f64, f64)> {
     Ok((num("seconds"), num("cc_builds"), num("disk_hits")))
 }
 
-/// The child's side: compile the full model once, against the parent's (now warm) cache folder.
-pub fn warm_child(mode: Mode) -> BenchResult {
+/// Which model the child compiles: `full` (the default) or `regional`.
+const WHAT_ENV: &str = "KILN_BENCH_REGIONAL_WHAT";
+
+/// The child's side: compile the model once (on `dev`), against the cache folder it was given,
+/// and run it once (with autograd on, as `cold`), waiting for the device.
+pub fn warm_child(mode: Mode, dev: Device) -> BenchResult {
     kiln::manual_seed(0);
-    let x = Tensor::randn(&[10, 10], DType::F32)?;
-    let model = Model::new()?;
+    let x = Tensor::randn(&[10, 10], DType::F32)?.to(dev)?;
+    let regional = std::env::var(WHAT_ENV).as_deref() == Ok("regional");
+    let opts = kiln::CompileOptions::default().mode(mode);
     let before = kernel_cache_stats();
     let t = Instant::now();
-    let c = kiln::compile(&model, kiln::CompileOptions::default().mode(mode))?;
-    std::hint::black_box(c.forward(&x)?);
+    if regional {
+        let mut blocks: Vec<Layer> = (0..DEPTH)
+            .map(|_| Layer::new())
+            .collect::<kiln::Result<_>>()?;
+        for b in &mut blocks {
+            b.to(dev)?;
+        }
+        let compiled = blocks
+            .iter()
+            .map(|b| kiln::compile(b, opts.clone()))
+            .collect::<kiln::Result<Vec<_>>>()?;
+        let mut model = Model::with_layers(compiled)?;
+        model.linear.to(dev)?;
+        std::hint::black_box(model.forward(&x)?);
+    } else {
+        let mut model = Model::new()?;
+        model.to(dev)?;
+        let c = kiln::compile(&model, opts)?;
+        std::hint::black_box(c.forward(&x)?);
+    }
+    if dev != Device::Cpu {
+        kiln::core::device::synchronize(dev)?;
+    }
     let secs = t.elapsed().as_secs_f64();
     let after = kernel_cache_stats();
     println!(
@@ -378,6 +442,112 @@ pub fn warm_child(mode: Mode) -> BenchResult {
             "cc_builds": after.compiles - before.compiles,
             "disk_hits": after.disk_hits - before.disk_hits,
         })
+    );
+    Ok(())
+}
+
+/// The workload on a GPU. Compile times come from child processes: the CUDA runtime keeps the
+/// kernels it built in memory for the process's life, so only a new process against an empty
+/// cache folder compiles cold (NVRTC and the C compiler both), and a second one against the
+/// same folder is the warm-disk-cache compile. Call latency as on the CPU, plus reduce-overhead
+/// (the forward one replayed CUDA graph): torch_baseline.py's rows.
+fn run_gpu(ctx: &mut Ctx) -> BenchResult {
+    let dev = ctx.dev;
+    let name = ctx.device.clone();
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let fresh = || {
+        std::env::temp_dir().join(format!(
+            "kiln-bench-regional-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ))
+    };
+    let reps = cold_reps(ctx);
+    let mut warm_dir = None;
+    for (mode, what, variant) in [
+        (Mode::Default, "full", "full_model"),
+        (Mode::Default, "regional", "regional"),
+        (Mode::ReduceOverhead, "full", "full_model_reduce_overhead"),
+    ] {
+        let mut times = Vec::new();
+        let mut builds = 0.0;
+        for _ in 0..reps {
+            let dir = fresh();
+            let (t, b, _) = child(&name, mode, what, &dir)?;
+            times.push(Duration::from_secs_f64(t));
+            builds = b;
+            match (
+                warm_dir.is_none() && what == "full" && mode == Mode::Default,
+                &dir,
+            ) {
+                (true, d) => warm_dir = Some(d.clone()),
+                (false, d) => {
+                    let _ = std::fs::remove_dir_all(d);
+                }
+            }
+        }
+        ctx.emit(W, variant, "cold_compile", median(times).as_secs_f64(), "s");
+        ctx.emit(W, variant, "cc_builds", builds, "count");
+    }
+    if let Some(dir) = warm_dir {
+        let (t, builds, hits) = child(&name, Mode::Default, "full", &dir)?;
+        let _ = std::fs::remove_dir_all(&dir);
+        ctx.emit(W, "full_model", "warm_disk_cache_compile", t, "s");
+        ctx.emit(W, "full_model", "warm_cc_builds", builds, "count");
+        ctx.emit(W, "full_model", "warm_disk_hits", hits, "count");
+    }
+
+    kiln::manual_seed(0);
+    let x = Tensor::randn(&[10, 10], DType::F32)?.to(dev)?;
+    let mut eager = Model::new()?;
+    eager.to(dev)?;
+    let full = kiln::compile(&eager, kiln::CompileOptions::default())?;
+    let ro = kiln::compile(
+        &eager,
+        kiln::CompileOptions::default().mode(Mode::ReduceOverhead),
+    )?;
+    let mut blocks: Vec<Layer> = (0..DEPTH)
+        .map(|_| Layer::new())
+        .collect::<kiln::Result<_>>()?;
+    for b in &mut blocks {
+        b.to(dev)?;
+    }
+    let compiled_blocks = blocks
+        .iter()
+        .map(|b| kiln::compile(b, kiln::CompileOptions::default()))
+        .collect::<kiln::Result<Vec<_>>>()?;
+    let mut regional = Model::with_layers(compiled_blocks)?;
+    regional.linear.to(dev)?;
+    let timer = ctx.timer();
+    no_grad(|| -> BenchResult {
+        let t = timer.time("regional: eager call", || eager.forward(&x))?;
+        ctx.emit(W, "eager", "call", t.us(), "us");
+        let before = kiln::inductor::exec_stats();
+        let t = timer.time("regional: full_model call", || full.forward(&x))?;
+        let after = kiln::inductor::exec_stats();
+        ctx.emit(W, "full_model", "call", t.us(), "us");
+        let calls = (after.calls - before.calls).max(1);
+        ctx.emit(
+            W,
+            "full_model",
+            "kernel_launches_per_call",
+            (after.kernel_launches - before.kernel_launches) as f64 / calls as f64,
+            "count",
+        );
+        let t = timer.time("regional: reduce-overhead call", || ro.forward(&x))?;
+        ctx.emit(W, "full_model_reduce_overhead", "call", t.us(), "us");
+        let t = timer.time("regional: regional call", || regional.forward(&x))?;
+        ctx.emit(W, "regional", "call", t.us(), "us");
+        Ok(())
+    })?;
+    let st = full.stats();
+    ctx.emit(W, "full_model", "compiles", st.compiles as f64, "count");
+    ctx.emit(
+        W,
+        "full_model",
+        "graph_breaks",
+        st.graph_breaks as f64,
+        "count",
     );
     Ok(())
 }

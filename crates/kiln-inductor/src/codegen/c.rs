@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::Prim;
+use kiln_core::prim::{Prim, ReduceOp};
 use kiln_core::DType;
 
 use crate::ir::index::Ix;
@@ -459,10 +459,13 @@ pub(crate) fn reduction_parts<'a>(
     root: NodeId,
 ) -> ReductionParts<'a> {
     let node = &g.nodes[root];
+    debug_assert_eq!(sched.kinds[root], Kind::Reduction);
+    if let Op::Prim(Prim::Matmul) = node.op {
+        return matmul_parts(g, sched, root);
+    }
     let Op::Prim(Prim::Reduce { op, dims }) = &node.op else {
         unreachable!("a reduction kernel for a non-reduction (the scheduler classifies it)")
     };
-    debug_assert_eq!(sched.kinds[root], Kind::Reduction);
     let src = node.args[0];
     let in_shape = g.nodes[src].shape.clone();
     let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
@@ -491,6 +494,40 @@ pub(crate) fn reduction_parts<'a>(
     }
 }
 
+/// A small matmul `[B,M,K] x [B,K,N]` as a sum over the loop space `[B,M,N,K]` (variables
+/// `i0..i3`, k reduced) of `a[i0,i1,i3] * b[i0,i3,i2]`: each operand read through its index
+/// expression, so its views and pointwise producers are evaluated in the load, never
+/// materialized. The product is taken in double (exact for f32 operands) and summed in a double
+/// accumulator, as `Reduce(sum)` is in generated and eager code alike; the result is rounded once.
+fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> ReductionParts<'a> {
+    let node = &g.nodes[root];
+    let (a, bm) = (node.args[0], node.args[1]);
+    let (bs, m, k) = (
+        g.nodes[a].shape[0],
+        g.nodes[a].shape[1],
+        g.nodes[a].shape[2],
+    );
+    let n = g.nodes[bm].shape[2];
+    let space = [bs, m, n, k];
+    let mut b = Builder::new(g, sched, space.iter().map(|&s| s as i64).collect());
+    let x = b.value(a, &[Ix::var(0), Ix::var(1), Ix::var(3)], false);
+    let y = b.value(bm, &[Ix::var(0), Ix::var(3), Ix::var(2)], false);
+    let invariant = b.invariant(&[&x, &y]);
+    let value = b.temp_where(DType::F64, format!("(double){x} * (double){y}"), invariant);
+    let (acc_t, init, step) = reduce_c(ReduceOp::Sum, node.dtype);
+    let out_idx = [Ix::var(0), Ix::var(1), Ix::var(2)];
+    ReductionParts {
+        b,
+        value,
+        acc_t,
+        init,
+        step,
+        out_offset: linear(&out_idx, &node.shape).to_c("i"),
+        kept: vec![(0, bs), (1, m), (2, n)],
+        reduced: vec![(3, k)],
+    }
+}
+
 /// The kernel of a reduction: outer loops over the kept dims, inner loops over the reduced ones,
 /// the operand's pointwise producers evaluated inside the inner loop.
 pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
@@ -505,8 +542,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         reduced,
     } = reduction_parts(g, sched, root);
     let node = &g.nodes[root];
-    let in_shape = &g.nodes[node.args[0]].shape;
-    let numel: usize = in_shape.iter().product();
+    let numel: usize = kept.iter().chain(&reduced).map(|d| d.1).product();
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
     let mut text = b.pre.clone();
     loops(&mut text, &kept, parallel);

@@ -18,9 +18,11 @@ use crate::codegen::c::{
     pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
 };
 use crate::codegen::cuda_units::{self, KernelSource};
+use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
+use crate::sequential::{Arg, Sequence};
 
 /// Names the builder's C uses, mapped for NVRTC (which has no C headers): fixed-width integer
 /// types, the infinities, NaN tests that need no header, and the sine/cosine the CPU target
@@ -41,6 +43,8 @@ const PRELUDE: &str = r#"#define int64_t long long
 template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 "#;
 
+/// Most pointer parameters of a composed launch (`sequential.rs`): 4 KiB.
+const MAX_LAUNCH_PARAMS: usize = 512;
 /// Threads per block of pointwise kernels and of per-thread and per-warp reductions.
 const BLOCK: u32 = 256;
 /// Threads per block of a reduction that gives each output element a whole block.
@@ -81,9 +85,19 @@ pub struct CudaKernel {
 /// waves of blocks, not one block per element).
 pub struct Cuda {
     pub sm_count: u32,
+    /// Small matmuls as generated reductions (`Target::inline_matmul`).
+    pub inline_matmul: bool,
 }
 
 impl Cuda {
+    /// The target with small matmuls generated (the default of a compile on a GPU).
+    pub fn new(sm_count: u32) -> Cuda {
+        Cuda {
+            sm_count,
+            inline_matmul: true,
+        }
+    }
+
     fn blocks(&self, units: usize, per_block: usize) -> u32 {
         let want = units.div_ceil(per_block).max(1);
         want.min(self.sm_count.max(1) as usize * 32) as u32
@@ -382,6 +396,18 @@ impl Target for Cuda {
         &k.inputs
     }
 
+    /// A small matmul costs a cuBLAS launch (and, on its own, a launch per layer) many times
+    /// what its few thousand multiply-adds cost in a thread per output element.
+    fn inline_matmul(&self, dims: MatmulDims) -> bool {
+        self.inline_matmul && small_matmul(dims)
+    }
+    /// Recomputing a short chain (a bias add, ReLU and sigmoid: 7 ops) per output costs a few
+    /// hundred instructions spread over the threads; realizing it costs a kernel (a launch, or
+    /// a barrier and a round trip through L2 in a composed launch: `sequential.rs`).
+    fn matmul_operand_ops(&self) -> usize {
+        8
+    }
+
     fn side_by_side(&self, k: &CudaKernel) -> Option<(u32, usize)> {
         Some((k.block, k.param_types.len()))
     }
@@ -439,17 +465,91 @@ impl Target for Cuda {
         k.device_fns = device_fns;
         Some(k)
     }
+    /// The members as `__device__` functions called in order by one block (block index 0 of 1:
+    /// their grid-stride loops cover their whole outputs with the block's threads), with
+    /// `__syncthreads()` where the sequence puts a barrier. A barrier orders and makes visible
+    /// the block's global writes, so a later member reads what an earlier one wrote; the
+    /// members' pointers lose `__restrict__`, which would let the compiler read a buffer written
+    /// earlier in the same launch through the non-coherent read-only cache.
+    fn sequential(&self, seq: &Sequence<'_, CudaKernel>) -> Option<CudaKernel> {
+        let block = seq.members.first()?.kernel.block;
+        if seq.members.iter().any(|m| m.kernel.block != block) {
+            return None;
+        }
+        let plain = |t: &String| t.replace(" *__restrict__", " *");
+        let mut in_types: Vec<Option<String>> = vec![None; seq.inputs.len()];
+        let mut out_types: Vec<Option<String>> = vec![None; seq.outs.len()];
+        let mut device_fns: Vec<(String, String)> = Vec::new();
+        let mut text = String::new();
+        for m in &seq.members {
+            let k = m.kernel;
+            if m.args.len() != k.param_types.len() {
+                return None;
+            }
+            let f = format!("s{}", &k.name[1..]);
+            if !device_fns.iter().any(|(n, _)| *n == f) {
+                let def = format!(
+                    "__device__ __noinline__ void {f}({}, const long long kbid, const long long \
+                     knblk) {{\n{}}}\n",
+                    plain(&k.sig),
+                    k.text
+                );
+                device_fns.push((f.clone(), def));
+            }
+            let mut names = Vec::with_capacity(m.args.len());
+            for (j, (arg, t)) in m.args.iter().zip(&k.param_types).enumerate() {
+                match *arg {
+                    Arg::In(i) => {
+                        in_types[i].get_or_insert_with(|| plain(t));
+                        names.push(format!("x{i}"));
+                    }
+                    // an output written here has its own (non-const) type; one read here was
+                    // written by an earlier member
+                    Arg::Out(i) => {
+                        if j >= k.inputs.len() {
+                            out_types[i] = Some(plain(t));
+                        }
+                        names.push(format!("y{i}"));
+                    }
+                }
+            }
+            if m.barrier_before {
+                text.push_str("  __syncthreads();\n");
+            }
+            let _ = writeln!(text, "  {f}({}, 0, 1);", names.join(", "));
+        }
+        // 4 KiB of pointers: what every CUDA driver accepts as a launch's parameters
+        if in_types.len() + out_types.len() > MAX_LAUNCH_PARAMS {
+            return None;
+        }
+        let mut params: Vec<(String, String)> = Vec::new();
+        for (i, t) in in_types.into_iter().enumerate() {
+            params.push((t?, format!("x{i}")));
+        }
+        for (i, t) in out_types.into_iter().enumerate() {
+            params.push((t?, format!("y{i}")));
+        }
+        let mut k = finish(seq.inputs.clone(), params, text, 1, block);
+        k.device_fns = device_fns;
+        Some(k)
+    }
 }
 
 /// Compiles a graph whose prims run on a CUDA device: its kernels in one translation unit,
 /// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
 /// device's eager kernels. With `cuda_graphs` (reduce-overhead, max-autotune) the launches are
 /// recorded once and replayed (`runtime/cudagraph.rs`).
-pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph>> {
+/// `inline_matmul`: small matmuls generated (the `inline_small_matmuls` option).
+pub fn compile(
+    graph: &Graph,
+    cuda_graphs: bool,
+    inline_matmul: bool,
+) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
     let target = Cuda {
         sm_count: rt.multiprocessors(device)?,
+        inline_matmul,
     };
     let planned = plan_graph(&target, graph);
     let mut kernels: Vec<KernelSource<'_>> = Vec::new();

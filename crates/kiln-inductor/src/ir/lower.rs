@@ -18,7 +18,8 @@ pub enum Kind {
     Movement,
     /// A value with no operands (full, iota): inlined as an expression of the index.
     Constant,
-    /// A loop with an accumulator, producing a buffer.
+    /// A loop with an accumulator, producing a buffer (a `Reduce`, or a small `Matmul` generated
+    /// as a sum over k: `small_matmul`).
     Reduction,
     /// Run by the core's kernels (matmul, conv, gather, random, unsupported dtypes, ...).
     Extern,
@@ -34,6 +35,58 @@ pub fn c_dtype(d: DType) -> Option<&'static str> {
         DType::U8 | DType::Bool => "uint8_t",
         DType::F16 | DType::BF16 => return None,
     })
+}
+
+/// The sizes of a `Matmul([B,M,K] x [B,K,N])`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulDims {
+    pub b: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// The sizes of a matmul node, when it is one a generated kernel can compute: f32 or f64 (integer
+/// matmuls would accumulate in a double and lose bits; 16-bit floats stay on the core's kernels).
+pub fn matmul_dims(g: &Graph, n: &Node) -> Option<MatmulDims> {
+    if !matches!(n.op, Op::Prim(Prim::Matmul)) || !matches!(n.dtype, DType::F32 | DType::F64) {
+        return None;
+    }
+    let (a, b) = (
+        &g.nodes[*n.args.first()?].shape,
+        &g.nodes[*n.args.get(1)?].shape,
+    );
+    match (a.as_slice(), b.as_slice()) {
+        (&[bs, m, k], &[_, _, nn]) => Some(MatmulDims { b: bs, m, n: nn, k }),
+        _ => None,
+    }
+}
+
+/// Longest reduced length of a generated matmul: a thread (or a warp) walks it alone.
+const SMALL_MATMUL_K: usize = 64;
+/// Most multiply-adds of a generated matmul.
+const SMALL_MATMUL_MACS: usize = 1 << 16;
+
+/// Whether a matmul is small enough to be generated inline (a sum over k of `a[b,m,k]·b[b,k,n]`,
+/// its operands' producers fused into the loads) rather than sent to gemm / cuBLAS. A generated
+/// loop does no tiling, no register blocking and no shared-memory staging, and every operand
+/// element is loaded (and its fused producers recomputed) once per output it contributes to:
+/// good only where the whole product is a few thousand multiply-adds, which a library call costs
+/// more to set up (a launch of a few µs on a GPU, dispatch and packing on the CPU) than to run.
+/// At 2^16 multiply-adds (a 40x40x40 product) gemm's packing starts to pay, and K ≤ 64 keeps a
+/// thread's serial loop short.
+pub fn small_matmul(d: MatmulDims) -> bool {
+    d.k <= SMALL_MATMUL_K && d.b * d.m * d.n * d.k <= SMALL_MATMUL_MACS
+}
+
+/// A node's kind, with a matmul the target generates (`inline_matmul`) a reduction.
+pub fn kind_with(g: &Graph, n: &Node, inline_matmul: &dyn Fn(MatmulDims) -> bool) -> Kind {
+    match matmul_dims(g, n) {
+        Some(d) if n.args.iter().all(|&a| g.nodes[a].dtype == n.dtype) && inline_matmul(d) => {
+            Kind::Reduction
+        }
+        _ => kind(g, n),
+    }
 }
 
 pub fn kind(g: &Graph, n: &Node) -> Kind {

@@ -241,10 +241,19 @@ pub fn assert_same(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
 /// The options every compiled function here is built with: `CompileOptions::default()` (the default
 /// backend), or the backend named by `$KILN_TEST_BACKEND` (e.g. `aot_eager`), to hold another
 /// backend to the same checks.
+///
+/// On a GPU, small matmuls stay cuBLAS calls here (`inline_small_matmuls` off): the suite
+/// compares bitwise, and a generated matmul sums in double where cuBLAS rounds in f32. The
+/// generated ones are checked against eager and a float64 reference by `tests/small_matmul.rs`
+/// (`KILN_TEST_DEVICE=cuda` runs it on the GPU) and `tests/gpu_compile.rs`.
 pub fn compile_options() -> CompileOptions {
-    match std::env::var("KILN_TEST_BACKEND") {
+    let opts = match std::env::var("KILN_TEST_BACKEND") {
         Ok(name) if !name.is_empty() => CompileOptions::default().backend(&name),
         _ => CompileOptions::default(),
+    };
+    match test_device() {
+        Device::Cuda(_) => opts.option(kiln::inductor::INLINE_SMALL_MATMULS, "false"),
+        _ => opts,
     }
 }
 

@@ -1,0 +1,395 @@
+//! Sequential composition: a whole small graph as one launch. When every value of a graph is
+//! small and every step is a generated kernel, a GPU spends its time launching kernels, not
+//! running them (64 layers of 10x10 Linears: ~130 launches of a few µs each for ~100 µs of
+//! work in total). `Target::sequential` runs the planned kernels in order inside one block,
+//! each member called with block index 0 of 1 so its grid-stride loops cover its whole output
+//! with the block's threads, and a barrier between a member and the first later member that
+//! reads what it wrote (or overwrites what an earlier member since the last barrier reads).
+//!
+//! Every member's output is allocated before the launch (the executor allocates a step's
+//! outputs together, each a distinct buffer: none is reused while the step runs); a member
+//! reading a value produced inside the step gets that value's output buffer as its argument
+//! (`Arg::Out`), so the composed kernel's inputs are only what the graph had before it.
+//! Planning here is target-neutral; the CUDA text is `codegen/cuda.rs`.
+
+use kiln_compile::graph::{Graph, NodeId};
+
+use crate::backend::{Planned, Target};
+use crate::runtime::plan::Alloc;
+
+/// Most elements of any value of a graph composed into one launch: a block of a few hundred
+/// threads covers each in a few passes of its loops.
+const MAX_ELEMS: usize = 4096;
+
+/// Where a member finds one of its buffer arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arg {
+    /// The composed kernel's input `i`.
+    In(usize),
+    /// The composed kernel's output `i` (written by this or an earlier member).
+    Out(usize),
+}
+
+/// One member of a composition: its kernel, its arguments (its inputs then its outputs, in its
+/// own parameter order), and whether a barrier comes before it.
+pub struct Member<'k, K> {
+    pub kernel: &'k K,
+    pub args: Vec<Arg>,
+    pub barrier_before: bool,
+}
+
+/// A planned kernel and the values it writes.
+pub type Step<'k, K> = (&'k K, &'k [(NodeId, Alloc)]);
+
+/// The members in order, reading `inputs` and writing `outs` (every member's outputs, in order).
+pub struct Sequence<'k, K> {
+    pub members: Vec<Member<'k, K>>,
+    pub inputs: Vec<NodeId>,
+    pub outs: Vec<(NodeId, Alloc)>,
+}
+
+/// The planned steps as one composed kernel when the graph qualifies (every step a kernel,
+/// every value small and not empty, the target able to compose them), else unchanged.
+/// `roots`: each node's storage (`plan::alias_roots`).
+pub fn compose<T: Target>(
+    t: &T,
+    g: &Graph,
+    roots: &[NodeId],
+    planned: Vec<Planned<T::Kernel>>,
+) -> Vec<Planned<T::Kernel>> {
+    let small = g.nodes.iter().all(|n| {
+        let numel: usize = n.shape.iter().product();
+        (1..=MAX_ELEMS).contains(&numel)
+    });
+    let kernels: Option<Vec<Step<'_, T::Kernel>>> = planned
+        .iter()
+        .map(|p| match p {
+            Planned::Kernel { kernel, outs } => Some((kernel, outs.as_slice())),
+            Planned::Extern { .. } => None,
+        })
+        .collect();
+    let Some(kernels) = kernels.filter(|k| small && k.len() >= 2) else {
+        return planned;
+    };
+    let seq = sequence(t, roots, &kernels);
+    match t.sequential(&seq) {
+        Some(kernel) => vec![Planned::Kernel {
+            kernel,
+            outs: seq.outs,
+        }],
+        None => planned,
+    }
+}
+
+/// Arguments and barriers of `kernels` run in order.
+pub fn sequence<'k, T: Target>(
+    t: &T,
+    roots: &[NodeId],
+    kernels: &[Step<'k, T::Kernel>],
+) -> Sequence<'k, T::Kernel> {
+    let mut inputs: Vec<NodeId> = Vec::new();
+    let mut outs: Vec<(NodeId, Alloc)> = Vec::new();
+    // since the last barrier: values written, storage read, storage overwritten in place
+    let (mut written, mut read, mut overwritten): (Vec<NodeId>, Vec<NodeId>, Vec<NodeId>) =
+        Default::default();
+    let mut members = Vec::with_capacity(kernels.len());
+    for &(kernel, kouts) in kernels {
+        let reads = t.inputs(kernel);
+        let mut args = Vec::with_capacity(reads.len() + kouts.len());
+        for &r in reads {
+            args.push(match outs.iter().position(|o| o.0 == r) {
+                Some(i) => Arg::Out(i),
+                None => Arg::In(match inputs.iter().position(|&i| i == r) {
+                    Some(i) => i,
+                    None => {
+                        inputs.push(r);
+                        inputs.len() - 1
+                    }
+                }),
+            });
+        }
+        let overwrites: Vec<NodeId> = kouts
+            .iter()
+            .filter_map(|&(_, a)| match a {
+                Alloc::InPlace(input) => Some(roots[input]),
+                _ => None,
+            })
+            .collect();
+        let read_roots: Vec<NodeId> = reads.iter().map(|&r| roots[r]).collect();
+        let barrier_before = reads.iter().any(|r| written.contains(r))
+            || overwrites.iter().any(|o| read.contains(o))
+            || read_roots.iter().any(|r| overwritten.contains(r));
+        if barrier_before {
+            written.clear();
+            read.clear();
+            overwritten.clear();
+        }
+        for &o in kouts {
+            args.push(Arg::Out(outs.len()));
+            outs.push(o);
+            written.push(o.0);
+        }
+        read.extend(read_roots);
+        overwritten.extend(overwrites);
+        members.push(Member {
+            kernel,
+            args,
+            barrier_before,
+        });
+    }
+    Sequence {
+        members,
+        inputs,
+        outs,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::graph::{Node, Op};
+    use kiln_core::prim::{BinaryOp, Prim, UnaryOp};
+    use kiln_core::{DType, Device};
+
+    use super::*;
+    use crate::backend::plan_graph;
+    use crate::codegen::cuda::{Cuda, CudaKernel};
+
+    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
+        g.push(Node {
+            op,
+            args,
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            grad_enabled: false,
+            requires_grad: false,
+            device: Device::Cuda(0),
+        })
+    }
+
+    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
+        let i = g.num_inputs;
+        g.num_inputs += 1;
+        push(g, Op::Input(i), vec![], shape)
+    }
+
+    fn binary(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeId {
+        let shape = g.nodes[a].shape.clone();
+        push(g, Op::Prim(Prim::Binary(op)), vec![a, b], &shape)
+    }
+
+    /// `layers` × (x @ wᵀ + b, tanh) on an [n, n] input, each matmul `[1,n,n] x [1,n,n]`.
+    fn mlp(layers: usize, n: usize) -> Graph {
+        let mut g = Graph::default();
+        let mut x = input(&mut g, &[1, n, n]);
+        for _ in 0..layers {
+            let w = input(&mut g, &[1, n, n]);
+            let wt = push(
+                &mut g,
+                Op::Prim(Prim::Permute(vec![0, 2, 1])),
+                vec![w],
+                &[1, n, n],
+            );
+            let mm = push(&mut g, Op::Prim(Prim::Matmul), vec![x, wt], &[1, n, n]);
+            let b = input(&mut g, &[1, n, n]);
+            let y = binary(&mut g, BinaryOp::Add, mm, b);
+            x = push(
+                &mut g,
+                Op::Prim(Prim::Unary(UnaryOp::Tanh)),
+                vec![y],
+                &[1, n, n],
+            );
+        }
+        g.outputs = vec![x];
+        g
+    }
+
+    fn kernels(g: &Graph) -> Vec<(CudaKernel, Vec<(NodeId, Alloc)>)> {
+        plan_graph(&Cuda::new(2), g)
+            .into_iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { kernel, outs } => Some((kernel, outs)),
+                Planned::Extern { .. } => None,
+            })
+            .collect()
+    }
+
+    /// The member calls of a composed kernel's body, and the barriers before each.
+    fn calls(k: &CudaKernel) -> (usize, usize) {
+        let body = k.source.split_once('{').map_or("", |b| b.1);
+        (
+            body.matches(", 0, 1);").count(),
+            body.matches("__syncthreads();").count(),
+        )
+    }
+
+    /// Eight 10x10 layers: eight generated matmuls (each reading the previous layer's bias add
+    /// and tanh in its loads) and the output's bias add and tanh, one launch with a barrier
+    /// before every member but the first (each reads the one before).
+    #[test]
+    fn a_small_mlp_is_one_launch_with_a_barrier_per_dependency() {
+        let g = mlp(8, 10);
+        let ks = kernels(&g);
+        assert_eq!(ks.len(), 1, "one launch");
+        let (k, outs) = &ks[0];
+        assert_eq!(outs.len(), 9, "every kernel's value is the step's output");
+        assert_eq!(calls(k), (9, 8));
+        assert_eq!((k.grid, k.block), ([1, 1, 1], 256));
+        // the members read the graph's inputs (x, weights, biases), nothing produced inside
+        assert!(k
+            .inputs
+            .iter()
+            .all(|&i| matches!(g.nodes[i].op, Op::Input(_))));
+        assert!(!k.device_fns.iter().any(|(_, d)| d.contains("__restrict__")));
+        assert_eq!(outs.last().map(|o| o.1), Some(Alloc::Output));
+        assert!(outs[..8].iter().all(|o| o.1 == Alloc::Pooled));
+    }
+
+    /// Kernels reading only graph inputs need no barrier between them; the one reading both
+    /// of their values gets one, and its arguments are their output buffers.
+    #[test]
+    fn barriers_only_where_a_member_reads_an_earlier_one() {
+        let mut g = Graph::default();
+        let a = input(&mut g, &[4, 6]);
+        let b = input(&mut g, &[6, 4]);
+        let x = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Exp)),
+            vec![a],
+            &[4, 6],
+        );
+        let y = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Exp)),
+            vec![b],
+            &[6, 4],
+        );
+        let yt = push(
+            &mut g,
+            Op::Prim(Prim::Permute(vec![1, 0])),
+            vec![y],
+            &[4, 6],
+        );
+        let z = binary(&mut g, BinaryOp::Mul, x, yt);
+        g.outputs = vec![x, y, z];
+        let t = Cuda::new(2);
+        let planned = plan_graph(&t, &g);
+        let ks = kernels(&g);
+        assert_eq!(ks.len(), 1, "{} steps", planned.len());
+        assert_eq!(calls(&ks[0].0), (3, 1));
+        // the barrier sits before the reader, which reads outputs 0 and 1
+        let body = ks[0]
+            .0
+            .source
+            .split_once('{')
+            .map_or("", |b| b.1)
+            .to_string();
+        let last_call = body.lines().rfind(|l| l.contains(", 0, 1);")).unwrap_or("");
+        assert!(body.find("__syncthreads()") < body.find(last_call));
+        assert!(
+            last_call.contains("y0") && last_call.contains("y1"),
+            "{last_call}"
+        );
+        // and the planning says so, in member order
+        let ks2 = [(&ks[0].0, ks[0].1.as_slice())];
+        let seq = sequence(&t, &(0..g.nodes.len()).collect::<Vec<_>>(), &ks2);
+        assert!(!seq.members[0].barrier_before);
+    }
+
+    /// Records the graph it is given; runs it on the interpreter.
+    struct Capture(std::sync::Mutex<Vec<Graph>>);
+
+    impl kiln_compile::Backend for Capture {
+        fn name(&self) -> &str {
+            "capture"
+        }
+        fn compile(
+            &self,
+            graph: &Graph,
+            _ctx: &kiln_compile::BackendContext,
+        ) -> kiln_core::Result<std::sync::Arc<dyn kiln_compile::CompiledGraph>> {
+            self.0.lock().unwrap().push(graph.clone());
+            Ok(std::sync::Arc::new(
+                kiln_compile::backends::Interpreter::new(graph.clone()),
+            ))
+        }
+    }
+
+    /// The graph `kiln-bench regional`'s model (here 4 blocks) traces to under no_grad, planned
+    /// for a GPU: every matmul generated, one launch.
+    #[test]
+    fn the_traced_regional_model_is_one_launch() -> kiln_core::Result<()> {
+        use kiln_core::Tensor;
+        let lin = || -> kiln_core::Result<(Tensor, Tensor)> {
+            Ok((
+                Tensor::randn(&[10, 10], DType::F32)?,
+                Tensor::randn(&[10], DType::F32)?,
+            ))
+        };
+        let first = lin()?;
+        let blocks: Vec<((Tensor, Tensor), (Tensor, Tensor))> = (0..4)
+            .map(|_| Ok((lin()?, lin()?)))
+            .collect::<kiln_core::Result<_>>()?;
+        let model = move |a: &[Tensor]| -> kiln_core::Result<Vec<Tensor>> {
+            let mut h = a[0].linear(&first.0, Some(&first.1))?;
+            for ((w1, b1), (w2, b2)) in &blocks {
+                let x = h.linear(w1, Some(b1))?.relu()?.sigmoid()?;
+                h = x.linear(w2, Some(b2))?.relu()?;
+            }
+            Ok(vec![h])
+        };
+        let capture = std::sync::Arc::new(Capture(Default::default()));
+        let f = kiln_compile::compile_fn(
+            model,
+            kiln_compile::CompileOptions::default().custom_backend(capture.clone()),
+        )?;
+        let x = Tensor::randn(&[10, 10], DType::F32)?;
+        kiln_core::no_grad(|| f.call(&[x]))?;
+        let graphs = capture.0.lock().unwrap().clone();
+        assert_eq!(graphs.len(), 1);
+        let planned = plan_graph(&Cuda::new(2), &graphs[0]);
+        assert_eq!(planned.len(), 1, "one step");
+        let Planned::Kernel { kernel, outs } = &planned[0] else {
+            panic!("an extern step");
+        };
+        // 9 matmuls and the output's bias add and ReLU, each after the one it reads
+        assert_eq!(calls(kernel), (outs.len(), outs.len() - 1));
+        assert_eq!(outs.len(), 10);
+        Ok(())
+    }
+
+    /// 200 layers: 201 outputs and 401 inputs (x, weights, biases), over the 512 parameters
+    /// a launch takes: a launch per kernel instead.
+    #[test]
+    fn a_composition_over_the_parameter_limit_is_not_made() {
+        assert_eq!(kernels(&mlp(100, 4)).len(), 1);
+        assert!(kernels(&mlp(200, 4)).len() > 1);
+    }
+
+    #[test]
+    fn large_values_and_extern_steps_keep_their_own_launches() {
+        // a 100x100 value: too large for one block
+        let ks = kernels(&mlp(2, 100));
+        assert!(ks.len() > 1, "{} launches", ks.len());
+        // K = 128: the matmuls stay cuBLAS calls, so the kernels between them stay apart
+        let mut g = Graph::default();
+        let x = input(&mut g, &[1, 4, 128]);
+        let w = input(&mut g, &[1, 128, 4]);
+        let e = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Exp)),
+            vec![x],
+            &[1, 4, 128],
+        );
+        let mm = push(&mut g, Op::Prim(Prim::Matmul), vec![e, w], &[1, 4, 4]);
+        let y = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Tanh)),
+            vec![mm],
+            &[1, 4, 4],
+        );
+        g.outputs = vec![y];
+        let planned = plan_graph(&Cuda::new(2), &g);
+        assert_eq!(planned.len(), 3);
+        assert!(matches!(planned[1], Planned::Extern { .. }));
+    }
+}
