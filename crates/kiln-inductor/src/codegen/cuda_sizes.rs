@@ -183,8 +183,11 @@ mod tests {
         g
     }
 
+    /// A translation unit: its source and the kernels it defines.
+    type Unit = (String, Vec<String>);
+
     /// (static kernel sources, resolved kernels, units) of `graph(n)` at size `n`.
-    fn at(n: usize) -> (Vec<String>, Vec<Resolved>, Vec<(String, Vec<String>)>) {
+    fn at(n: usize) -> (Vec<String>, Vec<Resolved>, Vec<Unit>) {
         let g = graph(n);
         let planned = plan_graph(
             &Cuda {
