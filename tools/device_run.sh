@@ -9,6 +9,7 @@
 # There:  bash tools/device_run.sh STEP...   (carry: ["carry"])
 #
 # Steps: gpu_compile gpu_ops cuda_memory compile_ops (the op suite with KILN_TEST_DEVICE=cuda)
+#        cuda_test:NAME (any test binary in carry/gpu with KILN_TEST_DEVICE=cuda, 240 s at most)
 #        bench:WORKLOAD[:MODE] (kiln-bench on cuda; MODE default, reduce-overhead, eager, ...)
 #        torch:W1,W2,... (torch_baseline.py) jax:W1,W2,... (jax_baseline.py) bert_minilm
 #        bench_all:W1,W2,... (tools/bench_all.sh: kiln, torch and JAX rows into $OUT/bench.jsonl)
@@ -32,6 +33,7 @@ run_step() {
   case $step in
     gpu_compile | gpu_ops | cuda_memory) "$bin/$step" >"$log" 2>&1 ;;
     compile_ops) KILN_TEST_DEVICE=cuda "$bin/compile_ops" >"$log" 2>&1 ;;
+    cuda_test:*) KILN_TEST_DEVICE=cuda timeout 240 "$bin/${step#cuda_test:}" >"$log" 2>&1 ;;
     bert_minilm) "$bin/bert_minilm" >"$log" 2>&1 ;;
     bench:*)
       IFS=: read -r _ w m <<<"$step"

@@ -352,16 +352,16 @@ impl Backend for CpuCodegen {
                 Planned::Extern { .. } => None,
             })
             .collect();
-        // a kernel's place: its index in a graph of this size (a forward and a backward graph
-        // compiled for one size are told apart by their node and kernel counts)
-        let place = |i: usize| {
-            ((graph.nodes.len() as u64) << 40) ^ ((kernels.len() as u64) << 20) ^ i as u64
-        };
         let wanted: Vec<(Kernel, Vec<i64>)> = kernels
             .iter()
             .enumerate()
             .map(|(i, kernel)| match &sizes {
-                Some(ctx) => template::resolve(ctx, place(i), kernel),
+                Some(ctx) => template::resolve(
+                    ctx,
+                    template::place(graph.nodes.len(), kernels.len(), i),
+                    kernel,
+                    template::SizeArgs::Array,
+                ),
                 None => ((*kernel).clone(), Vec::new()),
             })
             .collect();

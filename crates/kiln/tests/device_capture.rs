@@ -210,3 +210,47 @@ fn the_cudagraphs_backend_equals_eager_where_it_cannot_record() -> Result<()> {
     assert_eq!(stats.graph_breaks, 0, "{stats:?}");
     Ok(())
 }
+
+/// Dynamic shapes over device tensors: the second size makes a symbolic entry (its probes trace
+/// stand-ins on the device), later sizes reuse it without compiling, forward and backward, and
+/// every call equals eager. (On the mock device the entry's graphs run on the interpreter; the
+/// GPU's size-generic kernels are checked in `gpu_compile.rs`.)
+#[test]
+fn device_tensors_of_new_sizes_reuse_one_symbolic_entry() -> Result<()> {
+    setup();
+    let w = on_dev(values(20, 0.2), &[4, 5])?.with_grad()?;
+    let f = |a: &[Tensor], w: &Tensor| -> Result<Vec<Tensor>> {
+        let h = a[0].matmul(w)?.tanh()?.mul(2.0)?;
+        Ok(vec![h.softmax(-1)?.mul(&h)?.sum_all()?])
+    };
+    let wc = w.clone();
+    let compiled = kiln::compile_fn(move |a: &[Tensor]| f(a, &wc), CompileOptions::default())?;
+    let sizes = [3usize, 6, 9, 14, 6, 11];
+    for (k, &n) in sizes.iter().enumerate() {
+        let x = on_dev(values(4 * n, 0.1 * (k + 1) as f32), &[n, 4])?.with_grad()?;
+        let xe = on_dev(values(4 * n, 0.1 * (k + 1) as f32), &[n, 4])?.with_grad()?;
+        let got = compiled.call(std::slice::from_ref(&x))?;
+        got[0].backward()?;
+        let gw = w.grad().expect("compiled grad w");
+        w.zero_grad();
+        let want = f(std::slice::from_ref(&xe), &w)?;
+        want[0].backward()?;
+        let ew = w.grad().expect("eager grad w");
+        w.zero_grad();
+        assert_eq!(got[0].device(), DEV, "n = {n}");
+        assert_eq!(got[0].to_vec::<f32>()?, want[0].to_vec::<f32>()?, "n = {n}");
+        let (gx, ex) = (x.grad().expect("grad x"), xe.grad().expect("grad x"));
+        assert_eq!(gx.device(), DEV, "n = {n}");
+        assert_eq!(gx.to_vec::<f32>()?, ex.to_vec::<f32>()?, "n = {n}");
+        assert_eq!(gw.to_vec::<f32>()?, ew.to_vec::<f32>()?, "n = {n}");
+    }
+    let s = compiled.stats();
+    // 3: static; 6: symbolic (made on the device); 9, 14, 11: its instances; the second 6: a
+    // guard hit
+    assert_eq!(
+        (s.compiles, s.symbolic_compiles, s.symbolic_reuses),
+        (2, 1, 3),
+        "{s:?}"
+    );
+    Ok(())
+}

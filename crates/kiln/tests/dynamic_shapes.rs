@@ -59,6 +59,60 @@ fn new_sizes_reuse_size_generic_kernels_forward_and_backward() -> Result<()> {
     })
 }
 
+/// A small MLP's loss (cross entropy plus a mean over the dynamic batch) forward and backward:
+/// the mean's count is a size too (a whole-number constant in the kernels), so from the third
+/// size on every kernel is size-generic and no new kernel is built; compiled equals eager bit
+/// for bit.
+#[test]
+fn a_mean_over_the_dynamic_batch_is_size_generic_too() -> Result<()> {
+    with_fresh_cache(|| -> Result<()> {
+        kiln::manual_seed(5);
+        let w1 = Tensor::randn(&[12, 16], DType::F32)?
+            .mul(0.3)?
+            .with_grad()?;
+        let w2 = Tensor::randn(&[16, 5], DType::F32)?.mul(0.3)?.with_grad()?;
+        let loss = |x: &Tensor, y: &Tensor| -> Result<Tensor> {
+            let h = x.matmul(&w1)?.relu()?;
+            // cross entropy's mean divides by a count of its data; an activation penalty's by
+            // the element count, a size
+            h.matmul(&w2)?
+                .cross_entropy(y, None, 0.0, Reduction::Mean)?
+                .add(&h.square()?.mean_all()?.mul(0.01)?)
+        };
+        let f = kiln::compile_fn(
+            |a: &[Tensor]| Ok(vec![loss(&a[0], &a[1])?]),
+            CompileOptions::default().dynamic(Some(true)),
+        )?;
+        let mut loaded = Vec::new();
+        for n in [6usize, 9, 14, 11, 23, 40] {
+            let x = Tensor::randn(&[n, 12], DType::F32)?;
+            let y = Tensor::from_vec((0..n as i64).map(|i| i * 3 % 5).collect::<Vec<_>>(), &[n])?;
+            let got = f.call(&[x.clone(), y.clone()])?;
+            got[0].backward()?;
+            let (g1, g2) = (w1.grad().expect("grad w1"), w2.grad().expect("grad w2"));
+            w1.zero_grad();
+            w2.zero_grad();
+            let want = loss(&x, &y)?;
+            want.backward()?;
+            assert_eq!(bits(&got[0]), bits(&want), "n = {n}");
+            assert_eq!(bits(&g1), bits(&w1.grad().expect("grad")), "n = {n}");
+            assert_eq!(bits(&g2), bits(&w2.grad().expect("grad")), "n = {n}");
+            w1.zero_grad();
+            w2.zero_grad();
+            loaded.push(kernel_cache_stats().kernels);
+        }
+        let s = f.stats();
+        assert_eq!((s.compiles, s.symbolic_compiles), (1, 1), "{s:?}");
+        // dynamic from the first call: 6 static kernels, 9 the size-generic ones, then none
+        assert_eq!(
+            loaded[2..],
+            [loaded[1]; 4],
+            "kernels loaded after each call: {loaded:?}"
+        );
+        Ok(())
+    })
+}
+
 /// A fixed pseudo-random order of `sizes` (a test must be repeatable).
 fn shuffled<T: Clone>(sizes: &[T], seed: u64) -> Vec<T> {
     let mut v = sizes.to_vec();

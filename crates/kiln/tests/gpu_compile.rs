@@ -595,6 +595,133 @@ fn reduce_overhead_adam_steps() -> Outcome {
     Ok(())
 }
 
+/// NVRTC compilations plus disk-cache hits so far: how many translation units were not found in
+/// memory.
+fn units_built() -> u64 {
+    let (compiles, disk_hits) = kiln::cuda::kernel_cache_stats();
+    compiles + disk_hits
+}
+
+/// Dynamic shapes on the GPU (`codegen/cuda_sizes.rs`): functions compiled with `dynamic:
+/// Some(true)` and called at six batch sizes equal eager at each, and from the third size on a
+/// compiled call builds no kernel: every generated kernel is size-generic, its units the same
+/// text as at the second size (eager runs first at each size, so the extern steps' eager kernels
+/// are not what is counted).
+fn dynamic_sizes_share_kernels() -> Outcome {
+    let sizes = [48usize, 64, 80, 104, 120, 72];
+    // a pointwise chain (four elements per load: at least 4096 of them), a softmax and a layer
+    // norm (a warp per row)
+    let (gamma_host, beta_host) = (
+        randn(&[96], 21).map_err(err)?,
+        randn(&[96], 22).map_err(err)?,
+    );
+    let gamma = gamma_host.to(CUDA).map_err(err)?;
+    let beta = beta_host.to(CUDA).map_err(err)?;
+    // the function over given affine parameters: on the GPU, and in f64 on the CPU (reference)
+    let with = |a: &Tensor, gamma: &Tensor, beta: &Tensor| -> Result<Vec<Tensor>> {
+        let y = a.mul(2.0)?.add(1.0)?.tanh()?.mul(&a.sin()?)?;
+        let n = y.layer_norm(&[96], Some(gamma), Some(beta), 1e-5)?;
+        Ok(vec![y.softmax(-1)?, n.gelu()?])
+    };
+    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> { with(&a[0], &gamma, &beta) };
+    let (gamma64, beta64) = (
+        gamma_host.to_dtype(DType::F64).map_err(err)?,
+        beta_host.to_dtype(DType::F64).map_err(err)?,
+    );
+    let compiled =
+        kiln::compile_fn(f, CompileOptions::default().dynamic(Some(true))).map_err(err)?;
+    for (k, &n) in sizes.iter().enumerate() {
+        let host = randn(&[n, 96], 30 + k as u64).map_err(err)?;
+        let x = host.to(CUDA).map_err(err)?;
+        let eager = f(std::slice::from_ref(&x)).map_err(err)?;
+        let before = units_built();
+        let got = compiled.call(std::slice::from_ref(&x)).map_err(err)?;
+        let built = units_built() - before;
+        if k >= 2 && built != 0 {
+            return Err(format!(
+                "pointwise: size {n} (call {k}) built {built} kernel units"
+            ));
+        }
+        let reference =
+            with(&host.to_dtype(DType::F64).map_err(err)?, &gamma64, &beta64).map_err(err)?;
+        for (o, ((g, e), r)) in got.iter().zip(&eager).zip(&reference).enumerate() {
+            same(&format!("size {n} output {o} vs eager"), g, e, 1e-6)?;
+            close(&format!("size {n} output {o} vs f64"), g, r, 1e-5)?;
+        }
+    }
+    let s = compiled.stats();
+    if (s.compiles, s.symbolic_compiles) != (1, 1) {
+        return Err(format!("pointwise: one symbolic compile expected: {s:?}"));
+    }
+    // a small MLP, forward and backward: cross entropy plus a mean over the batch (whose count
+    // is a size)
+    let make = || -> Result<Vec<Tensor>> {
+        manual_seed(12);
+        let w1 = Tensor::randn(&[64, 32], DType::F32)?
+            .mul(0.1)?
+            .to(CUDA)?
+            .with_grad()?;
+        let w2 = Tensor::randn(&[32, 10], DType::F32)?
+            .mul(0.1)?
+            .to(CUDA)?
+            .with_grad()?;
+        Ok(vec![w1, w2])
+    };
+    let loss = |w: &[Tensor], x: &Tensor, y: &Tensor| -> Result<Tensor> {
+        let h = x.matmul(&w[0])?.relu()?;
+        h.matmul(&w[1])?
+            .cross_entropy(y, None, 0.0, Reduction::Mean)?
+            .add(&h.square()?.mean_all()?.mul(0.01)?)
+    };
+    let (we, wc) = (make().map_err(err)?, make().map_err(err)?);
+    let wc2 = wc.clone();
+    let mlp = kiln::compile_fn(
+        move |a: &[Tensor]| Ok(vec![loss(&wc2, &a[0], &a[1])?]),
+        CompileOptions::default().dynamic(Some(true)),
+    )
+    .map_err(err)?;
+    for (k, &n) in sizes.iter().enumerate() {
+        let x = randn(&[n, 64], 40 + k as u64)
+            .map_err(err)?
+            .to(CUDA)
+            .map_err(err)?;
+        let labels: Vec<i64> = (0..n as i64).map(|i| i * 7 % 10).collect();
+        let y = Tensor::from_vec(labels, &[n])
+            .map_err(err)?
+            .to(CUDA)
+            .map_err(err)?;
+        let le = loss(&we, &x, &y).map_err(err)?;
+        le.backward().map_err(err)?;
+        let before = units_built();
+        let lc = mlp.call(&[x.clone(), y.clone()]).map_err(err)?;
+        lc[0].backward().map_err(err)?;
+        let built = units_built() - before;
+        if k >= 2 && built != 0 {
+            return Err(format!(
+                "mlp: size {n} (call {k}) built {built} kernel units"
+            ));
+        }
+        same(&format!("mlp size {n} loss"), &lc[0], &le, 1e-6)?;
+        for (i, (c, e)) in wc.iter().zip(&we).enumerate() {
+            match (c.grad(), e.grad()) {
+                // generated matmuls (K ≤ 64, summed in double) against cuBLAS's f32 chain:
+                // relative to the gradient's largest element, as in `mlp_with`
+                (Some(gc), Some(ge)) => {
+                    same_scaled(&format!("mlp size {n} grad {i}"), &gc, &ge, 1e-5)?
+                }
+                _ => return Err(format!("mlp size {n}: grad {i} missing")),
+            }
+            c.zero_grad();
+            e.zero_grad();
+        }
+    }
+    let s = mlp.stats();
+    if (s.compiles, s.symbolic_compiles) != (1, 1) {
+        return Err(format!("mlp: one symbolic compile expected: {s:?}"));
+    }
+    Ok(())
+}
+
 fn main() {
     let mut args = Arguments::from_args();
     // one at a time: the tests seed kiln's process-wide generator
@@ -610,7 +737,8 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 15] = [
+    let tests: [(&str, Check); 16] = [
+        ("dynamic_sizes_share_kernels", dynamic_sizes_share_kernels),
         (
             "cudagraphs_backend_forward_backward",
             cudagraphs_backend_forward_backward,

@@ -23,7 +23,7 @@ use std::sync::{Arc, RwLock};
 
 use kiln_core::intercept;
 use kiln_core::ops::{default_draw, set_default_generator_state};
-use kiln_core::{Device, Result, Tensor};
+use kiln_core::{Result, Tensor};
 
 use super::{build_entry, out_slots, replay, CompiledFn, Entry, OutSlot};
 use crate::backends::CompiledGraph;
@@ -587,10 +587,10 @@ impl<'f> CompiledFn<'f> {
             } else if shapes[i] == a.shape() {
                 standins.push(a.clone());
             } else {
-                if a.device() != Device::Cpu {
-                    return None;
-                }
-                let z = Tensor::zeros(&shapes[i], a.dtype()).ok()?;
+                // on the argument's device: a device graph's prims carry their device, and a
+                // stand-in elsewhere would trace another graph (nothing runs on it: a probe only
+                // traces)
+                let z = Tensor::zeros_on(&shapes[i], a.dtype(), a.device()).ok()?;
                 if a.requires_grad() {
                     z.set_requires_grad(true).ok()?;
                 }

@@ -226,7 +226,7 @@ impl<'a> Builder<'a> {
                 self.temp_where(node.dtype, e, self.invariant(&[&a]))
             }
             Prim::Full { value, dtype, .. } => {
-                let literal = float_literal(*value, *dtype);
+                let literal = full_literal(*value, *dtype);
                 self.invariant.insert(literal.clone());
                 literal
             }
@@ -551,4 +551,19 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let _ = writeln!(text, "  {{\n{}    acc = {};\n  }}", b.body, step("acc", &v));
     let _ = writeln!(text, "  out[{off}] = ({})acc;\n  }}", ty(node.dtype));
     finish(b, root, text, parallel)
+}
+
+/// A `Full` value in C. A whole number in a float type is written as an integer converted to
+/// the type: the same value (exact below 2^53, rounded to nearest like the literal otherwise),
+/// and in a symbolic graph such a value may be a size (a mean's count), which
+/// `codegen/template.rs` can then fit like any other integer literal of the kernel.
+fn full_literal(v: f64, dtype: DType) -> String {
+    let whole = v.fract() == 0.0 && v.abs() < 9.0e15 && !(v == 0.0 && v.is_sign_negative());
+    match dtype {
+        DType::F32 | DType::F64 if whole => {
+            let sign = if v < 0.0 { "-" } else { "" };
+            format!("(({}){sign}{})", ty(dtype), v.abs() as i64)
+        }
+        _ => float_literal(v, dtype),
+    }
 }

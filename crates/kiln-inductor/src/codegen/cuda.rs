@@ -2,14 +2,15 @@
 //! (`codegen::c::Builder`, whose C is also CUDA C) as the CPU target; only the loops differ. A
 //! pointwise kernel is a grid-stride loop over the output's elements, the flat index split into
 //! one index per dimension; a reduction gives each output element a thread, a warp or a block
-//! by the length of what it reduces. All kernels of a graph are one translation unit, compiled
-//! once by NVRTC (through kiln-core's `DeviceRuntime::load_kernels`, which caches by source).
+//! by the length of what it reduces. A graph's kernels are a few translation units compiled by
+//! NVRTC (`codegen/cuda_units.rs`, through kiln-core's `DeviceRuntime::load_kernels`, which caches
+//! by source); a symbolic graph's kernels take its sizes as parameters (`codegen/cuda_sizes.rs`).
 
 use std::fmt::Write;
 use std::sync::Arc;
 
 use kiln_compile::graph::{Graph, NodeId};
-use kiln_compile::CompiledGraph;
+use kiln_compile::{symbolic, CompiledGraph};
 use kiln_core::device::runtime_for;
 use kiln_core::{DType, Result};
 
@@ -17,7 +18,7 @@ use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
     pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
 };
-use crate::codegen::cuda_units::{self, KernelSource};
+use crate::codegen::{cuda_sizes, cuda_units};
 use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
@@ -87,6 +88,11 @@ pub struct Cuda {
     pub sm_count: u32,
     /// Small matmuls as generated reductions (`Target::inline_matmul`).
     pub inline_matmul: bool,
+    /// Whether kernels may share a launch: side by side (`horizontal.rs`) or in sequence
+    /// (`sequential.rs`). Not for a symbolic graph: the dispatcher of such a launch bakes each
+    /// member's block count and sizes into its text, which then differs at every size (and its
+    /// members are device functions that `codegen/template.rs` does not make size-generic).
+    pub horizontal: bool,
 }
 
 impl Cuda {
@@ -95,6 +101,7 @@ impl Cuda {
         Cuda {
             sm_count,
             inline_matmul: true,
+            horizontal: true,
         }
     }
 
@@ -409,7 +416,7 @@ impl Target for Cuda {
     }
 
     fn side_by_side(&self, k: &CudaKernel) -> Option<(u32, usize)> {
-        Some((k.block, k.param_types.len()))
+        self.horizontal.then_some((k.block, k.param_types.len()))
     }
 
     /// A dispatcher over the members' blocks: the first `grid[0]` blocks run member 0 (as a
@@ -472,6 +479,9 @@ impl Target for Cuda {
     /// members' pointers lose `__restrict__`, which would let the compiler read a buffer written
     /// earlier in the same launch through the non-coherent read-only cache.
     fn sequential(&self, seq: &Sequence<'_, CudaKernel>) -> Option<CudaKernel> {
+        if !self.horizontal {
+            return None;
+        }
         let block = seq.members.first()?.kernel.block;
         if seq.members.iter().any(|m| m.kernel.block != block) {
             return None;
@@ -535,11 +545,13 @@ impl Target for Cuda {
     }
 }
 
-/// Compiles a graph whose prims run on a CUDA device: its kernels in one translation unit,
+/// Compiles a graph whose prims run on a CUDA device: its kernels in a few translation units,
 /// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
-/// device's eager kernels. With `cuda_graphs` (reduce-overhead, max-autotune) the launches are
-/// recorded once and replayed (`runtime/cudagraph.rs`).
-/// `inline_matmul`: small matmuls generated (the `inline_small_matmuls` option).
+/// device's eager kernels. One size of a symbolic graph (a size context is current) runs
+/// size-generic kernels where they instantiate (`codegen/cuda_sizes.rs`). With `cuda_graphs`
+/// (reduce-overhead, max-autotune) the launches are recorded once and replayed
+/// (`runtime/cudagraph.rs`). `inline_matmul`: small matmuls generated (the
+/// `inline_small_matmuls` option).
 pub fn compile(
     graph: &Graph,
     cuda_graphs: bool,
@@ -547,46 +559,43 @@ pub fn compile(
 ) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
+    let sizes = symbolic::context::current();
     let target = Cuda {
         sm_count: rt.multiprocessors(device)?,
         inline_matmul,
+        horizontal: sizes.is_none(),
     };
     let planned = plan_graph(&target, graph);
-    let mut kernels: Vec<KernelSource<'_>> = Vec::new();
-    for p in &planned {
-        if let Planned::Kernel { kernel, .. } = p {
-            if !kernels.iter().any(|k| k.name == kernel.name) {
-                kernels.push(KernelSource {
-                    name: &kernel.name,
-                    source: &kernel.source,
-                    device_fns: &kernel.device_fns,
-                });
-            }
-        }
-    }
+    let resolved = cuda_sizes::resolve(graph, &planned, sizes.as_ref());
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let units = cuda_units::units(PRELUDE, &kernels, threads);
+    let units = cuda_sizes::units(PRELUDE, &resolved, threads);
     for (source, _) in &units {
         crate::log_output_code(source);
     }
     let loaded = cuda_units::load(&rt, device, &units)?;
+    let mut resolved = resolved.into_iter();
     let steps = planned
         .into_iter()
         .map(|p| match p {
             Planned::Kernel { kernel, outs } => {
-                let handle = loaded.get(&kernel.name).cloned().ok_or_else(|| {
+                let r = resolved.next().ok_or_else(|| {
+                    kiln_core::Error::arg("kiln backend", "kernel count mismatch")
+                })?;
+                let handle = loaded.get(&r.name).cloned().ok_or_else(|| {
                     kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
                 })?;
                 Ok(Exec::Kernel {
                     outs,
+                    // the static kernel's grid, computed for this size: a size-generic kernel
+                    // is a grid-stride loop like it, correct for any grid
                     f: Launch::Device {
                         kernel: handle,
                         grid: kernel.grid,
                         block: kernel.block,
                     },
                     inputs: kernel.inputs,
-                    name: kernel.name.into(),
-                    sizes: Vec::new(),
+                    name: r.name.into(),
+                    sizes: r.sizes,
                 })
             }
             Planned::Extern { node } => Ok(Exec::Extern { node }),

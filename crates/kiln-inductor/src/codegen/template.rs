@@ -2,8 +2,9 @@
 //! different sizes (`kiln_compile::symbolic::context`) have the same text but for integer
 //! constants: loop bounds, strides, offsets. Each such constant is fitted to an expression of the
 //! graph's symbols (the fitter of `kiln_compile::symbolic::fit`) from the sizes seen so far, and
-//! one kernel is generated with those expressions over size arguments (`s0`, `s1`, ... read from
-//! an `int64_t` array passed after the buffers) and compiled once.
+//! one kernel is generated with those expressions over size arguments (`s0`, `s1`, ...: read from
+//! an `int64_t` array passed after the buffers in C, `long long` parameters after the buffers in
+//! CUDA; see `SizeArgs`) and compiled once.
 //!
 //! Sound by checking, as the graphs are: at every size the kernel's text is generated as for a
 //! static kernel and the size-generic kernel is used only if its expressions give exactly that
@@ -11,8 +12,9 @@
 //! symbolic graph now serves when its trace instantiates it) is checked the same way, and is never
 //! a sample for fitting.
 //!
-//! Text-level and target-neutral: the CUDA generator can template its kernels the same way
-//! (`c_expr` prints an expression in C syntax, which CUDA shares).
+//! Text-level and target-neutral: the C (`backend.rs`) and CUDA (`codegen/cuda.rs`) generators
+//! template their kernels the same way (`c_expr` prints an expression in C syntax, which CUDA
+//! shares); they differ only in how the size arguments reach the kernel.
 
 use std::collections::HashMap;
 use std::fmt::Write;
@@ -80,15 +82,33 @@ pub fn c_expr(e: &Expr) -> String {
     }
 }
 
-/// Defined once per translation unit however many size-generic kernels it holds.
+/// How a target's kernels receive their size arguments.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SizeArgs {
+    /// C: a `void **args` function; the sizes are an `int64_t` array at `args[buffers]`.
+    Array,
+    /// CUDA: a `__global__` function of its buffers; the sizes are `long long` parameters after
+    /// them (kernel parameters go by value: no array to allocate and copy per launch).
+    Params,
+}
+
+/// The helpers `c_expr` calls, defined once per translation unit however many size-generic
+/// kernels it holds (`QUAL` is `__device__` where they are called from device code).
 const HELPERS: &str = "#ifndef KILN_SIZE_HELPERS
 #define KILN_SIZE_HELPERS
-static inline int64_t kiln_floordiv(int64_t a, int64_t b) { int64_t q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
-static inline int64_t kiln_floormod(int64_t a, int64_t b) { return a - kiln_floordiv(a, b) * b; }
-static inline int64_t kiln_min(int64_t a, int64_t b) { return a < b ? a : b; }
-static inline int64_t kiln_max(int64_t a, int64_t b) { return a > b ? a : b; }
+static inline QUALint64_t kiln_floordiv(int64_t a, int64_t b) { int64_t q = a / b; return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q; }
+static inline QUALint64_t kiln_floormod(int64_t a, int64_t b) { return a - kiln_floordiv(a, b) * b; }
+static inline QUALint64_t kiln_min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline QUALint64_t kiln_max(int64_t a, int64_t b) { return a > b ? a : b; }
 #endif
 ";
+
+/// A kernel's place in the graph it is generated for (`resolve`'s `place`): its index among the
+/// graph's kernels, with the graph's node and kernel counts, which tell a forward and a backward
+/// graph compiled for one size apart.
+pub fn place(nodes: usize, kernels: usize, index: usize) -> u64 {
+    ((nodes as u64) << 40) ^ ((kernels as u64) << 20) ^ index as u64
+}
 
 /// A size-generic kernel and the expression of each literal of its static text.
 #[derive(Clone)]
@@ -116,8 +136,9 @@ fn registry() -> &'static Mutex<HashMap<Key, Seen>> {
 
 /// What to compile for kernel `k`, generated at the sizes of `ctx` at `place` (the caller's name
 /// for where in which graph it sits, equal across sizes): a size-generic kernel and the size
-/// arguments to call it with, or `k` itself (with no size arguments).
-pub fn resolve(ctx: &SizeContext, place: u64, k: &Kernel) -> (Kernel, Vec<i64>) {
+/// arguments to call it with, or `k` itself (with no size arguments). `how`: how the target's
+/// kernels take size arguments.
+pub fn resolve(ctx: &SizeContext, place: u64, k: &Kernel, how: SizeArgs) -> (Kernel, Vec<i64>) {
     let (text, lits) = split_literals(k);
     let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
     let seen = reg.entry((ctx.graph_id, place, text.clone())).or_default();
@@ -166,7 +187,7 @@ pub fn resolve(ctx: &SizeContext, place: u64, k: &Kernel) -> (Kernel, Vec<i64>) 
         return (k.clone(), Vec::new());
     };
     let t = Template {
-        kernel: build(&text, &exprs, n, &k.inputs),
+        kernel: build(&text, &exprs, n, &k.inputs, how),
         exprs,
     };
     if !instantiates(&t) {
@@ -176,9 +197,9 @@ pub fn resolve(ctx: &SizeContext, place: u64, k: &Kernel) -> (Kernel, Vec<i64>) 
     (with_inputs(&t), ctx.values.clone())
 }
 
-/// The size-generic kernel: `text` with each `HOLE` replaced by its expression, the size arguments
-/// read from the pointer after the buffers, named by the hash of the result.
-fn build(text: &str, exprs: &[Expr], num_syms: usize, inputs: &[usize]) -> Kernel {
+/// The size-generic kernel: `text` with each `HOLE` replaced by its expression, taking the size
+/// arguments as `how` says, named by the hash of the result.
+fn build(text: &str, exprs: &[Expr], num_syms: usize, inputs: &[usize], how: SizeArgs) -> Kernel {
     let mut body = String::with_capacity(text.len() + 64);
     let mut it = exprs.iter();
     for ch in text.chars() {
@@ -193,6 +214,21 @@ fn build(text: &str, exprs: &[Expr], num_syms: usize, inputs: &[usize]) -> Kerne
             c => body.push(c),
         }
     }
+    let (body, qual) = match how {
+        SizeArgs::Array => (with_size_array(&body, num_syms), ""),
+        SizeArgs::Params => (with_size_params(&body, num_syms), "__device__ "),
+    };
+    let source = format!("{}{body}", HELPERS.replace("QUAL", qual));
+    let name = format!("ks_{:016x}", xxhash_rust::xxh3::xxh3_64(source.as_bytes()));
+    Kernel {
+        source: source.replace("KNAME", &name),
+        name,
+        inputs: inputs.to_vec(),
+    }
+}
+
+/// `s0`, `s1`, ... read from the `int64_t` array after the buffers of a `void **args` function.
+fn with_size_array(body: &str, num_syms: usize) -> String {
     // the buffers are args[0..n]: the size array is args[n]
     let nargs = body
         .match_indices("args[")
@@ -206,14 +242,22 @@ fn build(text: &str, exprs: &[Expr], num_syms: usize, inputs: &[usize]) -> Kerne
     for s in 0..num_syms {
         let _ = writeln!(prologue, "  const int64_t s{s} = kiln_sizes[{s}];");
     }
-    let body = body.replacen("(void **args) {", &format!("(void **args) {{{prologue}"), 1);
-    let source = format!("{HELPERS}{body}");
-    let name = format!("ks_{:016x}", xxhash_rust::xxh3::xxh3_64(source.as_bytes()));
-    Kernel {
-        source: source.replace("KNAME", &name),
-        name,
-        inputs: inputs.to_vec(),
-    }
+    body.replacen("(void **args) {", &format!("(void **args) {{{prologue}"), 1)
+}
+
+/// `s0`, `s1`, ... as `long long` parameters after the last parameter of `KNAME(...)` (the
+/// parameters hold no parentheses: types and names only).
+fn with_size_params(body: &str, num_syms: usize) -> String {
+    let params: String = (0..num_syms)
+        .map(|s| format!(", const long long s{s}"))
+        .collect();
+    let Some(close) = body
+        .find("KNAME(")
+        .and_then(|at| body[at..].find(')').map(|c| at + c))
+    else {
+        return body.to_string();
+    };
+    format!("{}{params}{}", &body[..close], &body[close..])
 }
 
 #[cfg(test)]
@@ -273,21 +317,21 @@ mod size_one {
 
     #[test]
     fn size_1_uses_the_template_only_where_it_instantiates() {
-        let (k4, s4) = resolve(&at(4), 0, &kernel(4, false));
+        let (k4, s4) = resolve(&at(4), 0, &kernel(4, false), SizeArgs::Array);
         assert!(
             s4.is_empty() && k4.source == kernel(4, false).source,
             "first size: static"
         );
-        let (k6, s6) = resolve(&at(6), 0, &kernel(6, false));
+        let (k6, s6) = resolve(&at(6), 0, &kernel(6, false), SizeArgs::Array);
         assert_eq!(s6, vec![6]);
         assert!(k6.name.starts_with("ks_"), "{}", k6.source);
         // the same text at 1, with 3 and 1 in its holes: the size-generic kernel, called at 1
-        let (k1, s1) = resolve(&at(1), 0, &kernel(1, false));
+        let (k1, s1) = resolve(&at(1), 0, &kernel(1, false), SizeArgs::Array);
         assert_eq!((k1.name.as_str(), s1), (k6.name.as_str(), vec![1]));
         // the loop-free text of size 1 is no instance of it: its own static kernel
-        let (u, su) = resolve(&at(1), 0, &kernel(1, true));
+        let (u, su) = resolve(&at(1), 0, &kernel(1, true), SizeArgs::Array);
         assert!(su.is_empty() && u.source == kernel(1, true).source);
-        let (k9, s9) = resolve(&at(9), 0, &kernel(9, false));
+        let (k9, s9) = resolve(&at(9), 0, &kernel(9, false), SizeArgs::Array);
         assert_eq!((k9.name.as_str(), s9), (k6.name.as_str(), vec![9]));
     }
 }

@@ -22,7 +22,7 @@ pub enum Launch {
     /// A C function of the CPU translation unit: `f(args)`, the buffer addresses in order.
     Cpu(KernelFn),
     /// A kernel loaded on the graph's device: launched with `grid` blocks of `block` threads, the
-    /// buffers' device addresses as its arguments.
+    /// buffers' device addresses as its arguments (then a size-generic kernel's sizes).
     Device {
         kernel: Arc<dyn DeviceKernel>,
         grid: [u32; 3],
@@ -226,7 +226,8 @@ impl CompiledCpu {
 }
 
 /// Runs one kernel on its input and output buffers.
-/// `sizes`: a size-generic C kernel's symbol values, passed after the buffers (empty otherwise).
+/// `sizes`: a size-generic kernel's symbol values, passed after the buffers (empty otherwise): a
+/// C kernel reads them from an array, a device kernel takes them as parameters.
 fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor], sizes: &[i64]) -> Result<()> {
     match f {
         Launch::Cpu(f) => {
@@ -264,6 +265,8 @@ fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor], sizes: &[i64]) -> Resul
                         )
                     })
                 })
+                // a size-generic kernel's sizes are `long long` parameters after the buffers
+                .chain(sizes.iter().map(|&s| Ok(s as u64)))
                 .collect::<Result<Vec<u64>>>()?;
             kernel.launch(*grid, *block, &params)
         }
