@@ -200,7 +200,7 @@ mod tests {
 
     /// (kernel launches, values each computes) of a graph planned for a GPU.
     fn launches(g: &Graph) -> Vec<usize> {
-        plan_graph(&Cuda { sm_count: 2 }, g)
+        plan_graph(&Cuda::new(2), g)
             .iter()
             .filter_map(|p| match p {
                 Planned::Kernel { outs, .. } => Some(outs.len()),
@@ -223,7 +223,7 @@ mod tests {
             g.outputs.push(new);
         }
         assert_eq!(launches(&g), vec![3]);
-        let planned = plan_graph(&Cuda { sm_count: 2 }, &g);
+        let planned = plan_graph(&Cuda::new(2), &g);
         let Some(Planned::Kernel { kernel, outs }) = planned.first() else {
             panic!("no kernel planned");
         };
@@ -304,7 +304,7 @@ mod tests {
         g.outputs = vec![norm, new];
         g.mutated_inputs = vec![(1, 0)];
         assert_eq!(launches(&g), vec![1, 1]);
-        let planned = plan_graph(&Cuda { sm_count: 2 }, &g);
+        let planned = plan_graph(&Cuda::new(2), &g);
         assert!(planned.iter().any(|s| matches!(
             s,
             Planned::Kernel { outs, .. } if matches!(outs[0].1, Alloc::InPlace(_))

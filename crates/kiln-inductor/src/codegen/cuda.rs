@@ -41,10 +41,6 @@ const PRELUDE: &str = r#"#define int64_t long long
 template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 "#;
 
-/// Threads per block of pointwise kernels and of per-thread and per-warp reductions.
-const BLOCK: u32 = 256;
-/// Threads per block of a reduction that gives each output element a whole block.
-const ROW_BLOCK: u32 = 512;
 /// Reduced lengths from which a warp (then a block) reduces each output element.
 const WARP_FROM: usize = 32;
 const BLOCK_FROM: usize = 4096;
@@ -77,16 +73,91 @@ pub struct CudaKernel {
     param_types: Vec<String>,
 }
 
+/// The launch shape of generated kernels: what max-autotune varies (`runtime/autotune.rs`).
+/// Every kernel is a grid-stride loop, so each configuration computes the same values; they
+/// differ in speed only. `Default` is the configuration every other mode uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TuneConfig {
+    /// Threads per block of pointwise kernels and of per-thread reductions.
+    pub block: u32,
+    /// Threads per block of a reduction that gives each output element a whole block (a
+    /// multiple of 32, at most 1024: its warps' partial sums are combined by one warp).
+    pub row_block: u32,
+    /// Output elements (one per warp) per block of a warp reduction (at most 32).
+    pub warp_rows: u32,
+    /// Most blocks per multiprocessor of a grid-stride loop (the grid multiplier).
+    pub waves: u32,
+}
+
+impl Default for TuneConfig {
+    fn default() -> Self {
+        TuneConfig {
+            block: 256,
+            row_block: 512,
+            warp_rows: 8,
+            waves: 32,
+        }
+    }
+}
+
+impl TuneConfig {
+    /// The configurations max-autotune tries, the default first: smaller and larger blocks,
+    /// fewer and more waves (a short kernel gains from fewer blocks, a long memory-bound one
+    /// from more in flight).
+    pub fn candidates() -> Vec<TuneConfig> {
+        let d = TuneConfig::default();
+        vec![
+            d,
+            TuneConfig {
+                block: 128,
+                row_block: 256,
+                warp_rows: 4,
+                ..d
+            },
+            TuneConfig {
+                block: 512,
+                row_block: 1024,
+                warp_rows: 16,
+                ..d
+            },
+            TuneConfig { waves: 8, ..d },
+            TuneConfig {
+                block: 1024,
+                waves: 4,
+                ..d
+            },
+        ]
+    }
+
+    /// Whether the generator can use it (block sizes a CUDA launch and the reductions accept).
+    pub fn valid(&self) -> bool {
+        let warps = |n: u32| n >= 32 && n <= 1024 && n % 32 == 0;
+        warps(self.block)
+            && warps(self.row_block)
+            && (1..=32).contains(&self.warp_rows)
+            && self.waves >= 1
+    }
+}
+
 /// The CUDA target for a device with `sm_count` multiprocessors (grid-stride loops launch a few
-/// waves of blocks, not one block per element).
+/// waves of blocks, not one block per element), generating kernels of launch shape `cfg`.
 pub struct Cuda {
     pub sm_count: u32,
+    pub cfg: TuneConfig,
 }
 
 impl Cuda {
+    /// The target with the default launch shape.
+    pub fn new(sm_count: u32) -> Cuda {
+        Cuda {
+            sm_count,
+            cfg: TuneConfig::default(),
+        }
+    }
+
     fn blocks(&self, units: usize, per_block: usize) -> u32 {
         let want = units.div_ceil(per_block).max(1);
-        want.min(self.sm_count.max(1) as usize * 32) as u32
+        want.min(self.sm_count.max(1) as usize * self.cfg.waves as usize) as u32
     }
 }
 
@@ -281,9 +352,10 @@ impl Target for Cuda {
         // leave three blocks in four with nothing to do); the loops are grid-stride, so the
         // scalar fallback is correct with these blocks too
         let per_thread = if numel >= VECTOR_FROM { 4 } else { 1 };
-        let grid = self.blocks(numel.div_ceil(per_thread), BLOCK as usize);
+        let block = self.cfg.block;
+        let grid = self.blocks(numel.div_ceil(per_thread), block as usize);
         let ok = scalar.ok;
-        (finish(scalar.b.params, params, text, grid, BLOCK), ok)
+        (finish(scalar.b.params, params, text, grid, block), ok)
     }
 
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
@@ -318,14 +390,15 @@ impl Target for Cuda {
                 let _ = writeln!(text, "    for (long long i{v} = 0; i{v} < {n}; i{v}++)");
             }
             let _ = writeln!(text, "    {{\n{accumulate}    }}\n    {store}\n  }}");
-            (self.blocks(rows, BLOCK as usize), BLOCK)
+            (self.blocks(rows, self.cfg.block as usize), self.cfg.block)
         } else {
             // a warp (or a block) per output element: strided partial sums, then shuffles
             let per_block = red < BLOCK_FROM;
+            let row_block = self.cfg.row_block;
             let (lanes, rows_per_block, block) = if per_block {
-                (32, (BLOCK / 32) as usize, BLOCK)
+                (32, self.cfg.warp_rows as usize, self.cfg.warp_rows * 32)
             } else {
-                (ROW_BLOCK as usize, 1, ROW_BLOCK)
+                (row_block as usize, 1, row_block)
             };
             let (first_row, lane) = if per_block {
                 (
@@ -336,7 +409,7 @@ impl Target for Cuda {
                 ("kbid".to_string(), "threadIdx.x")
             };
             if !per_block {
-                let _ = writeln!(text, "  __shared__ {acc_t} partial[{}];", ROW_BLOCK / 32);
+                let _ = writeln!(text, "  __shared__ {acc_t} partial[{}];", row_block / 32);
             }
             let _ = writeln!(
                 text,
@@ -367,7 +440,7 @@ impl Target for Cuda {
                      0; s >>= 1) {{ {acc_t} other = __shfl_down_sync(0xffffffffu, acc, s); acc = \
                      {combine}; }}\n      if (threadIdx.x == 0) {store}\n    }}\n    \
                      __syncthreads();",
-                    w = ROW_BLOCK / 32
+                    w = row_block / 32
                 );
             }
             let _ = writeln!(text, "  }}");
@@ -448,9 +521,7 @@ impl Target for Cuda {
 pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
-    let target = Cuda {
-        sm_count: rt.multiprocessors(device)?,
-    };
+    let target = Cuda::new(rt.multiprocessors(device)?);
     let planned = plan_graph(&target, graph);
     let mut kernels: Vec<KernelSource<'_>> = Vec::new();
     for p in &planned {
@@ -497,4 +568,166 @@ pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph
         true => Arc::new(CudaGraphed::new(compiled, graph)),
         false => compiled,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::graph::{Node, Op};
+    use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
+    use kiln_core::Device;
+
+    use super::*;
+
+    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
+        g.push(Node {
+            op,
+            args,
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            grad_enabled: false,
+            requires_grad: false,
+            device: Device::Cuda(0),
+        })
+    }
+
+    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
+        let i = g.num_inputs;
+        g.num_inputs += 1;
+        push(g, Op::Input(i), vec![], shape)
+    }
+
+    /// Every kind of kernel the generator writes: a vectorized and unrolled pointwise chain,
+    /// reductions by a thread, a warp and a block per output element, and in-place updates of
+    /// several shapes run side by side.
+    pub(crate) fn sample_graph() -> Graph {
+        let mut g = Graph::default();
+        let x = input(&mut g, &[64, 1 << 15]);
+        let e = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Exp)),
+            vec![x],
+            &[64, 1 << 15],
+        );
+        let y = push(
+            &mut g,
+            Op::Prim(Prim::Binary(BinaryOp::Mul)),
+            vec![e, x],
+            &[64, 1 << 15],
+        );
+        g.outputs.push(y);
+        for (dim, keep) in [(0usize, vec![1usize, 1 << 15]), (1, vec![64, 1])] {
+            let r = push(
+                &mut g,
+                Op::Prim(Prim::Reduce {
+                    op: ReduceOp::Sum,
+                    dims: vec![dim],
+                }),
+                vec![y],
+                &keep,
+            );
+            g.outputs.push(r);
+        }
+        let m = input(&mut g, &[512, 100]);
+        let r = push(
+            &mut g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Max,
+                dims: vec![1],
+            }),
+            vec![m],
+            &[512, 1],
+        );
+        g.outputs.push(r);
+        let s = push(
+            &mut g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![0],
+            }),
+            vec![m],
+            &[1, 100],
+        );
+        g.outputs.push(s);
+        let small = input(&mut g, &[1000, 7]);
+        let s = push(
+            &mut g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![1],
+            }),
+            vec![small],
+            &[1000, 1],
+        );
+        g.outputs.push(s);
+        for shape in [&[300usize, 7][..], &[10]] {
+            let index = g.num_inputs;
+            let p = input(&mut g, shape);
+            let grad = input(&mut g, shape);
+            let new = push(
+                &mut g,
+                Op::Prim(Prim::Binary(BinaryOp::Sub)),
+                vec![p, grad],
+                shape,
+            );
+            g.mutated_inputs.push((g.outputs.len(), index));
+            g.outputs.push(new);
+        }
+        g
+    }
+
+    /// A digest of every planned kernel: its source and launch shape.
+    fn digest(t: &Cuda, g: &Graph) -> (usize, u64) {
+        let mut all = String::new();
+        let mut n = 0;
+        for p in plan_graph(t, g) {
+            if let Planned::Kernel { kernel, .. } = p {
+                n += 1;
+                for (_, f) in &kernel.device_fns {
+                    all.push_str(f);
+                }
+                let _ = write!(all, "{}{:?}{}", kernel.source, kernel.grid, kernel.block);
+            }
+        }
+        (n, xxhash_rust::xxh3::xxh3_64(all.as_bytes()))
+    }
+
+    /// The default launch shape generates, byte for byte, the kernels kiln generated before
+    /// launch shapes could be tuned (the digest was taken from that generator): default and
+    /// reduce-overhead modes are unchanged by max-autotune.
+    #[test]
+    fn default_config_kernels_are_unchanged() {
+        let d = digest(&Cuda::new(132), &sample_graph());
+        assert_eq!(d, (3, 15494952398212772944));
+    }
+
+    /// The candidates are valid, distinct, the default first, and each one changes the
+    /// generated launches of the sample (a candidate that changed nothing would be timed for
+    /// nothing).
+    #[test]
+    fn candidates_are_valid_and_each_changes_the_kernels() {
+        let cs = TuneConfig::candidates();
+        assert_eq!(cs[0], TuneConfig::default());
+        let g = sample_graph();
+        let mut seen = Vec::new();
+        for c in &cs {
+            assert!(c.valid(), "{c:?}");
+            let d = digest(
+                &Cuda {
+                    sm_count: 132,
+                    cfg: *c,
+                },
+                &g,
+            );
+            assert!(
+                !seen.contains(&d),
+                "{c:?} generates what another candidate does"
+            );
+            seen.push(d);
+        }
+        let bad = TuneConfig {
+            row_block: 2048,
+            ..TuneConfig::default()
+        };
+        assert!(!bad.valid());
+    }
 }
