@@ -17,7 +17,9 @@ use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
     pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
 };
+use crate::codegen::cuda_tune;
 use crate::codegen::cuda_units::{self, KernelSource};
+use crate::runtime::autotune::{Candidate, Tuned};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
@@ -131,7 +133,7 @@ impl TuneConfig {
 
     /// Whether the generator can use it (block sizes a CUDA launch and the reductions accept).
     pub fn valid(&self) -> bool {
-        let warps = |n: u32| n >= 32 && n <= 1024 && n % 32 == 0;
+        let warps = |n: u32| (32..=1024).contains(&n) && n % 32 == 0;
         warps(self.block)
             && warps(self.row_block)
             && (1..=32).contains(&self.warp_rows)
@@ -514,18 +516,31 @@ impl Target for Cuda {
     }
 }
 
-/// Compiles a graph whose prims run on a CUDA device: its kernels in one translation unit,
+/// Compiles a graph whose prims run on a CUDA device: its kernels in a few translation units,
 /// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
 /// device's eager kernels. With `cuda_graphs` (reduce-overhead, max-autotune) the launches are
-/// recorded once and replayed (`runtime/cudagraph.rs`).
-pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph>> {
+/// recorded once and replayed (`runtime/cudagraph.rs`). With `autotune` (both max-autotune
+/// modes) each kernel is also generated in the other launch shapes (`codegen/cuda_tune.rs`),
+/// compiled in the same units, and the fastest chosen at its first launch
+/// (`runtime/autotune.rs`), unless a choice kept on disk says which.
+pub fn compile(graph: &Graph, cuda_graphs: bool, autotune: bool) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
-    let target = Cuda::new(rt.multiprocessors(device)?);
-    let planned = plan_graph(&target, graph);
+    let sm_count = rt.multiprocessors(device)?;
+    let planned = plan_graph(&Cuda::new(sm_count), graph);
+    let device_key = rt.device_key(device);
+    let choices = match autotune {
+        true => cuda_tune::candidates(graph, sm_count, &planned, device_key.as_deref()),
+        false => vec![None; planned.len()],
+    };
     let mut kernels: Vec<KernelSource<'_>> = Vec::new();
-    for p in &planned {
-        if let Planned::Kernel { kernel, .. } = p {
+    for (p, choice) in planned.iter().zip(&choices) {
+        let used: &[CudaKernel] = match (p, choice) {
+            (_, Some(c)) => c,
+            (Planned::Kernel { kernel, .. }, None) => std::slice::from_ref(kernel),
+            (Planned::Extern { .. }, None) => &[],
+        };
+        for kernel in used {
             if !kernels.iter().any(|k| k.name == kernel.name) {
                 kernels.push(KernelSource {
                     name: &kernel.name,
@@ -541,20 +556,45 @@ pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph
         crate::log_output_code(source);
     }
     let loaded = cuda_units::load(&rt, device, &units)?;
+    let handle = |k: &CudaKernel| {
+        loaded.get(&k.name).cloned().ok_or_else(|| {
+            kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
+        })
+    };
     let steps = planned
         .into_iter()
-        .map(|p| match p {
+        .zip(choices)
+        .map(|(p, choice)| match p {
             Planned::Kernel { kernel, outs } => {
-                let handle = loaded.get(&kernel.name).cloned().ok_or_else(|| {
-                    kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
-                })?;
+                let mut cands = choice.unwrap_or_else(|| vec![kernel]);
+                let f = match cands.len() {
+                    1 => Launch::Device {
+                        kernel: handle(&cands[0])?,
+                        grid: cands[0].grid,
+                        block: cands[0].block,
+                    },
+                    _ => Launch::Tuned(Arc::new(Tuned::new(
+                        device,
+                        &cands[0].name,
+                        device_key.as_deref(),
+                        cands
+                            .iter()
+                            .map(|k| {
+                                Ok(Candidate {
+                                    kernel: handle(k)?,
+                                    name: k.name.clone(),
+                                    grid: k.grid,
+                                    block: k.block,
+                                })
+                            })
+                            .collect::<Result<_>>()?,
+                    ))),
+                };
+                // every candidate reads the same inputs (`cuda_tune.rs` matched them)
+                let kernel = cands.swap_remove(0);
                 Ok(Exec::Kernel {
                     outs,
-                    f: Launch::Device {
-                        kernel: handle,
-                        grid: kernel.grid,
-                        block: kernel.block,
-                    },
+                    f,
                     inputs: kernel.inputs,
                     name: kernel.name.into(),
                     sizes: Vec::new(),
@@ -571,7 +611,7 @@ pub fn compile(graph: &Graph, cuda_graphs: bool) -> Result<Arc<dyn CompiledGraph
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use kiln_compile::graph::{Node, Op};
     use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
     use kiln_core::Device;

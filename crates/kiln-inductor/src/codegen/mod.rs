@@ -4,5 +4,6 @@
 
 pub mod c;
 pub mod cuda;
+mod cuda_tune;
 mod cuda_units;
 pub mod template;
