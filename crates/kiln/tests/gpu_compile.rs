@@ -8,6 +8,9 @@
 
 use std::sync::Mutex;
 
+#[path = "gpu_compile/autotune.rs"]
+mod autotune;
+
 use kiln::inductor::exec_stats;
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
 use kiln::prelude::*;
@@ -471,7 +474,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 13] = [
+    let tests: [(&str, Check); 14] = [
+        (
+            "max_autotune_tunes_once_and_persists",
+            autotune::max_autotune_tunes_once_and_persists,
+        ),
         ("vector_loads_any_alignment", vector_loads_any_alignment),
         (
             "adam_many_parameters_few_launches",
