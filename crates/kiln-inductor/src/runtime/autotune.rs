@@ -264,6 +264,35 @@ pub(crate) mod tests {
         assert!(none.is_none());
     }
 
+    /// Records its launches' block sizes.
+    struct Recorder(std::sync::Mutex<Vec<u32>>);
+    impl DeviceKernel for Recorder {
+        fn launch(&self, _: [u32; 3], block: u32, _: &[u64]) -> Result<()> {
+            self.0.lock().unwrap_or_else(|e| e.into_inner()).push(block);
+            Ok(())
+        }
+    }
+
+    /// Where no runtime can time the candidates (none is registered in these tests), the
+    /// default shape is launched, every time, with no error and nothing counted as tuned.
+    #[test]
+    fn without_timing_the_default_shape_is_launched() {
+        let k = Arc::new(Recorder(std::sync::Mutex::new(Vec::new())));
+        let cand = |block| Candidate {
+            kernel: k.clone(),
+            name: "k".into(),
+            grid: [4, 1, 1],
+            block,
+        };
+        let t = Tuned::new(Device::Cuda(0), "k", None, vec![cand(256), cand(128)]);
+        let before = pool::stats().kernels_tuned;
+        for _ in 0..3 {
+            t.launch(&[1, 2], &[1], &[]).expect("launch");
+        }
+        assert_eq!(*k.0.lock().expect("launches"), vec![256, 256, 256]);
+        assert_eq!(pool::stats().kernels_tuned, before);
+    }
+
     #[test]
     fn a_choice_is_written_read_back_and_a_damaged_file_is_ignored_then_rewritten() {
         let dir = std::env::temp_dir().join(format!("kiln-autotune-test-{}", std::process::id()));
