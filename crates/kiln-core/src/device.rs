@@ -103,6 +103,28 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     ) -> Result<Vec<Arc<dyn DeviceKernel>>>;
     /// The multiprocessor count of `device` (generated kernels size their grids by it).
     fn multiprocessors(&self, device: Device) -> Result<u32>;
+    /// Device time of `f`'s queued work: `f` runs once to warm up, then `reps` times between two
+    /// device events; the milliseconds per run. What max-autotune times candidate kernels with.
+    /// Waits for the device. Runtimes without timing say "not supported" (the compiler then
+    /// keeps its default kernels).
+    fn time_launches(
+        &self,
+        device: Device,
+        f: &mut dyn FnMut() -> Result<()>,
+        reps: usize,
+    ) -> Result<f64> {
+        let _ = (f, reps);
+        Err(Error::unsupported(
+            "time_launches",
+            format!("{device}'s runtime cannot time queued work"),
+        ))
+    }
+    /// What tells `device`'s model apart for tuned choices kept on disk (name and architecture);
+    /// `None` where the runtime cannot say.
+    fn device_key(&self, device: Device) -> Option<String> {
+        let _ = device;
+        None
+    }
     /// Starts recording the work queued on `device` instead of running it. Nothing may read
     /// values back to the host until `end_capture`.
     fn begin_capture(&self, device: Device) -> Result<()> {

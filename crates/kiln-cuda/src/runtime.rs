@@ -233,6 +233,27 @@ impl DeviceRuntime for CudaRuntime {
         Ok(CudaDevice::get(ordinal("multiprocessors", device)?)?.sm_count)
     }
 
+    fn time_launches(
+        &self,
+        device: Device,
+        f: &mut dyn FnMut() -> Result<()>,
+        reps: usize,
+    ) -> Result<f64> {
+        // the first run pays for first-touch costs (module load, cache misses of the TLB)
+        f()?;
+        let start = crate::event::Event::record(device)?;
+        for _ in 0..reps.max(1) {
+            f()?;
+        }
+        let end = crate::event::Event::record(device)?;
+        Ok(f64::from(start.elapsed_ms(&end)?) / reps.max(1) as f64)
+    }
+
+    fn device_key(&self, device: Device) -> Option<String> {
+        let dev = CudaDevice::get(ordinal("device_key", device).ok()?).ok()?;
+        Some(format!("{} {} {}sm", dev.name, dev.arch, dev.sm_count))
+    }
+
     fn begin_capture(&self, device: Device) -> Result<()> {
         crate::capture::begin(&CudaDevice::get(ordinal("begin_capture", device)?)?)
     }

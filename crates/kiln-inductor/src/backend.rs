@@ -301,10 +301,14 @@ impl Backend for CpuCodegen {
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
         if graph.device() != kiln_core::Device::Cpu {
-            // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs
-            let cuda_graphs = matches!(ctx.mode.as_str(), "reduce-overhead" | "max-autotune");
+            // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs; both
+            // max-autotune modes time launch shapes of the generated kernels
+            let mode = ctx.mode.as_str();
+            let cuda_graphs = matches!(mode, "reduce-overhead" | "max-autotune");
+            let autotune = matches!(mode, "max-autotune" | "max-autotune-no-cudagraphs");
             let inline_matmul = inline_small_matmuls(ctx, true)?;
-            return match crate::codegen::cuda::compile(graph, cuda_graphs, inline_matmul) {
+            return match crate::codegen::cuda::compile(graph, cuda_graphs, inline_matmul, autotune)
+            {
                 Ok(compiled) => Ok(compiled),
                 Err(e) if !ctx.fullgraph => {
                     static WARN: Once = Once::new();

@@ -34,6 +34,8 @@ fn delta<R>(f: impl FnOnce() -> R) -> (R, ExecStats) {
         inplace_fallbacks: b.inplace_fallbacks - a.inplace_fallbacks,
         graph_replays: b.graph_replays - a.graph_replays,
         kernel_launches: b.kernel_launches - a.kernel_launches,
+        kernels_tuned: b.kernels_tuned - a.kernels_tuned,
+        tuning_hits: b.tuning_hits - a.tuning_hits,
     };
     (r, d)
 }

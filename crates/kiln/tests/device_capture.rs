@@ -254,3 +254,38 @@ fn device_tensors_of_new_sizes_reuse_one_symbolic_entry() -> Result<()> {
     );
     Ok(())
 }
+
+/// max-autotune on a runtime that neither loads generated kernels nor times work (the mock):
+/// compiling and running is no error, the results are eager's, and nothing is tuned.
+#[test]
+fn max_autotune_on_a_device_that_cannot_time_runs_untuned() -> Result<()> {
+    setup();
+    for mode in [Mode::MaxAutotune, Mode::MaxAutotuneNoCudagraphs] {
+        let f = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            Ok(vec![a[0].mul(&a[1])?.exp()?.softmax(-1)?])
+        };
+        let compiled = kiln::compile_fn(
+            f,
+            CompileOptions {
+                mode,
+                ..Default::default()
+            },
+        )?;
+        let before = kiln::inductor::exec_stats();
+        for call in 0..3 {
+            let x = on_dev(values(24, 0.1 * (call + 1) as f32), &[4, 6])?;
+            let y = on_dev(values(24, 0.3), &[4, 6])?;
+            let got = compiled.call(&[x.clone(), y.clone()])?;
+            let want = f(&[x, y])?;
+            assert_eq!(
+                got[0].to_vec::<f32>()?,
+                want[0].to_vec::<f32>()?,
+                "{mode:?}"
+            );
+        }
+        let after = kiln::inductor::exec_stats();
+        assert_eq!(after.kernels_tuned, before.kernels_tuned, "{mode:?}");
+        assert_eq!(after.tuning_hits, before.tuning_hits, "{mode:?}");
+    }
+    Ok(())
+}

@@ -8,6 +8,9 @@
 
 use std::sync::Mutex;
 
+#[path = "gpu_compile/autotune.rs"]
+mod autotune;
+
 use kiln::inductor::exec_stats;
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
 use kiln::nn::{Linear, Module, ReLU, Sequential, Sigmoid};
@@ -737,7 +740,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 16] = [
+    let tests: [(&str, Check); 17] = [
+        (
+            "max_autotune_tunes_once_and_persists",
+            autotune::max_autotune_tunes_once_and_persists,
+        ),
         ("dynamic_sizes_share_kernels", dynamic_sizes_share_kernels),
         (
             "cudagraphs_backend_forward_backward",

@@ -18,8 +18,9 @@ use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
     pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
 };
-use crate::codegen::{cuda_sizes, cuda_units};
+use crate::codegen::{cuda_sizes, cuda_tune, cuda_units};
 use crate::ir::lower::{small_matmul, MatmulDims};
+use crate::runtime::autotune::{Candidate, Tuned};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
@@ -46,10 +47,6 @@ template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 
 /// Most pointer parameters of a composed launch (`sequential.rs`): 4 KiB.
 const MAX_LAUNCH_PARAMS: usize = 512;
-/// Threads per block of pointwise kernels and of per-thread and per-warp reductions.
-const BLOCK: u32 = 256;
-/// Threads per block of a reduction that gives each output element a whole block.
-const ROW_BLOCK: u32 = 512;
 /// Reduced lengths from which a warp (then a block) reduces each output element.
 const WARP_FROM: usize = 32;
 const BLOCK_FROM: usize = 4096;
@@ -82,8 +79,74 @@ pub struct CudaKernel {
     param_types: Vec<String>,
 }
 
+/// The launch shape of generated kernels: what max-autotune varies (`runtime/autotune.rs`).
+/// Every kernel is a grid-stride loop, so each configuration computes the same values; they
+/// differ in speed only. `Default` is the configuration every other mode uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TuneConfig {
+    /// Threads per block of pointwise kernels and of per-thread reductions.
+    pub block: u32,
+    /// Threads per block of a reduction that gives each output element a whole block (a
+    /// multiple of 32, at most 1024: its warps' partial sums are combined by one warp).
+    pub row_block: u32,
+    /// Output elements (one per warp) per block of a warp reduction (at most 32).
+    pub warp_rows: u32,
+    /// Most blocks per multiprocessor of a grid-stride loop (the grid multiplier).
+    pub waves: u32,
+}
+
+impl Default for TuneConfig {
+    fn default() -> Self {
+        TuneConfig {
+            block: 256,
+            row_block: 512,
+            warp_rows: 8,
+            waves: 32,
+        }
+    }
+}
+
+impl TuneConfig {
+    /// The configurations max-autotune tries, the default first: smaller and larger blocks,
+    /// fewer and more waves (a short kernel gains from fewer blocks, a long memory-bound one
+    /// from more in flight).
+    pub fn candidates() -> Vec<TuneConfig> {
+        let d = TuneConfig::default();
+        vec![
+            d,
+            TuneConfig {
+                block: 128,
+                row_block: 256,
+                warp_rows: 4,
+                ..d
+            },
+            TuneConfig {
+                block: 512,
+                row_block: 1024,
+                warp_rows: 16,
+                ..d
+            },
+            TuneConfig { waves: 8, ..d },
+            TuneConfig {
+                block: 1024,
+                waves: 4,
+                ..d
+            },
+        ]
+    }
+
+    /// Whether the generator can use it (block sizes a CUDA launch and the reductions accept).
+    pub fn valid(&self) -> bool {
+        let warps = |n: u32| (32..=1024).contains(&n) && n % 32 == 0;
+        warps(self.block)
+            && warps(self.row_block)
+            && (1..=32).contains(&self.warp_rows)
+            && self.waves >= 1
+    }
+}
+
 /// The CUDA target for a device with `sm_count` multiprocessors (grid-stride loops launch a few
-/// waves of blocks, not one block per element).
+/// waves of blocks, not one block per element), generating kernels of launch shape `cfg`.
 pub struct Cuda {
     pub sm_count: u32,
     /// Small matmuls as generated reductions (`Target::inline_matmul`).
@@ -93,21 +156,25 @@ pub struct Cuda {
     /// member's block count and sizes into its text, which then differs at every size (and its
     /// members are device functions that `codegen/template.rs` does not make size-generic).
     pub horizontal: bool,
+    /// The launch shape (max-autotune varies it).
+    pub cfg: TuneConfig,
 }
 
 impl Cuda {
-    /// The target with small matmuls generated (the default of a compile on a GPU).
+    /// The target with small matmuls generated, launches fused and the default launch shape
+    /// (what a compile on a GPU uses).
     pub fn new(sm_count: u32) -> Cuda {
         Cuda {
             sm_count,
             inline_matmul: true,
             horizontal: true,
+            cfg: TuneConfig::default(),
         }
     }
 
     fn blocks(&self, units: usize, per_block: usize) -> u32 {
         let want = units.div_ceil(per_block).max(1);
-        want.min(self.sm_count.max(1) as usize * 32) as u32
+        want.min(self.sm_count.max(1) as usize * self.cfg.waves as usize) as u32
     }
 }
 
@@ -302,9 +369,10 @@ impl Target for Cuda {
         // leave three blocks in four with nothing to do); the loops are grid-stride, so the
         // scalar fallback is correct with these blocks too
         let per_thread = if numel >= VECTOR_FROM { 4 } else { 1 };
-        let grid = self.blocks(numel.div_ceil(per_thread), BLOCK as usize);
+        let block = self.cfg.block;
+        let grid = self.blocks(numel.div_ceil(per_thread), block as usize);
         let ok = scalar.ok;
-        (finish(scalar.b.params, params, text, grid, BLOCK), ok)
+        (finish(scalar.b.params, params, text, grid, block), ok)
     }
 
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
@@ -339,14 +407,15 @@ impl Target for Cuda {
                 let _ = writeln!(text, "    for (long long i{v} = 0; i{v} < {n}; i{v}++)");
             }
             let _ = writeln!(text, "    {{\n{accumulate}    }}\n    {store}\n  }}");
-            (self.blocks(rows, BLOCK as usize), BLOCK)
+            (self.blocks(rows, self.cfg.block as usize), self.cfg.block)
         } else {
             // a warp (or a block) per output element: strided partial sums, then shuffles
             let per_block = red < BLOCK_FROM;
+            let row_block = self.cfg.row_block;
             let (lanes, rows_per_block, block) = if per_block {
-                (32, (BLOCK / 32) as usize, BLOCK)
+                (32, self.cfg.warp_rows as usize, self.cfg.warp_rows * 32)
             } else {
-                (ROW_BLOCK as usize, 1, ROW_BLOCK)
+                (row_block as usize, 1, row_block)
             };
             let (first_row, lane) = if per_block {
                 (
@@ -357,7 +426,7 @@ impl Target for Cuda {
                 ("kbid".to_string(), "threadIdx.x")
             };
             if !per_block {
-                let _ = writeln!(text, "  __shared__ {acc_t} partial[{}];", ROW_BLOCK / 32);
+                let _ = writeln!(text, "  __shared__ {acc_t} partial[{}];", row_block / 32);
             }
             let _ = writeln!(
                 text,
@@ -388,7 +457,7 @@ impl Target for Cuda {
                      0; s >>= 1) {{ {acc_t} other = __shfl_down_sync(0xffffffffu, acc, s); acc = \
                      {combine}; }}\n      if (threadIdx.x == 0) {store}\n    }}\n    \
                      __syncthreads();",
-                    w = ROW_BLOCK / 32
+                    w = row_block / 32
                 );
             }
             let _ = writeln!(text, "  }}");
@@ -551,48 +620,95 @@ impl Target for Cuda {
 /// size-generic kernels where they instantiate (`codegen/cuda_sizes.rs`). With `cuda_graphs`
 /// (reduce-overhead, max-autotune) the launches are recorded once and replayed
 /// (`runtime/cudagraph.rs`). `inline_matmul`: small matmuls generated (the
-/// `inline_small_matmuls` option).
+/// `inline_small_matmuls` option). With `autotune` (both max-autotune modes) each kernel is also
+/// generated in the other launch shapes (`codegen/cuda_tune.rs`), compiled in the same units,
+/// and the fastest chosen at its first launch (`runtime/autotune.rs`), unless a choice kept on
+/// disk says which; not for one size of a symbolic graph, whose kernels serve every size.
 pub fn compile(
     graph: &Graph,
     cuda_graphs: bool,
     inline_matmul: bool,
+    autotune: bool,
 ) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
     let sizes = symbolic::context::current();
     let target = Cuda {
-        sm_count: rt.multiprocessors(device)?,
         inline_matmul,
         horizontal: sizes.is_none(),
+        ..Cuda::new(rt.multiprocessors(device)?)
     };
     let planned = plan_graph(&target, graph);
     let resolved = cuda_sizes::resolve(graph, &planned, sizes.as_ref());
+    let device_key = rt.device_key(device);
+    let choices = match autotune && sizes.is_none() {
+        true => cuda_tune::candidates(graph, &target, &planned, device_key.as_deref()),
+        false => vec![None; planned.len()],
+    };
+    // the kernels to build: each step's (resolved) kernel, and the other launch shapes tried
+    let mut building: Vec<cuda_sizes::Resolved> = resolved.clone();
+    for cands in choices.iter().flatten() {
+        // all of them: a choice read from disk leaves one, not necessarily the default
+        building.extend(cands.iter().map(cuda_sizes::Resolved::of));
+    }
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let units = cuda_sizes::units(PRELUDE, &resolved, threads);
+    let units = cuda_sizes::units(PRELUDE, &building, threads);
     for (source, _) in &units {
         crate::log_output_code(source);
     }
     let loaded = cuda_units::load(&rt, device, &units)?;
+    let handle = |name: &str| {
+        loaded.get(name).cloned().ok_or_else(|| {
+            kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
+        })
+    };
     let mut resolved = resolved.into_iter();
     let steps = planned
         .into_iter()
-        .map(|p| match p {
+        .zip(choices)
+        .map(|(p, choice)| match p {
             Planned::Kernel { kernel, outs } => {
                 let r = resolved.next().ok_or_else(|| {
                     kiln_core::Error::arg("kiln backend", "kernel count mismatch")
                 })?;
-                let handle = loaded.get(&r.name).cloned().ok_or_else(|| {
-                    kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
-                })?;
-                Ok(Exec::Kernel {
-                    outs,
-                    // the static kernel's grid, computed for this size: a size-generic kernel
-                    // is a grid-stride loop like it, correct for any grid
-                    f: Launch::Device {
-                        kernel: handle,
+                // the static kernel's grid, computed for this size: a size-generic kernel is a
+                // grid-stride loop like it, correct for any grid
+                let f = match choice {
+                    Some(cands) if cands.len() > 1 => Launch::Tuned(Arc::new(Tuned::new(
+                        device,
+                        &cands[0].name,
+                        device_key.as_deref(),
+                        cands
+                            .iter()
+                            .map(|k| {
+                                Ok(Candidate {
+                                    kernel: handle(&k.name)?,
+                                    name: k.name.clone(),
+                                    grid: k.grid,
+                                    block: k.block,
+                                })
+                            })
+                            .collect::<Result<_>>()?,
+                    ))),
+                    // one shape: the default, or the one a choice kept on disk names
+                    Some(mut cands) if !cands.is_empty() => {
+                        let k = cands.swap_remove(0);
+                        Launch::Device {
+                            kernel: handle(&k.name)?,
+                            grid: k.grid,
+                            block: k.block,
+                        }
+                    }
+                    _ => Launch::Device {
+                        kernel: handle(&r.name)?,
                         grid: kernel.grid,
                         block: kernel.block,
                     },
+                };
+                // every candidate reads the same inputs (`cuda_tune.rs` matched them)
+                Ok(Exec::Kernel {
+                    outs,
+                    f,
                     inputs: kernel.inputs,
                     name: r.name.into(),
                     sizes: r.sizes,
@@ -606,4 +722,166 @@ pub fn compile(
         true => Arc::new(CudaGraphed::new(compiled, graph)),
         false => compiled,
     })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use kiln_compile::graph::{Node, Op};
+    use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
+    use kiln_core::Device;
+
+    use super::*;
+
+    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
+        g.push(Node {
+            op,
+            args,
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            grad_enabled: false,
+            requires_grad: false,
+            device: Device::Cuda(0),
+        })
+    }
+
+    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
+        let i = g.num_inputs;
+        g.num_inputs += 1;
+        push(g, Op::Input(i), vec![], shape)
+    }
+
+    /// Every kind of kernel the generator writes: a vectorized and unrolled pointwise chain,
+    /// reductions by a thread, a warp and a block per output element, and in-place updates of
+    /// several shapes run side by side.
+    pub(crate) fn sample_graph() -> Graph {
+        let mut g = Graph::default();
+        let x = input(&mut g, &[64, 1 << 15]);
+        let e = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Exp)),
+            vec![x],
+            &[64, 1 << 15],
+        );
+        let y = push(
+            &mut g,
+            Op::Prim(Prim::Binary(BinaryOp::Mul)),
+            vec![e, x],
+            &[64, 1 << 15],
+        );
+        g.outputs.push(y);
+        for (dim, keep) in [(0usize, vec![1usize, 1 << 15]), (1, vec![64, 1])] {
+            let r = push(
+                &mut g,
+                Op::Prim(Prim::Reduce {
+                    op: ReduceOp::Sum,
+                    dims: vec![dim],
+                }),
+                vec![y],
+                &keep,
+            );
+            g.outputs.push(r);
+        }
+        let m = input(&mut g, &[512, 100]);
+        let r = push(
+            &mut g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Max,
+                dims: vec![1],
+            }),
+            vec![m],
+            &[512, 1],
+        );
+        g.outputs.push(r);
+        let s = push(
+            &mut g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![0],
+            }),
+            vec![m],
+            &[1, 100],
+        );
+        g.outputs.push(s);
+        let small = input(&mut g, &[1000, 7]);
+        let s = push(
+            &mut g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![1],
+            }),
+            vec![small],
+            &[1000, 1],
+        );
+        g.outputs.push(s);
+        for shape in [&[300usize, 7][..], &[10]] {
+            let index = g.num_inputs;
+            let p = input(&mut g, shape);
+            let grad = input(&mut g, shape);
+            let new = push(
+                &mut g,
+                Op::Prim(Prim::Binary(BinaryOp::Sub)),
+                vec![p, grad],
+                shape,
+            );
+            g.mutated_inputs.push((g.outputs.len(), index));
+            g.outputs.push(new);
+        }
+        g
+    }
+
+    /// A digest of every planned kernel: its source and launch shape.
+    fn digest(t: &Cuda, g: &Graph) -> (usize, u64) {
+        let mut all = String::new();
+        let mut n = 0;
+        for p in plan_graph(t, g) {
+            if let Planned::Kernel { kernel, .. } = p {
+                n += 1;
+                for (_, f) in &kernel.device_fns {
+                    all.push_str(f);
+                }
+                let _ = write!(all, "{}{:?}{}", kernel.source, kernel.grid, kernel.block);
+            }
+        }
+        (n, xxhash_rust::xxh3::xxh3_64(all.as_bytes()))
+    }
+
+    /// The default launch shape generates, byte for byte, the kernels kiln generated before
+    /// launch shapes could be tuned (the digest was taken from that generator): default and
+    /// reduce-overhead modes are unchanged by max-autotune.
+    #[test]
+    fn default_config_kernels_are_unchanged() {
+        let d = digest(&Cuda::new(132), &sample_graph());
+        assert_eq!(d, (3, 15494952398212772944));
+    }
+
+    /// The candidates are valid, distinct, the default first, and each one changes the
+    /// generated launches of the sample (a candidate that changed nothing would be timed for
+    /// nothing).
+    #[test]
+    fn candidates_are_valid_and_each_changes_the_kernels() {
+        let cs = TuneConfig::candidates();
+        assert_eq!(cs[0], TuneConfig::default());
+        let g = sample_graph();
+        let mut seen = Vec::new();
+        for c in &cs {
+            assert!(c.valid(), "{c:?}");
+            let d = digest(
+                &Cuda {
+                    cfg: *c,
+                    ..Cuda::new(132)
+                },
+                &g,
+            );
+            assert!(
+                !seen.contains(&d),
+                "{c:?} generates what another candidate does"
+            );
+            seen.push(d);
+        }
+        let bad = TuneConfig {
+            row_block: 2048,
+            ..TuneConfig::default()
+        };
+        assert!(!bad.valid());
+    }
 }

@@ -23,6 +23,7 @@ use crate::codegen::template::{self, SizeArgs};
 /// A planned kernel as it is compiled: its name and source (size-generic where a template
 /// instantiates at these sizes), the device functions it calls, and its size arguments (empty for
 /// a static kernel).
+#[derive(Clone)]
 pub(crate) struct Resolved {
     pub name: String,
     pub source: String,
@@ -31,7 +32,7 @@ pub(crate) struct Resolved {
 }
 
 impl Resolved {
-    fn of(k: &CudaKernel) -> Self {
+    pub(crate) fn of(k: &CudaKernel) -> Self {
         Resolved {
             name: k.name.clone(),
             source: k.source.clone(),

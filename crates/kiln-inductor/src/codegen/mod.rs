@@ -7,5 +7,6 @@
 pub mod c;
 pub mod cuda;
 mod cuda_sizes;
+mod cuda_tune;
 mod cuda_units;
 pub mod template;

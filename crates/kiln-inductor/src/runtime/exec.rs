@@ -28,6 +28,9 @@ pub enum Launch {
         grid: [u32; 3],
         block: u32,
     },
+    /// A device kernel with several launch shapes, the fastest chosen at its first launch
+    /// (max-autotune: `autotune.rs`).
+    Tuned(Arc<super::autotune::Tuned>),
 }
 
 pub enum Exec {
@@ -254,23 +257,34 @@ fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor], sizes: &[i64]) -> Resul
         } => {
             // the same conditions as above, on the device; buffers dropped after the launch are
             // reused only by work queued after it (one stream per device)
-            let params = args_t
-                .iter()
-                .chain(out_t)
-                .map(|t| {
-                    t.device_address().ok_or_else(|| {
-                        Error::arg(
-                            "kiln backend",
-                            format!("a kernel operand on {} has no device buffer", t.device()),
-                        )
-                    })
-                })
-                // a size-generic kernel's sizes are `long long` parameters after the buffers
-                .chain(sizes.iter().map(|&s| Ok(s as u64)))
-                .collect::<Result<Vec<u64>>>()?;
+            let mut params = device_addresses(args_t, out_t)?;
+            // a size-generic kernel's sizes are `long long` parameters after the buffers
+            params.extend(sizes.iter().map(|&s| s as u64));
             kernel.launch(*grid, *block, &params)
         }
+        Launch::Tuned(t) => {
+            // tuned kernels are never size-generic (`codegen/cuda.rs`: no tuning under a size
+            // context)
+            let params = device_addresses(args_t, out_t)?;
+            t.launch(&params, &params[..args_t.len()], out_t)
+        }
     }
+}
+
+/// The device addresses of a kernel's inputs, then its outputs: its arguments.
+fn device_addresses(args_t: &[Tensor], out_t: &[Tensor]) -> Result<Vec<u64>> {
+    args_t
+        .iter()
+        .chain(out_t)
+        .map(|t| {
+            t.device_address().ok_or_else(|| {
+                Error::arg(
+                    "kiln backend",
+                    format!("a kernel operand on {} has no device buffer", t.device()),
+                )
+            })
+        })
+        .collect()
 }
 
 /// Whether a kernel may overwrite graph input `index` element by element: contiguous, of the

@@ -1,5 +1,6 @@
 //! Building, caching, loading and running generated kernels.
 
+pub mod autotune;
 pub mod cc;
 pub mod cudagraph;
 pub mod exec;

@@ -31,6 +31,11 @@ pub struct ExecStats {
     pub graph_replays: u64,
     /// Generated kernels launched (a horizontal kernel counts once: `horizontal.rs`).
     pub kernel_launches: u64,
+    /// Generated kernels whose launch shape max-autotune timed (`runtime/autotune.rs`).
+    pub kernels_tuned: u64,
+    /// Generated kernels whose launch shape max-autotune read from a choice kept on disk
+    /// instead of timing them (counted when the graph is compiled).
+    pub tuning_hits: u64,
 }
 
 thread_local! {

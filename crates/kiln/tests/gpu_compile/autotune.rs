@@ -1,0 +1,144 @@
+//! max-autotune on the GPU: a pointwise chain with a softmax and an Adam step compiled in both
+//! max-autotune modes equal eager; the first compile times the kernels' launch shapes and
+//! writes its choices under the cache folder, a second compile (after `kiln::reset`) reads them
+//! and times nothing.
+
+use std::sync::Mutex;
+
+use kiln::inductor::{cache_dir, exec_stats, with_fresh_cache};
+use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
+use kiln::prelude::*;
+
+use super::{err, randn, same, Outcome, CUDA};
+
+fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
+    let h = x[0].mul(&x[1])?.tanh()?.add(&x[0])?;
+    Ok(vec![h.softmax(-1)?, h.exp()?])
+}
+
+/// Three calls of the chain with new values each, compiled in `mode`, against eager.
+fn run_chain(mode: Mode) -> Outcome {
+    let compiled = kiln::compile_fn(
+        chain,
+        CompileOptions {
+            mode,
+            ..Default::default()
+        },
+    )
+    .map_err(err)?;
+    for call in 0..3u64 {
+        let x: Vec<Tensor> = [&[64usize, 1000][..], &[64, 1000]]
+            .iter()
+            .enumerate()
+            .map(|(i, s)| randn(s, 300 + 10 * call + i as u64)?.to(CUDA))
+            .collect::<Result<_>>()
+            .map_err(err)?;
+        let got = compiled.call(&x).map_err(err)?;
+        let want = chain(&x).map_err(err)?;
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            same(&format!("{mode:?} call {call} output {k}"), g, w, 1e-6)?;
+        }
+    }
+    Ok(())
+}
+
+/// Three compiled Adam steps (parameters updated in place: the kernels tuning must not run
+/// twice on live data) against eager ones.
+fn run_adam(mode: Mode) -> Outcome {
+    let shapes: [&[usize]; 4] = [&[300, 40], &[40], &[5000], &[64, 33]];
+    let make = || -> Result<Vec<Tensor>> {
+        manual_seed(41);
+        shapes
+            .iter()
+            .map(|s| {
+                let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
+                p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
+                Ok(p)
+            })
+            .collect()
+    };
+    let (eager_ps, compiled_ps) = (make().map_err(err)?, make().map_err(err)?);
+    let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
+    let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
+    let step = kiln::compile_fn(
+        |_: &[Tensor]| {
+            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
+            Ok(vec![])
+        },
+        CompileOptions {
+            mode,
+            ..Default::default()
+        },
+    )
+    .map_err(err)?;
+    for k in 0..3 {
+        eager.step().map_err(err)?;
+        step.call(&[]).map_err(err)?;
+        for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
+            same(&format!("{mode:?} step {k} parameter {i}"), c, e, 1e-6)?;
+        }
+    }
+    Ok(())
+}
+
+/// The choice files under the cache folder, each checked to name a chosen shape.
+fn choice_files() -> std::result::Result<usize, String> {
+    let root = cache_dir().join("autotune");
+    let mut n = 0;
+    for dev in std::fs::read_dir(&root).map_err(|e| format!("{}: {e}", root.display()))? {
+        let dev = dev.map_err(|e| e.to_string())?.path();
+        for f in std::fs::read_dir(&dev).map_err(|e| e.to_string())? {
+            let f = f.map_err(|e| e.to_string())?.path();
+            let text = std::fs::read_to_string(&f).map_err(|e| e.to_string())?;
+            if !text.contains("\"chosen\"") {
+                return Err(format!("{}: no choice in {text}", f.display()));
+            }
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+pub fn max_autotune_tunes_once_and_persists() -> Outcome {
+    for mode in [Mode::MaxAutotune, Mode::MaxAutotuneNoCudagraphs] {
+        with_fresh_cache(|| -> Outcome {
+            let before = exec_stats();
+            run_chain(mode)?;
+            run_adam(mode)?;
+            let first = exec_stats();
+            let tuned = first.kernels_tuned - before.kernels_tuned;
+            if tuned == 0 {
+                return Err(format!("{mode:?}: no kernel was tuned"));
+            }
+            if first.tuning_hits != before.tuning_hits {
+                return Err(format!("{mode:?}: choices found in an empty cache folder"));
+            }
+            // one file per distinct kernel: a kernel at two steps of a graph is timed at each
+            let files = choice_files()? as u64;
+            if files == 0 || files > tuned {
+                return Err(format!(
+                    "{mode:?}: {tuned} kernels tuned, {files} choice files"
+                ));
+            }
+            // a new compile of the same graphs: the choices come from disk
+            kiln::reset();
+            run_chain(mode)?;
+            run_adam(mode)?;
+            let second = exec_stats();
+            if second.kernels_tuned != first.kernels_tuned {
+                return Err(format!(
+                    "{mode:?}: {} kernels timed again after a reset",
+                    second.kernels_tuned - first.kernels_tuned
+                ));
+            }
+            if second.tuning_hits - first.tuning_hits != tuned {
+                return Err(format!(
+                    "{mode:?}: {} choices read back, {tuned} written",
+                    second.tuning_hits - first.tuning_hits
+                ));
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
