@@ -167,36 +167,13 @@ pub fn fuse<T: Target>(
 
 #[cfg(test)]
 mod tests {
-    use kiln_compile::graph::{Node, Op};
+    use kiln_compile::graph::Op;
     use kiln_core::prim::{BinaryOp, Prim, ReduceOp};
-    use kiln_core::{DType, Device};
 
     use super::*;
     use crate::backend::plan_graph;
     use crate::codegen::cuda::Cuda;
-
-    fn node(op: Op, args: Vec<NodeId>, shape: &[usize]) -> Node {
-        Node {
-            op,
-            args,
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device: Device::Cuda(0),
-        }
-    }
-
-    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
-        let i = g.num_inputs;
-        g.num_inputs += 1;
-        g.push(node(Op::Input(i), vec![], shape))
-    }
-
-    fn binary(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeId {
-        let shape = g.nodes[a].shape.clone();
-        g.push(node(Op::Prim(Prim::Binary(op)), vec![a, b], &shape))
-    }
+    use crate::test_graphs::{binary, input, push};
 
     /// (kernel launches, values each computes) of a graph planned for a GPU. The graphs here
     /// have a value too large for the whole graph to run in one block (`sequential.rs`).
@@ -250,11 +227,12 @@ mod tests {
             let bumped = binary(&mut g, BinaryOp::Add, step, one);
             g.mutated_inputs.push((g.outputs.len(), step_index));
             g.outputs.push(bumped);
-            let wide = g.push(node(
+            let wide = push(
+                &mut g,
                 Op::Prim(Prim::Expand(shape.to_vec())),
                 vec![bumped],
                 shape,
-            ));
+            );
             let scaled = binary(&mut g, BinaryOp::Mul, grad, wide);
             let new = binary(&mut g, BinaryOp::Sub, p, scaled);
             g.mutated_inputs.push((g.outputs.len(), p_index));
@@ -272,19 +250,21 @@ mod tests {
         let c = input(&mut g, &[64]);
         let x = binary(&mut g, BinaryOp::Mul, a, b);
         // a broadcast read of x: not the same loop as x, and it needs x computed
-        let xt = g.push(node(
+        let xt = push(
+            &mut g,
             Op::Prim(Prim::Permute(vec![1, 0])),
             vec![x],
             &[64, 80],
-        ));
-        let s = g.push(node(
+        );
+        let s = push(
+            &mut g,
             Op::Prim(Prim::Reduce {
                 op: ReduceOp::Sum,
                 dims: vec![1],
             }),
             vec![xt],
             &[64],
-        ));
+        );
         let y = binary(&mut g, BinaryOp::Add, s, c);
         g.outputs = vec![x, y];
         assert_eq!(launches(&g).len(), 3);
@@ -297,14 +277,15 @@ mod tests {
         let mut g = Graph::default();
         let p = input(&mut g, &[128, 64]);
         let grad = input(&mut g, &[128, 64]);
-        let norm = g.push(node(
+        let norm = push(
+            &mut g,
             Op::Prim(Prim::Reduce {
                 op: ReduceOp::Sum,
                 dims: vec![1],
             }),
             vec![p],
             &[128],
-        ));
+        );
         let new = binary(&mut g, BinaryOp::Sub, p, grad);
         g.outputs = vec![norm, new];
         g.mutated_inputs = vec![(1, 0)];

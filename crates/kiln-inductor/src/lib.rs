@@ -12,6 +12,8 @@ pub mod ir;
 pub mod runtime;
 pub mod schedule;
 mod sequential;
+#[cfg(test)]
+mod test_graphs;
 
 use std::sync::{Arc, Once};
 

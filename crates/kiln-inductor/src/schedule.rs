@@ -168,31 +168,13 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
 
 #[cfg(test)]
 mod tests {
-    use kiln_compile::graph::Node;
+
     use kiln_core::prim::{BinaryOp, UnaryOp};
-    use kiln_core::{DType, Device};
 
     use super::*;
     use crate::backend::{schedule_for, C};
     use crate::codegen::cuda::Cuda;
-
-    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
-        g.push(Node {
-            op,
-            args,
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device: Device::Cpu,
-        })
-    }
-
-    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
-        let i = g.num_inputs;
-        g.num_inputs += 1;
-        push(g, Op::Input(i), vec![], shape)
-    }
+    use crate::test_graphs::cpu::{input, push};
 
     /// `tanh` applied `ops` times to x [1,m,k], @ w [1,n,k] transposed, + bias: (graph, the
     /// chain's last node, the matmul).

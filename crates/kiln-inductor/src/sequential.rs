@@ -146,36 +146,14 @@ pub fn sequence<'k, T: Target>(
 
 #[cfg(test)]
 mod tests {
-    use kiln_compile::graph::{Node, Op};
+    use kiln_compile::graph::Op;
     use kiln_core::prim::{BinaryOp, Prim, UnaryOp};
-    use kiln_core::{DType, Device};
+    use kiln_core::DType;
 
     use super::*;
     use crate::backend::plan_graph;
     use crate::codegen::cuda::{Cuda, CudaKernel};
-
-    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
-        g.push(Node {
-            op,
-            args,
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device: Device::Cuda(0),
-        })
-    }
-
-    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
-        let i = g.num_inputs;
-        g.num_inputs += 1;
-        push(g, Op::Input(i), vec![], shape)
-    }
-
-    fn binary(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeId {
-        let shape = g.nodes[a].shape.clone();
-        push(g, Op::Prim(Prim::Binary(op)), vec![a, b], &shape)
-    }
+    use crate::test_graphs::{binary, input, push};
 
     /// `layers` × (x @ wᵀ + b, tanh) on an [n, n] input, each matmul `[1,n,n] x [1,n,n]`.
     fn mlp(layers: usize, n: usize) -> Graph {

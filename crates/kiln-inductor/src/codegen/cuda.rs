@@ -726,29 +726,11 @@ pub fn compile(
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use kiln_compile::graph::{Node, Op};
+    use kiln_compile::graph::Op;
     use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
-    use kiln_core::Device;
 
     use super::*;
-
-    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
-        g.push(Node {
-            op,
-            args,
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device: Device::Cuda(0),
-        })
-    }
-
-    fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
-        let i = g.num_inputs;
-        g.num_inputs += 1;
-        push(g, Op::Input(i), vec![], shape)
-    }
+    use crate::test_graphs::{input, push};
 
     /// Every kind of kernel the generator writes: a vectorized and unrolled pointwise chain,
     /// reductions by a thread, a warp and a block per output element, and in-place updates of

@@ -116,25 +116,13 @@ pub(crate) fn units(
 
 #[cfg(test)]
 mod tests {
-    use kiln_compile::graph::{Node, NodeId, Op};
+    use kiln_compile::graph::Op;
     use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
-    use kiln_core::{DType, Device};
 
     use super::*;
     use crate::backend::plan_graph;
     use crate::codegen::cuda::Cuda;
-
-    fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
-        g.push(Node {
-            op,
-            args,
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device: Device::Cuda(0),
-        })
-    }
+    use crate::test_graphs::push;
 
     /// A softmax-like graph over rows of 512 at `n` rows: a pointwise chain (vector loads: at
     /// least 4096 elements), a row reduction (a warp per row), and a broadcast back.

@@ -1,0 +1,60 @@
+//! Graph builders for this crate's unit tests: f32 nodes on the GPU (`push`, `input`, `binary`)
+//! or on the CPU (`cpu::*`), appended to a graph being built by hand.
+
+use kiln_compile::graph::{Graph, Node, NodeId, Op};
+use kiln_core::prim::{BinaryOp, Prim};
+use kiln_core::{DType, Device};
+
+/// An f32 node on `device`, appended to `g`.
+pub(crate) fn push_on(
+    g: &mut Graph,
+    device: Device,
+    op: Op,
+    args: Vec<NodeId>,
+    shape: &[usize],
+) -> NodeId {
+    g.push(Node {
+        op,
+        args,
+        shape: shape.to_vec(),
+        dtype: DType::F32,
+        grad_enabled: false,
+        requires_grad: false,
+        device,
+    })
+}
+
+/// The next graph input, on `device`.
+pub(crate) fn input_on(g: &mut Graph, device: Device, shape: &[usize]) -> NodeId {
+    let i = g.num_inputs;
+    g.num_inputs += 1;
+    push_on(g, device, Op::Input(i), vec![], shape)
+}
+
+pub(crate) fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
+    push_on(g, Device::Cuda(0), op, args, shape)
+}
+
+pub(crate) fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
+    input_on(g, Device::Cuda(0), shape)
+}
+
+/// `a op b`, of `a`'s shape.
+pub(crate) fn binary(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeId {
+    let shape = g.nodes[a].shape.clone();
+    let device = g.nodes[a].device;
+    push_on(g, device, Op::Prim(Prim::Binary(op)), vec![a, b], &shape)
+}
+
+/// The same builders on the CPU.
+pub(crate) mod cpu {
+    use super::*;
+
+    pub(crate) fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
+        push_on(g, Device::Cpu, op, args, shape)
+    }
+
+    pub(crate) fn input(g: &mut Graph, shape: &[usize]) -> NodeId {
+        input_on(g, Device::Cpu, shape)
+    }
+}
