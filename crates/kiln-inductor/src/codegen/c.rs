@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::{Prim, ReduceOp};
+use kiln_core::prim::{Prim, ReduceOp, SUM_LANES};
 use kiln_core::DType;
 
 use crate::ir::index::Ix;
@@ -451,6 +451,9 @@ pub(crate) struct ReductionParts<'a> {
     pub(crate) out_offset: String,
     pub(crate) kept: Vec<(usize, usize)>,
     pub(crate) reduced: Vec<(usize, usize)>,
+    /// A float sum: on the CPU it follows `prim::SUM_LANES`'s summation order (the eager
+    /// kernel's), not one sequential accumulator.
+    pub(crate) lanes: bool,
 }
 
 pub(crate) fn reduction_parts<'a>(
@@ -491,6 +494,9 @@ pub(crate) fn reduction_parts<'a>(
             .map(|d| (d, in_shape[d]))
             .collect(),
         reduced: dims.iter().map(|&d| (d, in_shape[d])).collect(),
+        lanes: *op == ReduceOp::Sum
+            && matches!(g.nodes[src].dtype, DType::F32 | DType::F64)
+            && !dims.is_empty(),
     }
 }
 
@@ -525,6 +531,8 @@ fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> Reductio
         out_offset: linear(&out_idx, &node.shape).to_c("i"),
         kept: vec![(0, bs), (1, m), (2, n)],
         reduced: vec![(3, k)],
+        // the extern gemm's order: one sequential accumulator per output
+        lanes: false,
     }
 }
 
@@ -540,16 +548,73 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         out_offset: off,
         kept,
         reduced,
+        lanes,
     } = reduction_parts(g, sched, root);
     let node = &g.nodes[root];
     let numel: usize = kept.iter().chain(&reduced).map(|d| d.1).product();
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
     let mut text = b.pre.clone();
     loops(&mut text, &kept, parallel);
-    let _ = writeln!(text, "  {{\n  {acc_t} acc = {init};");
-    loops(&mut text, &reduced, false);
-    let _ = writeln!(text, "  {{\n{}    acc = {};\n  }}", b.body, step("acc", &v));
-    let _ = writeln!(text, "  out[{off}] = ({})acc;\n  }}", ty(node.dtype));
+    match (lanes, reduced.split_last()) {
+        (true, Some((&(d, n), outer))) => {
+            // `prim::SUM_LANES`'s order: element k of each run of the innermost reduced dim
+            // into lane k % L, the lanes folded in halves. The lanes are independent, so the
+            // lane loop is vectorized as it stands (no reassociation). The body is written
+            // twice: full groups of L, then the run's last n % L elements. Integer literals
+            // are only n and L, so a size-generic kernel fits n like any loop bound.
+            let l = SUM_LANES;
+            let add = step("acc[l]", &v);
+            let lane = format!(
+                "    const int64_t i{d} = c + l;\n{}    acc[l] = {add};\n",
+                b.body
+            );
+            let _ = writeln!(text, "  {{\n  {acc_t} acc[{l}];");
+            let _ = writeln!(text, "  for (int64_t l = 0; l < {l}; l++) acc[l] = {init};");
+            loops(&mut text, outer, false);
+            let _ = writeln!(text, "  {{\n  int64_t c = 0;");
+            let _ = writeln!(text, "  for (; c + {l} <= {n}; c += {l}) {{");
+            let _ = writeln!(text, "  #pragma omp simd");
+            let _ = writeln!(
+                text,
+                "  for (int64_t l = 0; l < {l}; l++)\n  {{\n{lane}  }}\n  }}"
+            );
+            let _ = writeln!(
+                text,
+                "  for (int64_t l = 0; c + l < {n}; l++)\n  {{\n{lane}  }}\n  }}"
+            );
+            let fold = step("acc[l]", "acc[l + h]");
+            let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", l / 2);
+            let _ = writeln!(text, "    for (int64_t l = 0; l < h; l++) acc[l] = {fold};");
+            let _ = writeln!(
+                text,
+                "  out[{off}] = ({})acc[0];
+  }}",
+                ty(node.dtype)
+            );
+        }
+        _ => {
+            let _ = writeln!(
+                text,
+                "  {{
+  {acc_t} acc = {init};"
+            );
+            loops(&mut text, &reduced, false);
+            let _ = writeln!(
+                text,
+                "  {{
+{}    acc = {};
+  }}",
+                b.body,
+                step("acc", &v)
+            );
+            let _ = writeln!(
+                text,
+                "  out[{off}] = ({})acc;
+  }}",
+                ty(node.dtype)
+            );
+        }
+    }
     finish(b, root, text, parallel)
 }
 
