@@ -67,6 +67,13 @@ impl BinaryOp {
     }
 }
 
+/// Accumulators of a float `ReduceOp::Sum`: its summation order, which every CPU implementation
+/// (the eager kernel in `cpu/reduce.rs`, kiln-inductor's generated C) follows so their results
+/// are bitwise equal. Element `k` of each run of the innermost reduced dim goes to accumulator
+/// `k % SUM_LANES` (f64; every run into the same accumulators, in order), and the accumulators
+/// are then folded in halves: `acc[l] += acc[l + h]` for `h = SUM_LANES/2, ..., 2, 1`.
+pub const SUM_LANES: usize = 16;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     Sum,

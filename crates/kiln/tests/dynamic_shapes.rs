@@ -258,7 +258,10 @@ fn mark_dynamic_makes_the_first_compile_symbolic() -> Result<()> {
         let x = Tensor::randn(&[n, 40], DType::F32)?;
         kiln::mark_dynamic(&x, 0)?;
         let got = f.call(std::slice::from_ref(&x))?;
-        assert_eq!(bits(&got[0]), bits(&body(&x)?), "n = {n}");
+        // the sum's lane loop (`prim::SUM_LANES`) is vectorized, and so sin in it goes through
+        // libmvec: within 4 ulp of the scalar sinf eager calls (compile_ops' `libm_tol`: 1e-6)
+        let err = rel_err(&got[0], &body(&x)?);
+        assert!(err <= 1e-6, "n = {n}: {err:e}");
     }
     let s = f.stats();
     assert_eq!(

@@ -1,11 +1,20 @@
 //! Reductions. The reduced dims are permuted innermost and gathered contiguous, so every reduction is
 //! a loop over rows; rows run in parallel when there are many, a single long row is split in chunks.
+//!
+//! Float sums have one summation order, `prim::SUM_LANES`'s, shared with the C code generator
+//! (kiln-inductor's `codegen/c.rs`, `reduction_kernel`) so compiled sums stay bitwise equal to
+//! eager ones: 16 f64 accumulators, element `k` of each run of the innermost reduced dim
+//! added to lane `k % 16` (the runs, in order, all into the same lanes), then the lanes
+//! folded in halves (`lane[l] += lane[l + h]` for h = 8, 4, 2, 1). Independent lanes are what a
+//! vectorizing compiler turns into SIMD adds without reassociating anything (a single sequential
+//! accumulator is one add per FP-add latency); the error bound is also smaller than a sequential
+//! sum's (each lane sums ~n/16 elements).
 
 use rayon::prelude::*;
 
 use super::num::Num;
 use super::{as_f32, from_f32_like, typed, PAR_THRESHOLD};
-use crate::prim::{ArgReduceOp, ReduceOp};
+use crate::prim::{ArgReduceOp, ReduceOp, SUM_LANES};
 use crate::shape::Layout;
 use crate::storage::CpuStorage;
 use crate::{DType, Tensor};
@@ -16,6 +25,52 @@ fn rows_layout(l: &Layout, dims: &[usize]) -> (Layout, usize) {
     perm.extend(dims.iter().copied());
     let row: usize = dims.iter().map(|&d| l.shape[d]).product();
     (l.permute(&perm), row)
+}
+
+/// The float sum of one row in the shared lane order: `inner` is the extent of the innermost
+/// reduced dim (the row is runs of `inner` elements).
+fn lane_sum<T: Num>(row: &[T], inner: usize) -> f64 {
+    let mut acc = [0f64; SUM_LANES];
+    for run in row.chunks(inner.max(1)) {
+        let mut full = run.chunks_exact(SUM_LANES);
+        for c in &mut full {
+            for (a, v) in acc.iter_mut().zip(c) {
+                *a += v.to_f64();
+            }
+        }
+        for (a, v) in acc.iter_mut().zip(full.remainder()) {
+            *a += v.to_f64();
+        }
+    }
+    let mut h = SUM_LANES / 2;
+    while h > 0 {
+        for l in 0..h {
+            acc[l] += acc[l + h];
+        }
+        h /= 2;
+    }
+    acc[0]
+}
+
+/// Float sums of each row in the shared lane order (a single long row is split in chunks summed
+/// in parallel, each in lane order, the chunks' sums added in order).
+fn sum_rows<T: Num>(x: &[T], row: usize, outer: usize, inner: usize) -> Vec<T> {
+    if row == 0 {
+        return vec![T::from_f64(0.0); outer];
+    }
+    if outer == 1 && row >= PAR_THRESHOLD {
+        let acc = x
+            .par_chunks(4096)
+            .map(|c| lane_sum(c, inner))
+            .reduce(|| 0.0, |a, b| a + b);
+        return vec![T::from_f64(acc)];
+    }
+    let fin = |r: &[T]| T::from_f64(lane_sum(r, inner));
+    if outer * row >= PAR_THRESHOLD {
+        x.par_chunks(row).map(fin).collect()
+    } else {
+        x.chunks(row).map(fin).collect()
+    }
 }
 
 /// Reduces each row of `x` with an accumulator type `A` (f64 for floats: sums stay accurate).
@@ -43,7 +98,8 @@ fn reduce_rows<T: Num, A: Num>(
     }
 }
 
-fn reduce_typed<T: Num>(op: ReduceOp, x: &[T], row: usize, outer: usize) -> Vec<T> {
+/// `inner`: the extent of the innermost reduced dim (float sums' lane order).
+fn reduce_typed<T: Num>(op: ReduceOp, x: &[T], row: usize, outer: usize, inner: usize) -> Vec<T> {
     let nan_max = |a: T, v: T| {
         if a.is_nan() || (!v.is_nan() && a >= v) {
             a
@@ -59,15 +115,7 @@ fn reduce_typed<T: Num>(op: ReduceOp, x: &[T], row: usize, outer: usize) -> Vec<
         }
     };
     match op {
-        ReduceOp::Sum => reduce_rows(
-            x,
-            row,
-            outer,
-            0f64,
-            |a, v| a + v.to_f64(),
-            |a, b| a + b,
-            T::from_f64,
-        ),
+        ReduceOp::Sum => sum_rows(x, row, outer, inner),
         ReduceOp::Prod => reduce_rows(
             x,
             row,
@@ -87,7 +135,7 @@ fn reduce_int<T: Num>(op: ReduceOp, x: &[T], row: usize, outer: usize) -> Vec<T>
     match op {
         ReduceOp::Sum => reduce_rows(x, row, outer, T::ZERO, T::add, T::add, |a| a),
         ReduceOp::Prod => reduce_rows(x, row, outer, T::ONE, T::mul, T::mul, |a| a),
-        _ => reduce_typed(op, x, row, outer),
+        _ => reduce_typed(op, x, row, outer, 1),
     }
 }
 
@@ -97,13 +145,15 @@ pub(super) fn reduce(op: ReduceOp, dims: &[usize], x: &Tensor) -> CpuStorage {
         Some(n) => n,
         None => l.shape[..l.rank() - dims.len()].iter().product(), // empty rows
     };
+    let inner = dims.last().map_or(1, |&d| x.shape()[d]);
     let s = x.storage();
     match x.dtype() {
-        DType::F32 => CpuStorage::F32(reduce_typed(op, &typed::<f32>(&s, &l), row, outer)),
-        DType::F64 => CpuStorage::F64(reduce_typed(op, &typed::<f64>(&s, &l), row, outer)),
-        DType::F16 | DType::BF16 => {
-            from_f32_like(x.dtype(), reduce_typed(op, &as_f32(&s, &l), row, outer))
-        }
+        DType::F32 => CpuStorage::F32(reduce_typed(op, &typed::<f32>(&s, &l), row, outer, inner)),
+        DType::F64 => CpuStorage::F64(reduce_typed(op, &typed::<f64>(&s, &l), row, outer, inner)),
+        DType::F16 | DType::BF16 => from_f32_like(
+            x.dtype(),
+            reduce_typed(op, &as_f32(&s, &l), row, outer, inner),
+        ),
         DType::I32 => CpuStorage::I32(reduce_int(op, &typed::<i32>(&s, &l), row, outer)),
         DType::I64 => CpuStorage::I64(reduce_int(op, &typed::<i64>(&s, &l), row, outer)),
         DType::U8 => CpuStorage::U8(reduce_int(op, &typed::<u8>(&s, &l), row, outer)),
@@ -151,4 +201,59 @@ pub(super) fn arg_reduce(op: ArgReduceOp, dim: usize, x: &Tensor) -> CpuStorage 
             arg_typed(op, &v, row)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A compensated (Neumaier) sum: the float64 reference, exact to about one rounding.
+    fn reference(x: &[f64]) -> f64 {
+        let (mut s, mut c) = (0f64, 0f64);
+        for &v in x {
+            let t = s + v;
+            c += if s.abs() >= v.abs() {
+                (s - t) + v
+            } else {
+                (v - t) + s
+            };
+            s = t;
+        }
+        s + c
+    }
+
+    #[test]
+    fn lane_sums_are_within_their_error_bound_of_a_compensated_sum() {
+        // a small LCG: values of mixed signs and magnitudes, all 53 bits used
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 1e3 / 7.0
+        };
+        for (n, inner) in [
+            (1, 1),
+            (15, 15),
+            (16, 16),
+            (1000, 1000),
+            (999, 37),
+            (4096, 64),
+        ] {
+            let x: Vec<f64> = (0..n).map(|_| next()).collect();
+            let got = lane_sum(&x, inner);
+            let abs: f64 = x.iter().map(|v| v.abs()).sum();
+            // each lane adds at most ceil(n/16) terms, the fold 4 more levels
+            let bound = ((n / SUM_LANES + 1 + 4) as f64) * f64::EPSILON * abs;
+            let err = (got - reference(&x)).abs();
+            assert!(
+                err <= bound,
+                "n {n} inner {inner}: error {err:e} > {bound:e}"
+            );
+        }
+        // element k of a run of `inner` goes to lane k % 16: with inner 3, lanes 0..3 only
+        let x = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
+        assert_eq!(lane_sum(&x, 3), 63.0);
+        assert_eq!(sum_rows(&x, 3, 2, 3), vec![7.0, 56.0]);
+    }
 }

@@ -385,6 +385,7 @@ impl Target for Cuda {
             out_offset: off,
             kept,
             reduced,
+            ..
         } = reduction_parts(g, sched, root);
         let node = &g.nodes[root];
         let rows: usize = kept.iter().map(|k| k.1).product();

@@ -86,6 +86,81 @@ fn reductions_over_dims_with_keepdim() {
     );
 }
 
+/// Float sums long enough to fill the 16 accumulators of `prim::SUM_LANES`'s summation order
+/// (full groups, a remainder, several runs of the innermost reduced dim, a strided column): the
+/// generated C follows the eager kernel's order, so compiled equals eager bitwise. In f32 and f64;
+/// var, layer norm and softmax are sums too. f32 values summed in f64 are mostly exact whatever the
+/// order, so the values are divided by 3 in f64 (all 53 bits used), and checked to be ones where
+/// the lane order and a single sequential accumulator give different bits: the order is really
+/// under test.
+#[test]
+fn long_float_sums_follow_the_eager_lane_order() {
+    let mut rng = Rng::new(61);
+    let cases: &[(&[usize], &[isize])] = &[
+        (&[3, 40], &[-1]),
+        (&[37, 5], &[0]),
+        (&[4, 19, 33], &[1, 2]),
+        (&[4, 19, 33], &[2, 0]),
+        (&[2, 16], &[1]),
+        (&[3, 600], &[]),
+    ];
+    let mut differs = false;
+    for &(shape, dims) in cases {
+        // a sequential f64 sum of each row (the order sums had before the lanes), to show the
+        // cases discriminate
+        let x = rng
+            .randn(shape)
+            .to_dtype(DType::F64)
+            .unwrap()
+            .div(3.0)
+            .unwrap();
+        let lanes = x.sum(dims, false).unwrap().to_vec::<f64>().unwrap();
+        let nd: Vec<usize> = if dims.is_empty() {
+            (0..shape.len()).collect()
+        } else {
+            dims.iter()
+                .map(|&d| d.rem_euclid(shape.len() as isize) as usize)
+                .collect()
+        };
+        let mut perm: Vec<usize> = (0..shape.len()).filter(|d| !nd.contains(d)).collect();
+        perm.extend(&nd);
+        let perm: Vec<isize> = perm.iter().map(|&d| d as isize).collect();
+        let rows = x.permute(&perm).unwrap().contiguous().unwrap();
+        let flat = rows.to_vec::<f64>().unwrap();
+        let row: usize = nd.iter().map(|&d| shape[d]).product();
+        for (r, want) in flat.chunks(row).zip(&lanes) {
+            let sequential = r.iter().fold(0f64, |a, &v| a + v);
+            assert!((sequential - want).abs() <= 1e-12 * r.iter().map(|v| v.abs()).sum::<f64>());
+            differs |= sequential != *want;
+        }
+        for dtype in [DType::F32, DType::F64] {
+            Case::new(format!("sum {shape:?} dims {dims:?} {dtype:?}")).run(
+                &mut rng,
+                move |a| {
+                    let x = a[0].to_dtype(dtype)?.div(3.0)?;
+                    Ok(vec![x.sum(dims, false)?, x.mean(dims, true)?])
+                },
+                move |r| vec![r.arg(Gen::Normal, shape, Lay::C, true)],
+            );
+        }
+    }
+    assert!(
+        differs,
+        "no case tells the lane order from a sequential one"
+    );
+    Case::new("var, layer norm and softmax over 100").run(
+        &mut rng,
+        |a| {
+            Ok(vec![
+                a[0].var(&[1], 1, false)?,
+                a[0].layer_norm(&[100], None, None, 1e-5)?,
+                a[0].softmax(-1)?,
+            ])
+        },
+        |r| vec![r.arg(Gen::Normal, &[6, 100], Lay::C, true)],
+    );
+}
+
 #[test]
 fn argmax_and_argmin() {
     let mut rng = Rng::new(7);
