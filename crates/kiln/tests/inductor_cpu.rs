@@ -131,31 +131,3 @@ fn generated_cpu_kernels_fuse_cache_and_reuse() -> Result<()> {
     disk_cache()?;
     Ok(())
 }
-
-/// A pointwise output of 64 MiB and more is written with streaming stores (`codegen/c.rs`
-/// `streaming_loop`, its chunks of 1024 and a partial last one): the values are eager's, bit for
-/// bit, in f32 and f64. Streaming is opt-in (`KILN_CPU_STREAM_STORES=1`): this test turns it on
-/// (no other check of this binary has such an output).
-#[test]
-fn streamed_large_outputs_equal_eager() -> Result<()> {
-    std::env::set_var("KILN_CPU_STREAM_STORES", "1");
-    if kiln::inductor::runtime::cc::toolchain().is_none() {
-        eprintln!("SKIPPED: no C compiler; the kiln backend runs the interpreter");
-        return Ok(());
-    }
-    let f = |a: &[Tensor]| Ok(vec![a[0].mul(&a[0])?.add(1.0)?.div(3.0)?]);
-    for (n, dtype) in [
-        ((16usize << 20) + 100, DType::F32),
-        ((8 << 20) + 7, DType::F64),
-    ] {
-        let x = Tensor::randn(&[n], dtype)?;
-        let c = kiln::compile_fn(f, CompileOptions::default())?;
-        let got = kiln::no_grad(|| c.call(std::slice::from_ref(&x)))?;
-        let want = f(std::slice::from_ref(&x))?;
-        let (g, w) = (got[0].to_vec_f64()?, want[0].to_vec_f64()?);
-        assert_eq!(g.len(), w.len());
-        let differing = g.iter().zip(&w).filter(|(p, q)| p.to_bits() != q.to_bits());
-        assert_eq!(differing.count(), 0, "{dtype:?} [{n}]");
-    }
-    Ok(())
-}

@@ -433,80 +433,9 @@ fn build_pointwise(
     let parallel = numel >= PARALLEL_THRESHOLD;
     let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
     let mut text = b.pre.clone();
-    let bytes = numel * g.nodes[roots[0].0].dtype.size_in_bytes();
-    // a large 1-D kernel writing a new buffer: its stores bypass the cache (`streaming_loop`)
-    let streamed = match (shape.len(), roots) {
-        (1, [(root, None)]) if bytes >= STREAM_BYTES && stream_stores() => {
-            let written = linear(&[Ix::var(0)], shape).to_c("i");
-            stores
-                .strip_prefix(&format!("    out[{written}] = "))
-                .map(|v| streaming_loop(&mut text, &b.body, v, ty(g.nodes[*root].dtype), numel))
-                .is_some()
-        }
-        _ => false,
-    };
-    if !streamed {
-        loops(&mut text, &vars, parallel);
-        let _ = write!(text, "  {{\n{}{stores}  }}\n", b.body);
-    }
+    loops(&mut text, &vars, parallel);
+    let _ = write!(text, "  {{\n{}{stores}  }}\n", b.body);
     (finish_outputs(b, &outputs, text, parallel), ok)
-}
-
-/// Whether large outputs are streamed: opt-in (`KILN_CPU_STREAM_STORES=1`) until measured on a
-/// many-core host. On the 2-core dev VM (memory bandwidth not the limit at 2 threads) `sincos`
-/// 2^26 took 19.2 ms streamed against 14.7-15.7 ms with plain stores, back to back; a hand-written
-/// microbenchmark of the same loop, streamed with one fence per thread, was faster (20.6 vs
-/// 33.9 ms, same loaded VM): the read-for-ownership a plain store costs is the 16-core host's
-/// likely limit (its sincos ran at 1.63x the memcpy floor, 3 arrays' traffic against 2).
-fn stream_stores() -> bool {
-    std::env::var("KILN_CPU_STREAM_STORES").is_ok_and(|v| v == "1")
-}
-
-/// Output bytes from which a pointwise kernel writes with non-temporal stores: far beyond any
-/// last-level cache, where a reader soon after would miss anyway.
-const STREAM_BYTES: usize = 64 << 20;
-/// Elements a streaming kernel computes into a stack buffer before storing them.
-const STREAM_CHUNK: usize = 1024;
-
-/// The loop of a 1-D pointwise kernel over `n` elements (loop variable `i0`) whose stores bypass
-/// the cache: each chunk of `STREAM_CHUNK` values is computed (vectorized as ever) into a stack
-/// buffer, then copied to `out` with SSE2 non-temporal stores. A plain store first reads the
-/// line it writes (read-for-ownership), so a kernel reading one array and writing another moves
-/// three arrays' bytes where a copy with streaming stores (memcpy's large-size path) moves two:
-/// on `sincos` that was most of the gap to the memcpy floor. Where SSE2 is missing or `out` is not
-/// 16-byte aligned the chunk is stored plainly. The values are the same either way.
-/// `value`: the stored expression (with its `;` and newline).
-fn streaming_loop(text: &mut String, body: &str, value: &str, t: &str, n: usize) {
-    let c = STREAM_CHUNK;
-    let _ = writeln!(text, "  const int nt = ((uintptr_t)out % 16) == 0;");
-    // one fence per thread, after all its chunks: a fence drains the write-combining buffers,
-    // and one per chunk serializes the stores
-    let _ = writeln!(text, "  #pragma omp parallel\n  {{");
-    let _ = writeln!(text, "  #pragma omp for schedule(static)");
-    let _ = writeln!(text, "  for (int64_t c = 0; c < {n}; c += {c}) {{");
-    let _ = writeln!(text, "  {t} tmp[{c}] __attribute__((aligned(16)));");
-    let _ = writeln!(text, "  const int64_t m = {n} - c < {c} ? {n} - c : {c};");
-    let _ = writeln!(text, "  for (int64_t l = 0; l < m; l++)\n  {{");
-    let _ = write!(
-        text,
-        "    const int64_t i0 = c + l;\n{body}    tmp[l] = {value}"
-    );
-    let _ = writeln!(text, "  }}\n#if defined(__SSE2__)");
-    let _ = writeln!(text, "  if (nt && m == {c}) {{");
-    let _ = writeln!(
-        text,
-        "    for (int64_t v = 0; v < {c} * (int64_t)sizeof({t}) / 16; v++)"
-    );
-    let _ = writeln!(
-        text,
-        "      _mm_stream_si128((__m128i *)(out + c) + v, _mm_load_si128((const __m128i *)tmp + v));"
-    );
-    let _ = writeln!(text, "    continue;\n  }}\n#endif");
-    let _ = writeln!(
-        text,
-        "  for (int64_t l = 0; l < m; l++) out[c + l] = tmp[l];\n  }}"
-    );
-    let _ = writeln!(text, "#if defined(__SSE2__)\n  _mm_sfence();\n#endif\n  }}");
 }
 
 /// What a reduction kernel is made of, whatever loops walk it: the builder holding the operand's
@@ -701,49 +630,5 @@ fn full_literal(v: f64, dtype: DType) -> String {
             format!("(({}){sign}{})", ty(dtype), v.abs() as i64)
         }
         _ => float_literal(v, dtype),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use kiln_compile::graph::Node;
-    use kiln_core::prim::BinaryOp;
-    use kiln_core::Device;
-
-    use crate::backend::generate;
-
-    use super::*;
-
-    /// The C source of `x * x` over `shape` (one pointwise kernel).
-    fn square(shape: &[usize], dtype: DType) -> String {
-        let mut g = Graph::default();
-        let node = |op, args| Node {
-            op,
-            args,
-            shape: shape.to_vec(),
-            dtype,
-            grad_enabled: false,
-            requires_grad: false,
-            device: Device::Cpu,
-        };
-        g.num_inputs = 1;
-        let x = g.push(node(Op::Input(0), vec![]));
-        let y = g.push(node(Op::Prim(Prim::Binary(BinaryOp::Mul)), vec![x, x]));
-        g.outputs = vec![y];
-        let (_, kernels) = generate(&g);
-        kernels.into_iter().flatten().map(|k| k.source).collect()
-    }
-
-    #[test]
-    fn only_large_one_dimensional_outputs_are_streamed() {
-        let stream = "_mm_stream_si128";
-        // opt-in; no other test of this binary generates a 1-D kernel of 64 MiB
-        std::env::set_var("KILN_CPU_STREAM_STORES", "1");
-        // 64 MiB, with a partial last chunk
-        assert!(square(&[(16 << 20) + 100], DType::F32).contains(stream));
-        assert!(square(&[8 << 20], DType::F64).contains(stream));
-        // below the threshold, or 2-D: plain stores
-        assert!(!square(&[(16 << 20) - 1], DType::F32).contains(stream));
-        assert!(!square(&[4096, 4096], DType::F32).contains(stream));
     }
 }

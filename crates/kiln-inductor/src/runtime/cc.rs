@@ -34,9 +34,7 @@ const FLAGS: &[&str] = &[
     "-Wl,-z,nodelete",
 ];
 
-/// `emmintrin.h`: SSE2's streaming stores (`codegen/c.rs` `streaming_loop`), on x86 only.
-const HEADER: &str = "#include <math.h>\n#include <stdint.h>\n#if defined(__SSE2__)\n\
-                      #include <emmintrin.h>\n#endif\n\n";
+const HEADER: &str = "#include <math.h>\n#include <stdint.h>\n\n";
 
 /// With glibc's vector math library: `kiln_sin`/`kiln_cos` are the C library's `sin`/`cos` (same
 /// symbols, so scalar calls are unchanged) declared pure and with SIMD variants, so GCC's
