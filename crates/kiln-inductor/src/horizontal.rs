@@ -15,6 +15,7 @@
 use kiln_compile::graph::{Graph, NodeId};
 
 use crate::backend::{Planned, Target};
+use crate::footprint::Footprint;
 use crate::runtime::plan::Alloc;
 
 /// How many steps back a kernel looks for a launch to join (bounds planning time).
@@ -27,12 +28,7 @@ const MAX_PARAMS: usize = kiln_core::device::MAX_KERNEL_PARAMS;
 /// A step being planned: an extern, or the kernels one launch will run.
 struct Entry<K> {
     step: Step<K>,
-    /// Nodes the step reads, and the nodes it produces.
-    reads: Vec<NodeId>,
-    produces: Vec<NodeId>,
-    /// Storage (alias roots) the step reads, and storage it overwrites in place.
-    read_roots: Vec<NodeId>,
-    overwrites: Vec<NodeId>,
+    touches: Footprint,
     /// Block size and parameter count, for kernels that can share a launch.
     side: Option<(u32, usize)>,
 }
@@ -42,54 +38,24 @@ enum Step<K> {
     Kernels(Vec<(K, Vec<(NodeId, Alloc)>)>),
 }
 
-fn intersects(a: &[NodeId], b: &[NodeId]) -> bool {
-    a.iter().any(|x| b.contains(x))
-}
-
 impl<K> Entry<K> {
     fn new<T: Target<Kernel = K>>(t: &T, g: &Graph, roots: &[NodeId], p: Planned<K>) -> Self {
         match p {
-            Planned::Extern { node } => {
-                let reads = g.nodes[node].args.clone();
-                Entry {
-                    read_roots: reads.iter().map(|&a| roots[a]).collect(),
-                    reads,
-                    produces: vec![node],
-                    overwrites: Vec::new(),
-                    side: None,
-                    step: Step::Extern(node),
-                }
-            }
+            Planned::Extern { node } => Entry {
+                touches: Footprint::of_extern(g, node, roots),
+                side: None,
+                step: Step::Extern(node),
+            },
             Planned::Kernel { kernel, outs } => {
-                let overwrites: Vec<NodeId> = outs
-                    .iter()
-                    .filter_map(|&(_, a)| match a {
-                        Alloc::InPlace(input) => Some(roots[input]),
-                        _ => None,
-                    })
-                    .collect();
-                let reads = t.inputs(&kernel).to_vec();
-                let mut read_roots: Vec<NodeId> = reads.iter().map(|&a| roots[a]).collect();
-                read_roots.extend(&overwrites);
                 // a launch with an empty output is skipped whole (`runtime/exec.rs`)
                 let empty = outs.iter().any(|&(n, _)| g.nodes[n].shape.contains(&0));
                 Entry {
                     side: if empty { None } else { t.side_by_side(&kernel) },
-                    reads,
-                    produces: outs.iter().map(|o| o.0).collect(),
-                    read_roots,
-                    overwrites,
+                    touches: Footprint::of_kernel(t.inputs(&kernel), &outs, roots),
                     step: Step::Kernels(vec![(kernel, outs)]),
                 }
             }
         }
-    }
-
-    /// Whether `self`, planned after `earlier`, must stay after it.
-    fn after(&self, earlier: &Entry<K>) -> bool {
-        intersects(&self.reads, &earlier.produces)
-            || intersects(&self.overwrites, &earlier.read_roots)
-            || intersects(&self.read_roots, &earlier.overwrites)
     }
 
     fn joins(&self, other: &Entry<K>) -> bool {
@@ -106,10 +72,7 @@ impl<K> Entry<K> {
             return;
         };
         members.extend(more);
-        self.reads.extend(other.reads);
-        self.produces.extend(other.produces);
-        self.read_roots.extend(other.read_roots);
-        self.overwrites.extend(other.overwrites);
+        self.touches.extend(other.touches);
         if let (Some(a), Some(b)) = (&mut self.side, other.side) {
             a.1 += b.1;
         }
@@ -149,7 +112,7 @@ pub fn fuse<T: Target>(
         let mut at = None;
         if e.side.is_some() {
             for j in (0..entries.len()).rev().take(LOOKBACK) {
-                if e.after(&entries[j]) {
+                if e.touches.must_follow(&entries[j].touches) {
                     break;
                 }
                 if entries[j].joins(&e) {

@@ -7,6 +7,7 @@
 mod backend;
 pub mod codegen;
 mod cudagraphs;
+mod footprint;
 mod horizontal;
 pub mod ir;
 pub mod runtime;

@@ -15,6 +15,7 @@
 use kiln_compile::graph::{Graph, NodeId};
 
 use crate::backend::{Planned, Target};
+use crate::footprint::Footprint;
 use crate::runtime::plan::Alloc;
 
 /// Most elements of any value of a graph composed into one launch: a block of a few hundred
@@ -89,9 +90,8 @@ pub fn sequence<'k, T: Target>(
 ) -> Sequence<'k, T::Kernel> {
     let mut inputs: Vec<NodeId> = Vec::new();
     let mut outs: Vec<(NodeId, Alloc)> = Vec::new();
-    // since the last barrier: values written, storage read, storage overwritten in place
-    let (mut written, mut read, mut overwritten): (Vec<NodeId>, Vec<NodeId>, Vec<NodeId>) =
-        Default::default();
+    // what the members since the last barrier touch
+    let mut since = Footprint::default();
     let mut members = Vec::with_capacity(kernels.len());
     for &(kernel, kouts) in kernels {
         let reads = t.inputs(kernel);
@@ -108,29 +108,16 @@ pub fn sequence<'k, T: Target>(
                 }),
             });
         }
-        let overwrites: Vec<NodeId> = kouts
-            .iter()
-            .filter_map(|&(_, a)| match a {
-                Alloc::InPlace(input) => Some(roots[input]),
-                _ => None,
-            })
-            .collect();
-        let read_roots: Vec<NodeId> = reads.iter().map(|&r| roots[r]).collect();
-        let barrier_before = reads.iter().any(|r| written.contains(r))
-            || overwrites.iter().any(|o| read.contains(o))
-            || read_roots.iter().any(|r| overwritten.contains(r));
+        let touches = Footprint::of_kernel(reads, kouts, roots);
+        let barrier_before = touches.must_follow(&since);
         if barrier_before {
-            written.clear();
-            read.clear();
-            overwritten.clear();
+            since = Footprint::default();
         }
+        since.extend(touches);
         for &o in kouts {
             args.push(Arg::Out(outs.len()));
             outs.push(o);
-            written.push(o.0);
         }
-        read.extend(read_roots);
-        overwritten.extend(overwrites);
         members.push(Member {
             kernel,
             args,
