@@ -45,8 +45,6 @@ const PRELUDE: &str = r#"#define int64_t long long
 template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 "#;
 
-/// Most pointer parameters of a composed launch (`sequential.rs`): 4 KiB.
-const MAX_LAUNCH_PARAMS: usize = 512;
 /// Reduced lengths from which a warp (then a block) reduces each output element.
 const WARP_FROM: usize = 32;
 const BLOCK_FROM: usize = 4096;
@@ -309,6 +307,28 @@ fn vector_loop(
     );
 }
 
+/// A parameter type without `__restrict__`: a launch that calls several kernels passes one
+/// buffer to more than one of them (two members may read it, or one write what another reads).
+fn unrestricted(t: &str) -> String {
+    t.replace(" *__restrict__", " *")
+}
+
+/// `k` as a `__device__` function named `prefix` + its hash, with parameters `sig`, told its
+/// block index and count (`kbid`, `knblk`), added to `fns` once: a member of a horizontal or a
+/// sequential launch.
+fn member_fn(fns: &mut Vec<(String, String)>, prefix: char, k: &CudaKernel, sig: &str) -> String {
+    let f = format!("{prefix}{}", &k.name[1..]);
+    if !fns.iter().any(|(n, _)| *n == f) {
+        let def = format!(
+            "__device__ __noinline__ void {f}({sig}, const long long kbid, const long long knblk) \
+             {{\n{}}}\n",
+            k.text
+        );
+        fns.push((f.clone(), def));
+    }
+    f
+}
+
 impl Target for Cuda {
     type Kernel = CudaKernel;
 
@@ -505,23 +525,14 @@ impl Target for Cuda {
         let mut text = String::new();
         let mut start = 0u64;
         for (i, m) in members.iter().enumerate() {
-            let f = format!("d{}", &m.name[1..]);
-            if !device_fns.iter().any(|(n, _)| *n == f) {
-                let def = format!(
-                    "__device__ __noinline__ void {f}({}, const long long kbid, const long long \
-                     knblk) {{\n{}}}\n",
-                    m.sig, m.text
-                );
-                device_fns.push((f.clone(), def));
-            }
+            // a member's own buffers are distinct: it keeps `__restrict__`
+            let f = member_fn(&mut device_fns, 'd', m, &m.sig);
             inputs.extend_from_slice(&m.inputs);
-            // the dispatcher only passes pointers on: two members may read one buffer
-            let plain = |t: &String| t.replace(" *__restrict__", " *");
             let names: Vec<String> = (0..m.param_types.len())
                 .map(|j| format!("a{i}_{j}"))
                 .collect();
             for (j, (t, n)) in m.param_types.iter().zip(&names).enumerate() {
-                let param = (plain(t), n.clone());
+                let param = (unrestricted(t), n.clone());
                 match j < m.inputs.len() {
                     true => ins.push(param),
                     false => outs.push(param),
@@ -556,7 +567,6 @@ impl Target for Cuda {
         if seq.members.iter().any(|m| m.kernel.block != block) {
             return None;
         }
-        let plain = |t: &String| t.replace(" *__restrict__", " *");
         let mut in_types: Vec<Option<String>> = vec![None; seq.inputs.len()];
         let mut out_types: Vec<Option<String>> = vec![None; seq.outs.len()];
         let mut device_fns: Vec<(String, String)> = Vec::new();
@@ -566,28 +576,19 @@ impl Target for Cuda {
             if m.args.len() != k.param_types.len() {
                 return None;
             }
-            let f = format!("s{}", &k.name[1..]);
-            if !device_fns.iter().any(|(n, _)| *n == f) {
-                let def = format!(
-                    "__device__ __noinline__ void {f}({}, const long long kbid, const long long \
-                     knblk) {{\n{}}}\n",
-                    plain(&k.sig),
-                    k.text
-                );
-                device_fns.push((f.clone(), def));
-            }
+            let f = member_fn(&mut device_fns, 's', k, &unrestricted(&k.sig));
             let mut names = Vec::with_capacity(m.args.len());
             for (j, (arg, t)) in m.args.iter().zip(&k.param_types).enumerate() {
                 match *arg {
                     Arg::In(i) => {
-                        in_types[i].get_or_insert_with(|| plain(t));
+                        in_types[i].get_or_insert_with(|| unrestricted(t));
                         names.push(format!("x{i}"));
                     }
                     // an output written here has its own (non-const) type; one read here was
                     // written by an earlier member
                     Arg::Out(i) => {
                         if j >= k.inputs.len() {
-                            out_types[i] = Some(plain(t));
+                            out_types[i] = Some(unrestricted(t));
                         }
                         names.push(format!("y{i}"));
                     }
@@ -599,7 +600,7 @@ impl Target for Cuda {
             let _ = writeln!(text, "  {f}({}, 0, 1);", names.join(", "));
         }
         // 4 KiB of pointers: what every CUDA driver accepts as a launch's parameters
-        if in_types.len() + out_types.len() > MAX_LAUNCH_PARAMS {
+        if in_types.len() + out_types.len() > kiln_core::device::MAX_KERNEL_PARAMS {
             return None;
         }
         let mut params: Vec<(String, String)> = Vec::new();
