@@ -86,6 +86,31 @@ pub fn child_main(key: &str, dev: Device, mode: Mode, quick: bool) -> BenchResul
 /// Variables a child needs besides the cache folder (e.g. where model weights are).
 pub type ChildEnv<'a> = &'a [(&'a str, std::ffi::OsString)];
 
+/// Runs a child process of this benchmark (its spinner `pb` cleared when it ends) and reads the
+/// last JSON line it printed; a child that fails is an error with its stderr. `label` names it.
+pub fn child_result(
+    label: &str,
+    mut cmd: Command,
+    pb: indicatif::ProgressBar,
+) -> BenchResult<serde_json::Value> {
+    let out = cmd.output()?;
+    pb.finish_and_clear();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        return Err(format!(
+            "{label} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )
+        .into());
+    }
+    stdout
+        .lines()
+        .rev()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .ok_or_else(|| format!("{label}: no result in its output {stdout:?}").into())
+}
+
 /// Runs one child against `cache` and reads its measurement.
 fn run_child(
     ctx: &Ctx,
@@ -106,22 +131,7 @@ fn run_child(
     if ctx.quick {
         cmd.arg("--quick");
     }
-    let out = cmd.output()?;
-    pb.finish_and_clear();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(format!(
-            "{PREFIX}{key} ({what}) failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
-        .into());
-    }
-    let v: serde_json::Value = stdout
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .ok_or_else(|| format!("{PREFIX}{key}: no result in its output {stdout:?}"))?;
+    let v = child_result(&format!("{PREFIX}{key} ({what})"), cmd, pb)?;
     let count = |k: &str| v.get(k).and_then(|x| x.as_u64()).unwrap_or(0);
     Ok(Measured {
         secs: v

@@ -365,35 +365,18 @@ fn child(
     what: &str,
     dir: &std::path::Path,
 ) -> BenchResult<(f64, f64, f64)> {
-    let exe = std::env::current_exe()?;
     let pb = crate::harness::spinner(format!("regional: {what} compile (new process)"));
-    let out = Command::new(exe)
-        .args([
-            crate::WARM_CHILD,
-            "--mode",
-            mode.as_str(),
-            "--device",
-            device,
-        ])
-        .env("KILN_CACHE_DIR", dir)
-        .env(WHAT_ENV, what)
-        .output()?;
-    pb.finish_and_clear();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(format!(
-            "{} failed ({}): {}",
-            crate::WARM_CHILD,
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )
-        .into());
-    }
-    let v: serde_json::Value = stdout
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .ok_or_else(|| format!("{}: no result in its output {stdout:?}", crate::WARM_CHILD))?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args([
+        crate::WARM_CHILD,
+        "--mode",
+        mode.as_str(),
+        "--device",
+        device,
+    ])
+    .env("KILN_CACHE_DIR", dir)
+    .env(WHAT_ENV, what);
+    let v = crate::compile_child::child_result(crate::WARM_CHILD, cmd, pb)?;
     let num = |k: &str| v.get(k).and_then(|x| x.as_f64()).unwrap_or(f64::NAN);
     Ok((num("seconds"), num("cc_builds"), num("disk_hits")))
 }
