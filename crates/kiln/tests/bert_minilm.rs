@@ -14,30 +14,12 @@ use kiln::prelude::*;
 
 #[path = "support/minilm.rs"]
 mod minilm_fixture;
-use minilm_fixture::{load_fixture, Fixture};
-
-struct Minilm {
-    fixture: Fixture,
-    model: BertModel,
-    tokenizer: BertTokenizer,
-}
+use minilm_fixture::{load_minilm, Minilm};
 
 /// Fetches and loads once per test binary.
 fn minilm() -> &'static Minilm {
     static CELL: OnceLock<Minilm> = OnceLock::new();
-    CELL.get_or_init(|| {
-        let dir = fetch_minilm().unwrap_or_else(|e| {
-            panic!("fetching all-MiniLM-L6-v2 failed (this test needs the weights): {e}")
-        });
-        let model = BertModel::from_pretrained(&dir).expect("load all-MiniLM-L6-v2");
-        let tokenizer =
-            BertTokenizer::from_file(dir.join("tokenizer.json")).expect("load tokenizer.json");
-        Minilm {
-            fixture: load_fixture(),
-            model,
-            tokenizer,
-        }
-    })
+    CELL.get_or_init(|| load_minilm(Device::Cpu))
 }
 
 fn texts(m: &Minilm) -> Vec<&str> {

