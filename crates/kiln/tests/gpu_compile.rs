@@ -98,6 +98,35 @@ fn same_scaled(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Outcome {
     Ok(())
 }
 
+/// A two-layer MLP's weights on the GPU (64 → 32 → 10, scaled by 0.1), drawn after
+/// `manual_seed(seed)`, requiring grad.
+fn mlp_weights(seed: u64) -> Result<Vec<Tensor>> {
+    manual_seed(seed);
+    [[64usize, 32], [32, 10]]
+        .iter()
+        .map(|s| {
+            Tensor::randn(s, DType::F32)?
+                .mul(0.1)?
+                .to(CUDA)?
+                .with_grad()
+        })
+        .collect()
+}
+
+/// Parameters of `shapes` on the GPU, each with a random gradient, drawn after
+/// `manual_seed(seed)`: what an optimizer step reads.
+fn params_with_grads(shapes: &[Vec<usize>], seed: u64) -> Result<Vec<Tensor>> {
+    manual_seed(seed);
+    shapes
+        .iter()
+        .map(|s| {
+            let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
+            p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
+            Ok(p)
+        })
+        .collect()
+}
+
 fn randn(shape: &[usize], seed: u64) -> Result<Tensor> {
     manual_seed(seed);
     Tensor::randn(shape, DType::F32)
@@ -312,17 +341,7 @@ fn adam_many_parameters_few_launches() -> Outcome {
         vec![64, 33],
     ];
     shapes.extend((0..16).map(|i| vec![5 + 3 * i, 2 + i % 4]));
-    let make = || -> Result<Vec<Tensor>> {
-        manual_seed(21);
-        shapes
-            .iter()
-            .map(|s| {
-                let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
-                p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
-                Ok(p)
-            })
-            .collect()
-    };
+    let make = || params_with_grads(&shapes, 21);
     let (eager_ps, compiled_ps) = (make().map_err(err)?, make().map_err(err)?);
     let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
     let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
@@ -396,18 +415,7 @@ fn cudagraphs_backend_forward_backward() -> Outcome {
 /// A two-layer MLP's loss compiled with `opts`, called `calls` times (each call's loss and
 /// gradients against eager's, the gradients cleared between calls).
 fn mlp_with(opts: CompileOptions, calls: usize) -> Outcome {
-    let make = || -> Result<Vec<Tensor>> {
-        manual_seed(11);
-        let w1 = Tensor::randn(&[64, 32], DType::F32)?
-            .mul(0.1)?
-            .to(CUDA)?
-            .with_grad()?;
-        let w2 = Tensor::randn(&[32, 10], DType::F32)?
-            .mul(0.1)?
-            .to(CUDA)?
-            .with_grad()?;
-        Ok(vec![w1, w2])
-    };
+    let make = || mlp_weights(11);
     let loss = |w: &[Tensor], x: &Tensor, y: &Tensor| -> Result<Tensor> {
         let h = x.matmul(&w[0])?.relu()?;
         h.matmul(&w[1])?
@@ -662,18 +670,7 @@ fn dynamic_sizes_share_kernels() -> Outcome {
     }
     // a small MLP, forward and backward: cross entropy plus a mean over the batch (whose count
     // is a size)
-    let make = || -> Result<Vec<Tensor>> {
-        manual_seed(12);
-        let w1 = Tensor::randn(&[64, 32], DType::F32)?
-            .mul(0.1)?
-            .to(CUDA)?
-            .with_grad()?;
-        let w2 = Tensor::randn(&[32, 10], DType::F32)?
-            .mul(0.1)?
-            .to(CUDA)?
-            .with_grad()?;
-        Ok(vec![w1, w2])
-    };
+    let make = || mlp_weights(12);
     let loss = |w: &[Tensor], x: &Tensor, y: &Tensor| -> Result<Tensor> {
         let h = x.matmul(&w[0])?.relu()?;
         h.matmul(&w[1])?

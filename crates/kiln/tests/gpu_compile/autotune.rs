@@ -9,7 +9,7 @@ use kiln::inductor::{cache_dir, exec_stats, with_fresh_cache};
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
 use kiln::prelude::*;
 
-use super::{err, randn, same, Outcome, CUDA};
+use super::{err, params_with_grads, randn, same, Outcome, CUDA};
 
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
     let h = x[0].mul(&x[1])?.tanh()?.add(&x[0])?;
@@ -45,18 +45,8 @@ fn run_chain(mode: Mode) -> Outcome {
 /// Three compiled Adam steps (parameters updated in place: the kernels tuning must not run
 /// twice on live data) against eager ones.
 fn run_adam(mode: Mode) -> Outcome {
-    let shapes: [&[usize]; 4] = [&[300, 40], &[40], &[5000], &[64, 33]];
-    let make = || -> Result<Vec<Tensor>> {
-        manual_seed(41);
-        shapes
-            .iter()
-            .map(|s| {
-                let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
-                p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
-                Ok(p)
-            })
-            .collect()
-    };
+    let shapes = [vec![300, 40], vec![40], vec![5000], vec![64, 33]];
+    let make = || params_with_grads(&shapes, 41);
     let (eager_ps, compiled_ps) = (make().map_err(err)?, make().map_err(err)?);
     let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
     let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
