@@ -50,6 +50,32 @@ impl Ctx {
     pub fn on_gpu(&self) -> bool {
         self.dev != kiln::Device::Cpu
     }
+
+    /// With `KILN_BENCH_PROFILE` set: runs `f` once more under a synchronized profile (each op's
+    /// and kernel's time is the device's) and prints the table, sorted by self time, to stderr,
+    /// with the ops that took the host path. Otherwise nothing: the rows are unchanged either way.
+    pub fn profile<R>(&self, label: &str, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Result<()> {
+        let Ok(rows) = std::env::var("KILN_BENCH_PROFILE") else {
+            return Ok(());
+        };
+        let limit = rows.parse().unwrap_or(40);
+        let before = kiln::cuda::host_fallbacks();
+        let (r, profile) = kiln::profile_synchronized(f);
+        r?;
+        kiln::cuda::synchronize(self.dev)?;
+        eprintln!(
+            "== profile: {label} ({}) ==\n{}",
+            self.device,
+            profile.table(limit)
+        );
+        for (op, n) in kiln::cuda::host_fallbacks() {
+            let was = before.iter().find(|(o, _)| *o == op).map_or(0, |(_, k)| *k);
+            if n > was {
+                eprintln!("host fallback: {op} x{}", n - was);
+            }
+        }
+        Ok(())
+    }
 }
 
 pub struct Row {

@@ -509,9 +509,14 @@ impl Tracer {
         let Some((pos, mask)) = scatter_maps(&shape, chain)? else {
             return Ok(root);
         };
-        // the index maps are constants made on the CPU; a device graph reads them on its device
+        // the index maps are constants made on the CPU; a device graph reads them on its device.
+        // The upload reads them outside the trace: `before_read` would take the tracer's lock,
+        // which this call already holds.
         let device = seg.graph.nodes[root].device;
-        let (pos, mask) = (pos.to_device(device)?, mask.to_device(device)?);
+        let (pos, mask) = {
+            let _off = intercept::install(None);
+            (pos.to_device(device)?, mask.to_device(device)?)
+        };
         let n = pos.numel();
         let m = seg.graph.nodes[src].shape.iter().product();
         let pos = self.value_of(seg, &pos);

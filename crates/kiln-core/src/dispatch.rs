@@ -69,7 +69,7 @@ pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor
         lifted_refs = lifted.iter().collect::<Vec<_>>();
         inputs = &lifted_refs;
     }
-    let _span = crate::profiler::span(crate::profiler::Category::Op, || {
+    let _span = crate::profiler::span_on(crate::profiler::Category::Op, device, || {
         crate::profiler::prim_label(&prim)
     });
     let (storage, layout) = if device == Device::Cpu {

@@ -15,9 +15,11 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
 use crate::prim::Prim;
-use crate::{Error, Result};
+use crate::{Device, Error, Result};
 
 static ACTIVE: AtomicBool = AtomicBool::new(false);
+/// Whether spans on a device wait for it before they end (`profile_synchronized`).
+static SYNCHRONIZED: AtomicBool = AtomicBool::new(false);
 static EVENTS: Mutex<Vec<Event>> = Mutex::new(Vec::new());
 /// One profile at a time: spans go to one global list.
 static SESSION: Mutex<()> = Mutex::new(());
@@ -81,6 +83,9 @@ pub struct Span {
     name: Cow<'static, str>,
     category: Category,
     start: Instant,
+    /// The device whose queue the span's work went to, waited for at the end of a synchronized
+    /// profile.
+    device: Device,
 }
 
 /// Whether a profile is running.
@@ -99,11 +104,30 @@ pub fn span(category: Category, name: impl FnOnce() -> Cow<'static, str>) -> Opt
         name: name(),
         category,
         start: Instant::now(),
+        device: Device::Cpu,
+    })
+}
+
+/// A span of work queued on `device`: in a synchronized profile it ends when the device has
+/// finished that work, so its time is the device's time, not the launch's.
+#[inline]
+pub fn span_on(
+    category: Category,
+    device: Device,
+    name: impl FnOnce() -> Cow<'static, str>,
+) -> Option<Span> {
+    span(category, name).map(|mut s| {
+        s.device = device;
+        s
     })
 }
 
 impl Drop for Span {
     fn drop(&mut self) {
+        if self.device != Device::Cpu && SYNCHRONIZED.load(Ordering::Relaxed) {
+            // a failed wait surfaces at the caller's next synchronizing op; the span still ends
+            let _ = crate::device::synchronize(self.device);
+        }
         let end = Instant::now();
         let start_ns = self.start.saturating_duration_since(epoch()).as_nanos() as u64;
         let event = Event {
@@ -133,15 +157,29 @@ pub fn prim_label(p: &Prim) -> Cow<'static, str> {
 /// Runs `f` with the profiler on and returns its result with what was recorded. Profiles do not
 /// nest: a second one waits for the first.
 pub fn profile<R>(f: impl FnOnce() -> R) -> (R, Profile) {
+    record(false, f)
+}
+
+/// `profile`, with every span of device work waiting for the device before it ends (what
+/// `CUDA_LAUNCH_BLOCKING=1` does to PyTorch's profiler): each op's and kernel's time is then the
+/// device's time for it, at the cost of the overlap between host and device that a normal run
+/// has. The way to find which kernels a GPU step spends its time in.
+pub fn profile_synchronized<R>(f: impl FnOnce() -> R) -> (R, Profile) {
+    record(true, f)
+}
+
+fn record<R>(synchronized: bool, f: impl FnOnce() -> R) -> (R, Profile) {
     let _session = SESSION.lock().unwrap_or_else(|e| e.into_inner());
     epoch();
     EVENTS.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    SYNCHRONIZED.store(synchronized, Ordering::SeqCst);
     ACTIVE.store(true, Ordering::SeqCst);
     // stop recording even if `f` panics
     struct Stop;
     impl Drop for Stop {
         fn drop(&mut self) {
             ACTIVE.store(false, Ordering::SeqCst);
+            SYNCHRONIZED.store(false, Ordering::SeqCst);
         }
     }
     let r = {

@@ -150,6 +150,45 @@ macro_rules! reduce_test {
     };
 }
 
+/// A few long rows (batch norm's per-channel sums, full sums) take two passes, chunks then
+/// partials (`kernels/reduce.rs`): each reduction against the CPU, on a contiguous and a permuted
+/// (strided) input, with gradients for the sum.
+fn reduce_long_rows_split() -> std::result::Result<(), String> {
+    let mut rng = Rng::new(290);
+    for strided in [false, true] {
+        let x = input(&mut rng, &[64, 3, 40, 40], -2.0, 2.0, strided).map_err(|e| e.to_string())?;
+        check_fwd("per-channel sum", std::slice::from_ref(&x), 1e-6, |x| {
+            x[0].sum(&[0, 2, 3], true)
+        })?;
+        check_fwd("per-channel max", std::slice::from_ref(&x), 1e-7, |x| {
+            x[0].max(&[0, 2, 3], false)
+        })?;
+        check_fwd("per-channel min", std::slice::from_ref(&x), 1e-7, |x| {
+            x[0].min(&[0, 2, 3], false)
+        })?;
+        check_fwd("batch-norm variance", std::slice::from_ref(&x), 1e-5, |x| {
+            x[0].var(&[0, 2, 3], 0, false)
+        })?;
+        check_fwd("full sum", std::slice::from_ref(&x), 1e-6, |x| {
+            x[0].sum_all()
+        })?;
+        check_grad("per-channel sum", &[x], 1e-6, |x| {
+            x[0].sum(&[0, 2, 3], false)
+        })?;
+    }
+    let long = input(&mut rng, &[1 << 20], -2.0, 2.0, false).map_err(|e| e.to_string())?;
+    check_fwd("sum of 2^20", std::slice::from_ref(&long), 1e-6, |x| {
+        x[0].sum_all()
+    })?;
+    let ints = long
+        .mul(100.0)
+        .and_then(|t| t.to_dtype(DType::I64))
+        .map_err(|e| e.to_string())?;
+    check_fwd("i64 sum of 2^20", std::slice::from_ref(&ints), 0.0, |x| {
+        x[0].sum_all()
+    })
+}
+
 reduce_test!(reduce_sum, 1e-6, true, |x, d| x.sum(&[d], true));
 reduce_test!(reduce_sum_all, 1e-6, true, |x, _| x.sum_all());
 reduce_test!(reduce_sum_two_dims, 1e-6, true, |x, d| {
@@ -658,6 +697,7 @@ fn main() {
         ("compare_where", compare_where),
         ("compare_all", compare_all),
         ("reduce_sum", reduce_sum),
+        ("reduce_long_rows_split", reduce_long_rows_split),
         ("reduce_sum_all", reduce_sum_all),
         ("reduce_sum_two_dims", reduce_sum_two_dims),
         ("reduce_mean", reduce_mean),

@@ -13,6 +13,7 @@ pub mod ir;
 pub mod runtime;
 pub mod schedule;
 mod sequential;
+mod split_reduction;
 #[cfg(test)]
 mod test_graphs;
 

@@ -7,7 +7,7 @@ pub mod data;
 pub mod models;
 pub mod ndarray_interop;
 
-pub use kiln_core::profiler::{self, profile, Profile};
+pub use kiln_core::profiler::{self, profile, profile_synchronized, Profile};
 pub use kiln_core::{
     self as core, autograd, manual_seed, no_grad, DType, Device, Error, Generator, Reduction,
     Result, Tensor,

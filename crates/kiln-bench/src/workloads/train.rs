@@ -147,6 +147,9 @@ fn run_with<M: Module>(
             step(&model, &mut opt, &x, &y)
         })?;
         ctx.emit(w, "eager", "train_step", t.ms(), "ms");
+        ctx.profile(&format!("{w} eager step"), || {
+            step(&model, &mut opt, &x, &y)
+        })?;
     }
     if ctx.eager_only {
         return Ok(());
@@ -183,6 +186,9 @@ fn run_with<M: Module>(
             step(&compiled, &mut opt, &x, &y)
         })?;
         ctx.emit(w, variant, "train_step", t.ms(), "ms");
+        ctx.profile(&format!("{w} {variant} step"), || {
+            step(&compiled, &mut opt, &x, &y)
+        })?;
         let st = compiled.stats();
         ctx.emit(w, variant, "graph_breaks", st.graph_breaks as f64, "count");
     }

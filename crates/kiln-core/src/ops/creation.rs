@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use crate::dispatch::{apply, apply_on};
+use crate::dispatch::apply_on;
 use crate::prim::{Prim, RandDist};
 use crate::{DType, Device, Error, Result, Tensor};
 
@@ -75,6 +75,9 @@ impl Tensor {
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype)
     }
+    pub fn ones_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        Tensor::full_on(shape, 1.0, dtype, device)
+    }
     /// Like PyTorch's `*_like`: the shape, dtype and device of `t`.
     pub fn zeros_like(t: &Tensor) -> Result<Tensor> {
         Tensor::full_on(t.shape(), 0.0, t.dtype(), t.device())
@@ -111,12 +114,23 @@ impl Tensor {
     }
     /// `torch.linspace(start, end, steps)`.
     pub fn linspace(start: f64, end: f64, steps: usize, dtype: DType) -> Result<Tensor> {
-        let i = apply(
+        Tensor::linspace_on(start, end, steps, dtype, Device::Cpu)
+    }
+    /// `torch.linspace(start, end, steps, device=device)`.
+    pub fn linspace_on(
+        start: f64,
+        end: f64,
+        steps: usize,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        let i = apply_on(
             Prim::Iota {
                 n: steps,
                 dtype: DType::F64,
             },
             &[],
+            device,
         )?;
         let step = if steps > 1 {
             (end - start) / (steps - 1) as f64
@@ -188,6 +202,17 @@ impl Tensor {
     }
     /// Uniform on [low, high).
     pub fn uniform(shape: &[usize], low: f64, high: f64, dtype: DType) -> Result<Tensor> {
-        Tensor::rand(shape, dtype)?.mul(high - low)?.add(low)
+        Tensor::uniform_on(shape, low, high, dtype, Device::Cpu)
+    }
+    pub fn uniform_on(
+        shape: &[usize],
+        low: f64,
+        high: f64,
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
+        Tensor::rand_on(shape, dtype, device)?
+            .mul(high - low)?
+            .add(low)
     }
 }

@@ -72,7 +72,67 @@ fn combine(op: ReduceOp, acc: &str) -> String {
     }
 }
 
+/// Kept and reduced dims of `layout` (`dims` reduced), each run of neighbouring dims of one kind
+/// whose strides let them be walked as one merged into one: a batch norm's `[N, C, H, W]` sum over
+/// `[0, 2, 3]` walks `[N, H·W]`, two index divisions per element instead of three.
+fn geometry(layout: &Layout, dims: &[usize]) -> (RGeo, usize, usize) {
+    let mut g = RGeo {
+        off: layout.offset as i64,
+        nout: 1,
+        nred: 1,
+        ..RGeo::default()
+    };
+    let (mut kr, mut rr) = (0usize, 0usize);
+    let mut last: Option<bool> = None;
+    for d in 0..layout.rank() {
+        let (s, st) = (layout.shape[d] as i64, layout.strides[d] as i64);
+        let reduced = dims.contains(&d);
+        if s == 1 {
+            // a unit dim moves nothing: leave it out (and keep the neighbours mergeable)
+            continue;
+        }
+        let (shape, strides, n) = match reduced {
+            true => (&mut g.rshape, &mut g.rst, &mut rr),
+            false => (&mut g.kshape, &mut g.kst, &mut kr),
+        };
+        if last == Some(reduced) && *n > 0 && strides[*n - 1] == s * st {
+            shape[*n - 1] *= s;
+            strides[*n - 1] = st;
+        } else {
+            shape[*n] = s;
+            strides[*n] = st;
+            *n += 1;
+        }
+        last = Some(reduced);
+        match reduced {
+            true => g.nred *= s,
+            false => g.nout *= s,
+        }
+    }
+    for d in 0..layout.rank() {
+        if layout.shape[d] == 0 {
+            match dims.contains(&d) {
+                true => g.nred = 0,
+                false => g.nout = 0,
+            }
+        }
+    }
+    (g, kr, rr)
+}
+
+/// Rows at least this long, of which there are too few to give every multiprocessor two blocks,
+/// are reduced in two passes (`launch`).
+const SPLIT_FROM: usize = 1 << 16;
+/// The first pass's chunks are at least this long.
+const MIN_CHUNK: usize = 4096;
+
 /// Reduces `x` (viewed by `layout`) over `dims` into `out` (contiguous, keepdim shape).
+///
+/// A few long rows (batch norm's per-channel sums, a full sum) would leave most of the device
+/// idle with a block per row, so they go in two passes: blocks reduce fixed chunks of each row into
+/// partials kept in the accumulator's type, then one thread per row combines its partials in
+/// chunk order. The chunking depends only on the shapes and the device, so results do not vary
+/// from run to run.
 pub(crate) fn launch(
     dev: &Arc<CudaDevice>,
     op: ReduceOp,
@@ -81,46 +141,72 @@ pub(crate) fn launch(
     layout: &Layout,
     out: &CudaBuffer,
 ) -> Result<()> {
-    let mut g = RGeo {
-        off: layout.offset as i64,
-        nout: 1,
-        nred: 1,
-        ..RGeo::default()
-    };
-    let (mut kr, mut rr) = (0, 0);
-    for d in 0..layout.rank() {
-        let (s, st) = (layout.shape[d] as i64, layout.strides[d] as i64);
-        if dims.contains(&d) {
-            g.rshape[rr] = s;
-            g.rst[rr] = st;
-            g.nred *= s;
-            rr += 1;
-        } else {
-            g.kshape[kr] = s;
-            g.kst[kr] = st;
-            g.nout *= s;
-            kr += 1;
-        }
-    }
+    let (mut g, kr, rr) = geometry(layout, dims);
     if g.nout == 0 {
         return Ok(());
     }
     let d = x.dtype;
-    let per_thread = (g.nred as usize) < THREAD_ROW;
+    let (nout, nred) = (g.nout as usize, g.nred as usize);
+    let narrow = nred <= i32::MAX as usize;
+    let few_rows = 2 * dev.sm_count as usize;
+    let chunks = match nout < few_rows && nred >= SPLIT_FROM {
+        true => (2 * few_rows).div_ceil(nout).min(nred / MIN_CHUNK).max(1),
+        false => 1,
+    };
+    let per_thread = nred < THREAD_ROW;
     let threads: u32 = if per_thread {
         128
     } else {
-        (g.nred as usize).next_power_of_two().clamp(32, 256) as u32
+        nred.next_power_of_two().clamp(32, 256) as u32
     };
-    let sig = format!("red:{op:?}:{}:k{kr}:r{rr}:t{}", d.tag(), per_thread as u8);
-    let f = crate::nvrtc::kernel(dev, &sig, || source(op, d, kr, rr, per_thread))?;
+    let kind = Kind {
+        op,
+        d,
+        kr,
+        rr,
+        narrow,
+    };
+    if chunks > 1 {
+        let chunk = nred.div_ceil(chunks) as i64;
+        let partials = dev.alloc(nout * chunks, acc_dtype(op, d))?;
+        let sig = format!("{}:part", kind.sig());
+        let f = crate::nvrtc::kernel(dev, &sig, || source(&kind, Pass::Partial))?;
+        let (mut o, mut i, mut c, mut n) = (partials.ptr, x.ptr, chunk, chunks as i64);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut o as *mut u64).cast(),
+            (&mut i as *mut u64).cast(),
+            (&mut g as *mut RGeo).cast(),
+            (&mut c as *mut i64).cast(),
+            (&mut n as *mut i64).cast(),
+        ];
+        let grid = (nout * chunks).min(1 << 30) as u32;
+        dev.launch(f, grid, 256, 0, &mut params)?;
+        let sig = format!("{}:fin", kind.sig());
+        let f = crate::nvrtc::kernel(dev, &sig, || source(&kind, Pass::Finish))?;
+        let (mut o, mut p, mut rows) = (out.ptr, partials.ptr, g.nout);
+        let mut params: Vec<*mut c_void> = vec![
+            (&mut o as *mut u64).cast(),
+            (&mut p as *mut u64).cast(),
+            (&mut rows as *mut i64).cast(),
+            (&mut n as *mut i64).cast(),
+        ];
+        let grid = nout.div_ceil(128).min(1 << 30) as u32;
+        // the partials go back to the pool after the launch is queued: the stream orders their
+        // reuse after this kernel
+        return dev.launch(f, grid, 128, 0, &mut params);
+    }
+    let pass = match per_thread {
+        true => Pass::PerThread,
+        false => Pass::Block,
+    };
+    let sig = format!("{}:{}", kind.sig(), per_thread as u8);
+    let f = crate::nvrtc::kernel(dev, &sig, || source(&kind, pass))?;
     let (mut o, mut i) = (out.ptr, x.ptr);
     let mut params: Vec<*mut c_void> = vec![
         (&mut o as *mut u64).cast(),
         (&mut i as *mut u64).cast(),
         (&mut g as *mut RGeo).cast(),
     ];
-    let nout = g.nout as usize;
     let grid = if per_thread {
         nout.div_ceil(threads as usize)
     } else {
@@ -130,7 +216,54 @@ pub(crate) fn launch(
     dev.launch(f, grid, threads, 0, &mut params)
 }
 
-fn source(op: ReduceOp, d: DType, kr: usize, rr: usize, per_thread: bool) -> String {
+/// What a reduction kernel's code depends on.
+struct Kind {
+    op: ReduceOp,
+    d: DType,
+    kr: usize,
+    rr: usize,
+    /// Reduced element numbers fit 32 bits: the index divisions are 32-bit ones.
+    narrow: bool,
+}
+
+impl Kind {
+    fn sig(&self) -> String {
+        format!(
+            "red:{:?}:{}:k{}:r{}:n{}",
+            self.op,
+            self.d.tag(),
+            self.kr,
+            self.rr,
+            self.narrow as u8
+        )
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Pass {
+    /// One thread per output element.
+    PerThread,
+    /// One block per output element.
+    Block,
+    /// One block per (output element, chunk), into partials.
+    Partial,
+    /// One thread per output element over its partials, in chunk order.
+    Finish,
+}
+
+/// The dtype partials are kept in: the accumulator's.
+fn acc_dtype(op: ReduceOp, d: DType) -> DType {
+    match acc_type(op, d) {
+        "double" => DType::F64,
+        "float" => DType::F32,
+        "int" => DType::I32,
+        "long long" => DType::I64,
+        _ => d,
+    }
+}
+
+fn source(k: &Kind, pass: Pass) -> String {
+    let (op, d) = (k.op, k.d);
     let acc = acc_type(op, d);
     let mut s = String::from(PRELUDE);
     s.push_str(RGEO_C);
@@ -139,46 +272,84 @@ fn source(op: ReduceOp, d: DType, kr: usize, rr: usize, per_thread: bool) -> Str
         "__device__ __forceinline__ {acc} comb({acc} a, {acc} b) {{ {} }}",
         combine(op, acc)
     );
-    // offset of output element o's first input element, and of reduced element r within a row
-    let _ = writeln!(s, "__device__ __forceinline__ long long kbase(const RGeo& g, long long o) {{ long long off = g.off;");
-    for k in (0..kr).rev() {
+    let init = init(op, d);
+    if pass == Pass::Finish {
         let _ = writeln!(
             s,
-            "  off += (o % g.kshape[{k}]) * g.kst[{k}]; o /= g.kshape[{k}];"
-        );
-    }
-    s.push_str("  return off; }\n");
-    s.push_str("__device__ __forceinline__ long long roff(const RGeo& g, long long r) { long long off = 0;\n");
-    for k in (0..rr).rev() {
-        let _ = writeln!(
-            s,
-            "  off += (r % g.rshape[{k}]) * g.rst[{k}]; r /= g.rshape[{k}];"
-        );
-    }
-    s.push_str("  return off; }\n");
-    let load_x = load(d, "x[base + roff(g, r)]");
-    let _ = writeln!(
-        s,
-        "extern \"C\" __global__ void k({}* __restrict__ out, const {}* __restrict__ x, RGeo g) {{",
-        c_type(d),
-        c_type(d)
-    );
-    if per_thread {
-        let _ = writeln!(
-            s,
-            "  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < g.nout; o += (long long)gridDim.x * blockDim.x) {{\n    long long base = kbase(g, o); {acc} a = {};\n    for (long long r = 0; r < g.nred; ++r) a = comb(a, ({acc}){load_x});\n    out[o] = {};\n  }}\n}}",
-            init(op, d),
+            "extern \"C\" __global__ void k({}* __restrict__ out, const {acc}* __restrict__ p, long long nout, long long chunks) {{
+  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < nout; o += (long long)gridDim.x * blockDim.x) {{
+    {acc} a = {init};
+    for (long long c = 0; c < chunks; ++c) a = comb(a, p[o * chunks + c]);
+    out[o] = {};
+  }}
+}}",
+            c_type(d),
             store(d, "a")
         );
         return s;
     }
+    // offset of output element o's first input element, and of reduced element r within a row
+    let _ = writeln!(s, "__device__ __forceinline__ long long kbase(const RGeo& g, long long o) {{ long long off = g.off;");
+    for j in (0..k.kr).rev() {
+        let _ = writeln!(
+            s,
+            "  off += (o % g.kshape[{j}]) * g.kst[{j}]; o /= g.kshape[{j}];"
+        );
+    }
+    s.push_str("  return off; }\n");
+    let it = if k.narrow { "unsigned" } else { "long long" };
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ long long roff(const RGeo& g, long long r_) {{ long long off = 0; {it} r = ({it})r_;"
+    );
+    for j in (0..k.rr).rev() {
+        if j == 0 {
+            let _ = writeln!(s, "  off += (long long)r * g.rst[0];");
+        } else {
+            let _ = writeln!(
+                s,
+                "  off += (long long)(r % ({it})g.rshape[{j}]) * g.rst[{j}]; r /= ({it})g.rshape[{j}];"
+            );
+        }
+    }
+    s.push_str("  return off; }\n");
+    let load_x = load(d, "x[base + roff(g, r)]");
+    let (out_t, params) = match pass {
+        Pass::Partial => (acc, ", long long chunk, long long chunks"),
+        _ => (c_type(d), ""),
+    };
+    let _ = writeln!(
+        s,
+        "extern \"C\" __global__ void k({out_t}* __restrict__ out, const {}* __restrict__ x, RGeo g{params}) {{",
+        c_type(d)
+    );
+    if pass == Pass::PerThread {
+        let _ = writeln!(
+            s,
+            "  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < g.nout; o += (long long)gridDim.x * blockDim.x) {{\n    long long base = kbase(g, o); {acc} a = {init};\n    for (long long r = 0; r < g.nred; ++r) a = comb(a, ({acc}){load_x});\n    out[o] = {};\n  }}\n}}",
+            store(d, "a")
+        );
+        return s;
+    }
+    // Block: block b reduces row b; Partial: block b reduces chunk b % chunks of row b / chunks
+    let (units, row, lo, hi, st) = match pass {
+        Pass::Partial => (
+            "g.nout * chunks",
+            "b / chunks",
+            "(b % chunks) * chunk",
+            "min(g.nred, (b % chunks + 1) * chunk)",
+            "a".to_string(),
+        ),
+        _ => ("g.nout", "b", "0", "g.nred", store(d, "a")),
+    };
     let _ = writeln!(
         s,
         "  __shared__ {acc} part[32];
-  for (long long o = blockIdx.x; o < g.nout; o += gridDim.x) {{
-    long long base = kbase(g, o);
+  for (long long b = blockIdx.x; b < {units}; b += gridDim.x) {{
+    long long base = kbase(g, {row});
+    long long hi = {hi};
     {acc} a = {init};
-    for (long long r = threadIdx.x; r < g.nred; r += blockDim.x) a = comb(a, ({acc}){load_x});
+    for (long long r = {lo} + threadIdx.x; r < hi; r += blockDim.x) a = comb(a, ({acc}){load_x});
     for (int m = 16; m > 0; m >>= 1) a = comb(a, __shfl_xor_sync(0xffffffffu, a, m));
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     if (lane == 0) part[warp] = a;
@@ -186,13 +357,11 @@ fn source(op: ReduceOp, d: DType, kr: usize, rr: usize, per_thread: bool) -> Str
     if (warp == 0) {{
       a = lane < nw ? part[lane] : ({acc}){init};
       for (int m = 16; m > 0; m >>= 1) a = comb(a, __shfl_xor_sync(0xffffffffu, a, m));
-      if (lane == 0) out[o] = {st};
+      if (lane == 0) out[b] = {st};
     }}
     __syncthreads();
   }}
-}}",
-        init = init(op, d),
-        st = store(d, "a")
+}}"
     );
     s
 }

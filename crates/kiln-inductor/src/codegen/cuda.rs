@@ -25,6 +25,7 @@ use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
 use crate::sequential::{Arg, Sequence};
+use crate::split_reduction::{split_reductions, SplitPolicy};
 
 /// Names the builder's C uses, mapped for NVRTC (which has no C headers): fixed-width integer
 /// types, the infinities, NaN tests that need no header, and the sine/cosine the CPU target
@@ -635,11 +636,19 @@ pub fn compile(
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
     let sizes = symbolic::context::current();
+    let sm_count = rt.multiprocessors(device)?;
     let target = Cuda {
         inline_matmul,
         horizontal: sizes.is_none(),
-        ..Cuda::new(rt.multiprocessors(device)?)
+        ..Cuda::new(sm_count)
     };
+    // a symbolic graph's kernels serve every size: the chunk count, a divisor of a size, would
+    // tie them to this one
+    let split = match sizes {
+        None => split_reductions(graph, SplitPolicy::for_gpu(sm_count)),
+        Some(_) => None,
+    };
+    let graph = split.as_ref().unwrap_or(graph);
     let planned = plan_graph(&target, graph);
     let resolved = cuda_sizes::resolve(graph, &planned, sizes.as_ref());
     let device_key = rt.device_key(device);

@@ -5,7 +5,10 @@ use crate::*;
 /// Running mean and variance, equal for the compiled and the eager run.
 fn running_stats(c: usize) -> (Tensor, Tensor) {
     let mut r = Rng::new(99);
-    (r.randn(&[c]), r.positive(&[c]))
+    (
+        common::deep_copy(&r.randn(&[c])),
+        common::deep_copy(&r.positive(&[c])),
+    )
 }
 
 #[test]
@@ -194,16 +197,25 @@ fn embedding_and_index_select() {
     for &s in idx_shapes {
         for lay in [Lay::C, Lay::T] {
             // repeated indices: their gradients accumulate
-            Case::new(format!("embedding weight {lay:?} indices {s:?}")).run(
-                &mut rng,
-                |a| one(a[0].embedding(&a[1])),
-                move |r| {
-                    vec![
-                        r.arg(Gen::Normal, &[6, 4], lay, true),
-                        In::val(r.ints(s, 0, 6)),
-                    ]
-                },
-            );
+            // on a GPU the repeated indices' gradients are summed by atomic adds, in whatever
+            // order the threads arrive (eager and compiled alike, as PyTorch's CUDA embedding
+            // backward outside deterministic mode): equal to a few ulps, not to the bit
+            let tol = match common::test_device() {
+                kiln::Device::Cuda(_) => 1e-5,
+                _ => 0.0,
+            };
+            Case::new(format!("embedding weight {lay:?} indices {s:?}"))
+                .grad_tol(tol)
+                .run(
+                    &mut rng,
+                    |a| one(a[0].embedding(&a[1])),
+                    move |r| {
+                        vec![
+                            r.arg(Gen::Normal, &[6, 4], lay, true),
+                            In::val(r.ints(s, 0, 6)),
+                        ]
+                    },
+                );
         }
     }
     let cases: &[(&[usize], Lay, isize, usize)] = &[
@@ -278,7 +290,7 @@ fn gather_and_scatter_add() {
     }
     Case::new("scatter_add into zeros, f64 src").run(
         &mut rng,
-        |a| one(Tensor::zeros(&[4, 3], DType::F32)?.scatter_add(0, &a[0], &a[1])),
+        |a| one(Tensor::zeros_on(&[4, 3], DType::F32, a[1].device())?.scatter_add(0, &a[0], &a[1])),
         |r| {
             vec![
                 In::val(r.ints(&[6, 3], 0, 4)),

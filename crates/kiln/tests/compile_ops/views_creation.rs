@@ -83,20 +83,26 @@ fn creation_ops_inside_the_compiled_fn() {
     let mut rng = Rng::new(23);
     type Make = fn(&Tensor) -> Result<Tensor>;
     let ops: Vec<(&str, Make)> = vec![
-        ("full", |x| x.add(&Tensor::full(&[3, 4], 0.5, DType::F32)?)),
-        ("zeros", |x| x.mul(&Tensor::zeros(&[4], DType::F64)?)),
-        ("ones", |x| x.sub(&Tensor::ones(&[3, 1], DType::F32)?)),
+        ("full", |x| {
+            x.add(&Tensor::full_on(&[3, 4], 0.5, DType::F32, x.device())?)
+        }),
+        ("zeros", |x| {
+            x.mul(&Tensor::zeros_on(&[4], DType::F64, x.device())?)
+        }),
+        ("ones", |x| {
+            x.sub(&Tensor::ones_on(&[3, 1], DType::F32, x.device())?)
+        }),
         ("zeros_like", |x| x.add(&Tensor::zeros_like(x)?)),
         ("ones_like", |x| x.mul(&Tensor::ones_like(x)?)),
         ("full_like", |x| x.mul(&Tensor::full_like(x, -2.0)?)),
         ("arange f32", |x| {
-            x.mul(&Tensor::arange(0.0, 12.0, 1.0, DType::F32)?.reshape([3, 4])?)
+            x.mul(&Tensor::arange_on(0.0, 12.0, 1.0, DType::F32, x.device())?.reshape([3, 4])?)
         }),
         ("arange i64", |x| {
-            x.add(&Tensor::arange(-3.0, 5.0, 2.0, DType::I64)?)
+            x.add(&Tensor::arange_on(-3.0, 5.0, 2.0, DType::I64, x.device())?)
         }),
         ("linspace", |x| {
-            x.add(&Tensor::linspace(-1.0, 1.0, 4, DType::F32)?)
+            x.add(&Tensor::linspace_on(-1.0, 1.0, 4, DType::F32, x.device())?)
         }),
         ("full, no input dependence", |_| {
             Tensor::full(&[2, 2], 3.0, DType::F32)?.exp()
@@ -110,12 +116,24 @@ fn creation_ops_inside_the_compiled_fn() {
         );
     }
     let random: Vec<(&str, Make)> = vec![
-        ("rand", |x| x.add(&Tensor::rand(x.shape(), DType::F32)?)),
-        ("randn", |x| x.mul(&Tensor::randn(&[4], DType::F64)?)),
-        ("uniform", |x| {
-            x.mul(&Tensor::uniform(x.shape(), -2.0, 3.0, DType::F32)?)
+        ("rand", |x| {
+            x.add(&Tensor::rand_on(x.shape(), DType::F32, x.device())?)
         }),
-        ("rand f16", |x| x.add(&Tensor::rand(x.shape(), DType::F16)?)),
+        ("randn", |x| {
+            x.mul(&Tensor::randn_on(&[4], DType::F64, x.device())?)
+        }),
+        ("uniform", |x| {
+            x.mul(&Tensor::uniform_on(
+                x.shape(),
+                -2.0,
+                3.0,
+                DType::F32,
+                x.device(),
+            )?)
+        }),
+        ("rand f16", |x| {
+            x.add(&Tensor::rand_on(x.shape(), DType::F16, x.device())?)
+        }),
     ];
     for (name, op) in random {
         Case::new(name).seeded(555).calls(3).run(
@@ -134,10 +152,10 @@ fn random_from_an_explicit_generator() {
     type Draw = fn(&Tensor, &mut Generator) -> Result<Tensor>;
     let draws: Vec<(&str, Draw)> = vec![
         ("rand_with", |x, g| {
-            x.add(&Tensor::rand_with(x.shape(), DType::F32, g)?)
+            x.add(&Tensor::rand_with(x.shape(), DType::F32, g)?.to_device(x.device())?)
         }),
         ("randn_with", |x, g| {
-            x.mul(&Tensor::randn_with(x.shape(), DType::F32, g)?)
+            x.mul(&Tensor::randn_with(x.shape(), DType::F32, g)?.to_device(x.device())?)
         }),
     ];
     for (name, draw) in draws {
