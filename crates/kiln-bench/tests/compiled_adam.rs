@@ -37,6 +37,11 @@ fn values(ps: &[Tensor]) -> Vec<f32> {
 /// Runs 6 steps eagerly and with the step compiled (steps 3 and 5 eager in the compiled run),
 /// the lr annealed every other step; returns (eager, compiled, compiles, step counts).
 fn run<O: Optimizer + Send>(make: &dyn Fn(Vec<Tensor>) -> O) -> (Vec<f32>, Vec<f32>, usize) {
+    // parameters and gradients come from the process-wide generator after `manual_seed`; the
+    // tests run on parallel threads under `cargo test`, and interleaved draws would give the
+    // eager and compiled runs different values
+    static DEFAULT_GENERATOR: Mutex<()> = Mutex::new(());
+    let _draws = DEFAULT_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
     let eager_ps = params(1);
     let mut eager = make(eager_ps.clone());
     let mut sched = CosineAnnealingLR::new(&eager, 4, 1e-4).unwrap();

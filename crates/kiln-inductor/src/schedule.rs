@@ -50,6 +50,10 @@ pub struct Schedule {
     pub steps: Vec<Step>,
 }
 
+fn is_cat(g: &Graph, id: NodeId) -> bool {
+    matches!(g.nodes[id].op, Op::Prim(Prim::Cat { .. }))
+}
+
 fn is_pad_or_cat(g: &Graph, id: NodeId) -> bool {
     matches!(
         g.nodes[id].op,
@@ -86,8 +90,10 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
     for (id, node) in g.nodes.iter().enumerate() {
         for &a in &node.args {
             users[a] += 1;
-            // extern ops take tensors; pad and cat read their operands under a bounds check
-            if kinds[id] == Kind::Extern || is_pad_or_cat(g, id) {
+            // extern ops take tensors; cat reads each operand under a bounds check at every
+            // element (a pad evaluates its operand once per element, at the index held inside
+            // the operand: fused like any other read)
+            if kinds[id] == Kind::Extern || is_cat(g, id) {
                 must_realize[a] = true;
             }
         }

@@ -11,7 +11,13 @@ use kiln::prelude::*;
 
 const SHAPES: [[usize; 2]; 2] = [[128, 64], [64, 32]];
 
+/// Draws from the process-wide generator: the tests of this binary run on parallel threads under
+/// `cargo test`, and two seeded draws interleaved would give the eager and compiled runs
+/// different parameters.
+static DEFAULT_GENERATOR: Mutex<()> = Mutex::new(());
+
 fn params(seed: u64) -> Result<Vec<Tensor>> {
+    let _draws = DEFAULT_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
     manual_seed(seed);
     SHAPES
         .iter()

@@ -124,7 +124,13 @@ fn compare(compiled: &Run, eager: &Run, tol: f64) {
     );
 }
 
+/// The models and batches are drawn from the process-wide generator after `manual_seed`: the two
+/// tests run on parallel threads under `cargo test`, and interleaved draws would give the eager
+/// and compiled twins different weights or batches.
+static DEFAULT_GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn check(build: &dyn Fn() -> Result<Box<dyn Module>>, tol: f64) -> Result<()> {
+    let _draws = DEFAULT_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
     kiln::manual_seed(7);
     let eager_model = build()?;
     kiln::manual_seed(7);

@@ -153,7 +153,7 @@ impl<'a> Builder<'a> {
         v
     }
 
-    /// Reads buffer `id` at `idx` with each index clamped into the buffer (pad and cat read
+    /// Reads buffer `id` at `idx` with each index clamped into the buffer (cat reads
     /// out-of-range positions, whose values the caller then replaces).
     fn load_clamped(&mut self, id: NodeId, idx: &[Ix]) -> String {
         if self.inplace.iter().any(|(input, _, _)| *input == id) {
@@ -234,6 +234,12 @@ impl<'a> Builder<'a> {
             Prim::Pad { pads, value } => {
                 let src = node.args[0];
                 let in_shape = &g.nodes[src].shape;
+                if in_shape.contains(&0) {
+                    // nothing to read: every element is the fill
+                    let fill = float_literal(*value, node.dtype);
+                    self.invariant.insert(fill.clone());
+                    return fill;
+                }
                 let mut conds = Vec::new();
                 let mut in_idx = Vec::with_capacity(idx.len());
                 for (d, (i, &(lo, _))) in idx.iter().zip(pads).enumerate() {
@@ -247,7 +253,14 @@ impl<'a> Builder<'a> {
                     }
                     in_idx.push(j);
                 }
-                let load = self.load_clamped(src, &in_idx);
+                // the operand's expression (fused, or a load of its buffer) at the index held
+                // inside its shape: every element evaluates it, the fill replaces it outside
+                let held: Vec<Ix> = in_idx
+                    .iter()
+                    .zip(in_shape)
+                    .map(|(j, &n)| j.held_in(0, n as i64 - 1, &self.ext))
+                    .collect();
+                let load = self.value(src, &held, false);
                 let fill = float_literal(*value, node.dtype);
                 if conds.is_empty() {
                     load

@@ -11,6 +11,10 @@ pub enum Atom {
     Var(usize),
     Div(Box<Ix>, i64),
     Mod(Box<Ix>, i64),
+    /// The index held into `lo..=hi`: where a pad reads its operand (the positions outside are
+    /// replaced by the fill value, but the operand's expression is still evaluated there, and
+    /// must read inside its buffers).
+    Clamp(Box<Ix>, i64, i64),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -129,6 +133,21 @@ impl Ix {
         Ix::atom(Atom::Mod(Box::new(self.clone()), n))
     }
 
+    /// The index held into `lo..=hi` (`lo <= hi`); itself where its range already lies inside.
+    pub fn held_in(&self, lo: i64, hi: i64, ext: &Extents) -> Ix {
+        let (xlo, xhi) = self.bounds(ext);
+        if xlo >= lo && xhi <= hi {
+            return self.clone();
+        }
+        if xhi <= lo {
+            return Ix::constant(lo);
+        }
+        if xlo >= hi {
+            return Ix::constant(hi);
+        }
+        Ix::atom(Atom::Clamp(Box::new(self.clone()), lo, hi))
+    }
+
     fn exact_div(&self, n: i64) -> Ix {
         Ix {
             constant: self.constant / n,
@@ -177,6 +196,10 @@ impl Atom {
                     (0, n - 1)
                 }
             }
+            Atom::Clamp(x, lo, hi) => {
+                let (xlo, xhi) = x.bounds(ext);
+                (xlo.clamp(*lo, *hi), xhi.clamp(*lo, *hi))
+            }
         }
     }
 
@@ -185,6 +208,10 @@ impl Atom {
             Atom::Var(v) => format!("{prefix}{v}"),
             Atom::Div(x, n) => format!("(({}) / {n})", x.to_c(prefix)),
             Atom::Mod(x, n) => format!("(({}) % {n})", x.to_c(prefix)),
+            Atom::Clamp(x, lo, hi) => {
+                let x = x.to_c(prefix);
+                format!("(({x}) < {lo} ? {lo} : (({x}) > {hi} ? {hi} : ({x})))")
+            }
         }
     }
 }
@@ -254,5 +281,23 @@ mod tests {
         let odd = Ix::var(0).mul(4).add(&Ix::var(1));
         assert!(matches!(odd.div(5, &ext).terms[0].1, Atom::Div(..)));
         assert_eq!(odd.bounds(&ext), (0, 16));
+    }
+
+    #[test]
+    fn clamps_only_what_can_leave_the_range() {
+        // i0 in 0..4: i0 - 1 reaches -1, i0 + 1 reaches 4, i0 stays in 0..=3
+        let ext = [4];
+        let i = Ix::var(0);
+        assert_eq!(i.held_in(0, 3, &ext), i);
+        let below = i.add_const(-1).held_in(0, 3, &ext);
+        assert_eq!(below.bounds(&ext), (0, 2));
+        assert_eq!(
+            below.to_c("i"),
+            "((i0 + -1) < 0 ? 0 : ((i0 + -1) > 3 ? 3 : (i0 + -1)))"
+        );
+        assert_eq!(i.add_const(1).held_in(0, 3, &ext).bounds(&ext), (1, 3));
+        // wholly outside: a constant
+        assert_eq!(i.add_const(10).held_in(0, 3, &ext), Ix::constant(3));
+        assert_eq!(i.add_const(-7).held_in(0, 3, &ext), Ix::constant(0));
     }
 }
