@@ -517,6 +517,7 @@ fn run_gpu(ctx: &mut Ctx) -> BenchResult {
             (after.kernel_launches - before.kernel_launches) as f64 / calls as f64,
             "count",
         );
+        ctx.profile("regional full_model call", || full.forward(&x))?;
         let t = timer.time("regional: reduce-overhead call", || ro.forward(&x))?;
         ctx.emit(W, "full_model_reduce_overhead", "call", t.us(), "us");
         let t = timer.time("regional: regional call", || regional.forward(&x))?;
