@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use kiln_core::Result;
+use kiln_core::{profiler, Result};
 
 use crate::backends::{Backend, BackendContext, CompiledGraph};
 use crate::debug;
@@ -67,7 +67,12 @@ pub(crate) fn compile_cached(
         graph.to_code(&format!("{name}_graph{n}"))
     });
     debug::dump(&format!("{name}_graph{n}"), &graph.to_code(name));
-    let compiled = backend.compile(graph, ctx)?;
+    let compiled = {
+        let _span = profiler::span(profiler::Category::Compile, || {
+            format!("compile {name} ({})", backend.name()).into()
+        });
+        backend.compile(graph, ctx)?
+    };
     cache()
         .lock()
         .unwrap_or_else(|e| e.into_inner())

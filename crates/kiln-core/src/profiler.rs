@@ -54,6 +54,9 @@ pub enum Category {
     CompiledBackward,
     /// One generated kernel.
     Kernel,
+    /// A phase of compiling a captured graph (AOT autograd's partition, the backend's planning,
+    /// building its kernels): where a cold start's time goes, as PyTorch's compile-time breakdown.
+    Compile,
 }
 
 impl Category {
@@ -63,6 +66,7 @@ impl Category {
             Category::CompiledRegion => "compiled_region",
             Category::CompiledBackward => "compiled_backward",
             Category::Kernel => "kernel",
+            Category::Compile => "compile",
         }
     }
 }

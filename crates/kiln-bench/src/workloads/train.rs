@@ -192,6 +192,18 @@ fn run_with<M: Module>(
         let st = compiled.stats();
         ctx.emit(w, variant, "graph_breaks", st.graph_breaks as f64, "count");
     }
+    if std::env::var_os("KILN_BENCH_PROFILE").is_some() {
+        // where a cold compile's time goes (the `compile` rows): a fresh model compiled again in
+        // a fresh cache, its first step profiled
+        let model = fresh(build, dev)?;
+        let compiled = kiln::compile(&model, ctx.opts())?;
+        let mut opt = adam(model.parameters())?;
+        with_fresh_cache(|| {
+            ctx.profile(&format!("{w} cold compile ({variant})"), || {
+                step(&compiled, &mut opt, &x, &y)
+            })
+        })?;
+    }
     // DenseNet-121's compile is the long one: two more of it per mode would crowd a device call
     if ctx.on_gpu() && arch == Arch::ResNet18 {
         // the children need the device's memory more than this process's cache does

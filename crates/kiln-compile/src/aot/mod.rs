@@ -42,11 +42,16 @@ impl Backend for AotBackend {
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
+        let span = profiler::span(profiler::Category::Compile, || {
+            "aot autograd: joint graph and partition".into()
+        });
         let Some(joint) = joint::build(graph)? else {
             // nothing needs a gradient: an inference graph
+            drop(span);
             return self.inner.compile(graph, ctx);
         };
         let mut part = partition::partition(&joint)?;
+        drop(span);
         // the forward's inputs are the graph's, in order; the backward's are its own buffers
         part.forward.static_inputs = graph.static_inputs.clone();
         logs::emit(Channel::GraphCode, || {

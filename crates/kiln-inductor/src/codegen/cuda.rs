@@ -12,7 +12,7 @@ use std::sync::Arc;
 use kiln_compile::graph::{Graph, NodeId};
 use kiln_compile::{symbolic, CompiledGraph};
 use kiln_core::device::runtime_for;
-use kiln_core::{DType, Result};
+use kiln_core::{profiler, DType, Result};
 
 use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
@@ -635,6 +635,9 @@ pub fn compile(
 ) -> Result<Arc<dyn CompiledGraph>> {
     let device = graph.device();
     let rt = runtime_for("compile", device)?;
+    let plan_span = profiler::span(profiler::Category::Compile, || {
+        "inductor: plan and generate CUDA C".into()
+    });
     let sizes = symbolic::context::current();
     let sm_count = rt.multiprocessors(device)?;
     let target = Cuda {
@@ -667,7 +670,13 @@ pub fn compile(
     for (source, _) in &units {
         crate::log_output_code(source);
     }
-    let loaded = cuda_units::load(&rt, device, &units)?;
+    drop(plan_span);
+    let loaded = {
+        let _span = profiler::span(profiler::Category::Compile, || {
+            format!("inductor: build and load {} units (NVRTC)", units.len()).into()
+        });
+        cuda_units::load(&rt, device, &units)?
+    };
     let handle = |name: &str| {
         loaded.get(name).cloned().ok_or_else(|| {
             kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
