@@ -163,11 +163,21 @@ fn run_with<M: Module>(
         let model = fresh(build, dev)?;
         let compiled = kiln::compile(&model, ctx.opts())?;
         let mut opt = adam(model.parameters())?;
+        let (nvrtc0, load0) = kiln::cuda::kernel_compile_times();
+        let builds0 = kiln::cuda::kernel_cache_stats().0;
         with_fresh_cache(|| {
             ctx.profile(&format!("{w} cold compile ({variant})"), || {
                 step(&compiled, &mut opt, &x, &y)
             })
         })?;
+        let (nvrtc, load) = kiln::cuda::kernel_compile_times();
+        eprintln!(
+            "cold compile: {} NVRTC builds, NVRTC {:.3} s and module loads {:.3} s summed over \
+             threads",
+            kiln::cuda::kernel_cache_stats().0 - builds0,
+            (nvrtc - nvrtc0).as_secs_f64(),
+            (load - load0).as_secs_f64()
+        );
     }
     {
         let model = fresh(build, dev)?;
