@@ -53,7 +53,9 @@ impl Ctx {
 
     /// With `KILN_BENCH_PROFILE` set: runs `f` once more under a synchronized profile (each op's
     /// and kernel's time is the device's) and prints the table, sorted by self time, to stderr,
-    /// with the ops that took the host path. Otherwise nothing: the rows are unchanged either way.
+    /// with the ops that took the host path. Otherwise nothing: the rows are unchanged either way,
+    /// but for train_*'s `cold_compile`, which under `KILN_BENCH_PROFILE` is the process's
+    /// second (a profiled cold compile runs first, to show the first-use costs).
     pub fn profile<R>(&self, label: &str, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Result<()> {
         let Ok(rows) = std::env::var("KILN_BENCH_PROFILE") else {
             return Ok(());
