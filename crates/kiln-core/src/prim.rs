@@ -74,6 +74,16 @@ impl BinaryOp {
 /// are then folded in halves: `acc[l] += acc[l + h]` for `h = SUM_LANES/2, ..., 2, 1`.
 pub const SUM_LANES: usize = 16;
 
+/// A float sum with a single output element over at least `SUM_CHUNKED_FROM` elements is summed
+/// in chunks (in parallel, by the eager kernel and by generated C alike), in this order: when the
+/// innermost reduced dim's runs are at most `SUM_CHUNK` long, a chunk is `SUM_CHUNK / run` whole
+/// runs (the last one fewer); longer runs are cut into pieces of `SUM_CHUNK` elements, each piece a
+/// chunk. Each chunk is summed in `SUM_LANES`'s order on its own lanes (a piece's element k into
+/// lane k % SUM_LANES); the chunks' sums are added in order, left to right.
+pub const SUM_CHUNKED_FROM: usize = 1 << 15;
+/// See `SUM_CHUNKED_FROM` (a multiple of `SUM_LANES`).
+pub const SUM_CHUNK: usize = 4096;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     Sum,

@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::num::Num;
 use super::{as_f32, from_f32_like, typed, PAR_THRESHOLD};
-use crate::prim::{ArgReduceOp, ReduceOp, SUM_LANES};
+use crate::prim::{ArgReduceOp, ReduceOp, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
 use crate::shape::Layout;
 use crate::storage::CpuStorage;
 use crate::{DType, Tensor};
@@ -52,18 +52,29 @@ fn lane_sum<T: Num>(row: &[T], inner: usize) -> f64 {
     acc[0]
 }
 
-/// Float sums of each row in the shared lane order (a single long row is split in chunks summed
-/// in parallel, each in lane order, the chunks' sums added in order).
+/// The float sum of a single long row in `prim::SUM_CHUNKED_FROM`'s chunked order: chunks of
+/// whole runs (or pieces of one long run) lane-summed in parallel, their sums added in order.
+fn chunked_sum<T: Num>(row: &[T], inner: usize) -> f64 {
+    let inner = inner.max(1);
+    let sums: Vec<f64> = if inner <= SUM_CHUNK {
+        row.par_chunks(SUM_CHUNK / inner * inner)
+            .map(|c| lane_sum(c, inner))
+            .collect()
+    } else {
+        row.par_chunks(inner)
+            .flat_map_iter(|run| run.chunks(SUM_CHUNK).map(|p| lane_sum(p, p.len())))
+            .collect()
+    };
+    sums.iter().fold(0.0, |a, s| a + s)
+}
+
+/// Float sums of each row in the shared lane order (a single long row in chunks: `chunked_sum`).
 fn sum_rows<T: Num>(x: &[T], row: usize, outer: usize, inner: usize) -> Vec<T> {
     if row == 0 {
         return vec![T::from_f64(0.0); outer];
     }
-    if outer == 1 && row >= PAR_THRESHOLD {
-        let acc = x
-            .par_chunks(4096)
-            .map(|c| lane_sum(c, inner))
-            .reduce(|| 0.0, |a, b| a + b);
-        return vec![T::from_f64(acc)];
+    if outer == 1 && row >= SUM_CHUNKED_FROM {
+        return vec![T::from_f64(chunked_sum(x, inner))];
     }
     let fin = |r: &[T]| T::from_f64(lane_sum(r, inner));
     if outer * row >= PAR_THRESHOLD {
@@ -255,5 +266,76 @@ mod tests {
         let x = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0];
         assert_eq!(lane_sum(&x, 3), 63.0);
         assert_eq!(sum_rows(&x, 3, 2, 3), vec![7.0, 56.0]);
+    }
+
+    /// `prim::SUM_CHUNKED_FROM`'s order written out element by element, one chunk after another.
+    fn chunked_by_definition(row: &[f64], inner: usize) -> f64 {
+        let mut chunks: Vec<(usize, usize)> = Vec::new(); // (start, end) in the row
+        if inner <= SUM_CHUNK {
+            let span = SUM_CHUNK / inner * inner;
+            let mut s = 0;
+            while s < row.len() {
+                chunks.push((s, (s + span).min(row.len())));
+                s += span;
+            }
+        } else {
+            for run in (0..row.len()).step_by(inner) {
+                let mut s = run;
+                while s < run + inner {
+                    chunks.push((s, (s + SUM_CHUNK).min(run + inner)));
+                    s += SUM_CHUNK;
+                }
+            }
+        }
+        let mut total = 0.0;
+        for (start, end) in chunks {
+            let mut acc = [0f64; SUM_LANES];
+            for (i, v) in row[start..end].iter().enumerate() {
+                // position in its run (a whole-run chunk) or in its piece (a piece starts a run
+                // or a multiple of SUM_CHUNK into it)
+                let k = if inner <= SUM_CHUNK { i % inner } else { i };
+                acc[k % SUM_LANES] += v;
+            }
+            let mut h = SUM_LANES / 2;
+            while h > 0 {
+                for l in 0..h {
+                    acc[l] += acc[l + h];
+                }
+                h /= 2;
+            }
+            total += acc[0];
+        }
+        total
+    }
+
+    #[test]
+    fn single_long_rows_sum_in_the_chunked_order_whatever_the_threads() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 1e3 / 7.0
+        };
+        for (n, inner) in [
+            (SUM_CHUNKED_FROM, 200),
+            (SUM_CHUNKED_FROM + 17, 3),
+            (50_000, 50_000),
+            (4 * 9000, 9000),
+            (SUM_CHUNKED_FROM, SUM_CHUNK),
+        ] {
+            let x: Vec<f64> = (0..n).map(|_| next()).collect();
+            let want = chunked_by_definition(&x, inner);
+            assert_eq!(sum_rows(&x, n, 1, inner), vec![want], "n {n} inner {inner}");
+            // the same on one thread: the order does not depend on how rayon splits the work
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .build()
+                .unwrap();
+            assert_eq!(pool.install(|| chunked_sum(&x, inner)), want);
+        }
+        // below the threshold: one lane-ordered row, as before
+        let x: Vec<f64> = (0..1000).map(|_| next()).collect();
+        assert_eq!(sum_rows(&x, 1000, 1, 10), vec![lane_sum(&x, 10)]);
     }
 }

@@ -8,7 +8,7 @@ use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::{Prim, ReduceOp, SUM_LANES};
+use kiln_core::prim::{Prim, ReduceOp, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
 use kiln_core::DType;
 
 use crate::ir::index::Ix;
@@ -568,7 +568,13 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
     let mut text = b.pre.clone();
     loops(&mut text, &kept, parallel);
+    let rows: usize = kept.iter().map(|k| k.1).product();
+    let red: usize = reduced.iter().map(|k| k.1).product();
     match (lanes, reduced.split_last()) {
+        (true, Some((&(d, n), outer))) if rows == 1 && red >= SUM_CHUNKED_FROM => {
+            chunked_sum(&mut text, &b.body, &v, acc_t, (d, n), outer, step);
+            let _ = writeln!(text, "  out[{off}] = ({})total;\n  }}", ty(node.dtype));
+        }
         (true, Some((&(d, n), outer))) => {
             // `prim::SUM_LANES`'s order: element k of each run of the innermost reduced dim
             // into lane k % L, the lanes folded in halves. The lanes are independent, so the
@@ -629,6 +635,80 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         }
     }
     finish(b, root, text, parallel)
+}
+
+/// A single long float sum in `prim::SUM_CHUNKED_FROM`'s chunked order (the eager kernel's):
+/// the chunks lane-summed on OpenMP threads into a partials array, then added in order into
+/// `total`. `(d, n)`: the innermost reduced dim (the runs); `outer`: the other reduced dims,
+/// flattened into a run index. Opens a block the caller closes after storing `total`.
+fn chunked_sum(
+    text: &mut String,
+    body: &str,
+    value: &str,
+    acc_t: &str,
+    (d, n): (usize, usize),
+    outer: &[(usize, usize)],
+    step: fn(&str, &str) -> String,
+) {
+    let (l, chunk) = (SUM_LANES, SUM_CHUNK);
+    let runs: usize = outer.iter().map(|o| o.1).product();
+    // whole runs per chunk, or pieces per run
+    let (per, pieces) = if n <= chunk {
+        (chunk / n.max(1), 1)
+    } else {
+        (1, n.div_ceil(chunk))
+    };
+    let chunks = runs.div_ceil(per) * pieces;
+    let add = step("acc[l]", value);
+    let lane = format!("    const int64_t i{d} = c + l;\n{body}    acc[l] = {add};\n");
+    let fold = step("acc[l]", "acc[l + h]");
+    let _ = writeln!(
+        text,
+        "  {{\n  double *part = (double *)malloc({chunks} * sizeof(double));\n  #pragma omp \
+         parallel for schedule(static)\n  for (int64_t ch = 0; ch < {chunks}; ch++) {{\n  {acc_t} \
+         acc[{l}];\n  for (int64_t l = 0; l < {l}; l++) acc[l] = 0.0;"
+    );
+    if pieces == 1 {
+        let _ = writeln!(
+            text,
+            "  const int64_t first = ch * {per}, last = first + {per} < {runs} ? first + {per} : \
+             {runs};\n  for (int64_t r = first; r < last; r++) {{\n  const int64_t start = 0, \
+             end = {n};"
+        );
+    } else {
+        let _ = writeln!(
+            text,
+            "  {{\n  const int64_t r = ch / {pieces}, start = (ch % {pieces}) * {chunk};\n  const \
+             int64_t end = start + {chunk} < {n} ? start + {chunk} : {n};"
+        );
+    }
+    // the run index as the outer reduced dims' indices
+    let vars: Vec<(usize, usize)> = outer.to_vec();
+    let _ = writeln!(text, "  int64_t rem = r;");
+    for (k, &(v, m)) in vars.iter().enumerate().rev() {
+        if k == 0 {
+            let _ = writeln!(text, "  const int64_t i{v} = rem;");
+        } else {
+            let _ = writeln!(text, "  const int64_t i{v} = rem % {m}; rem /= {m};");
+        }
+    }
+    let _ = writeln!(text, "  (void)rem;\n  int64_t c = start;");
+    let _ = writeln!(
+        text,
+        "  for (; c + {l} <= end; c += {l}) {{\n  #pragma omp simd\n  for (int64_t l = 0; l < \
+         {l}; l++)\n  {{\n{lane}  }}\n  }}"
+    );
+    let _ = writeln!(
+        text,
+        "  for (int64_t l = 0; c + l < end; l++)\n  {{\n{lane}  }}\n  }}"
+    );
+    let _ = writeln!(
+        text,
+        "  for (int64_t h = {}; h > 0; h /= 2)\n    for (int64_t l = 0; l < h; l++) acc[l] = \
+         {fold};\n  part[ch] = acc[0];\n  }}\n  double total = 0.0;\n  for (int64_t ch = 0; ch < \
+         {chunks}; ch++) total += part[ch];\n  free(part);",
+        l / 2
+    );
 }
 
 /// A `Full` value in C. A whole number in a float type is written as an integer converted to

@@ -34,7 +34,7 @@ const FLAGS: &[&str] = &[
     "-Wl,-z,nodelete",
 ];
 
-const HEADER: &str = "#include <math.h>\n#include <stdint.h>\n\n";
+const HEADER: &str = "#include <math.h>\n#include <stdint.h>\n#include <stdlib.h>\n\n";
 
 /// With glibc's vector math library: `kiln_sin`/`kiln_cos` are the C library's `sin`/`cos` (same
 /// symbols, so scalar calls are unchanged) declared pure and with SIMD variants, so GCC's

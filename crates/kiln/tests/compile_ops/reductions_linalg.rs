@@ -115,6 +115,14 @@ fn long_float_sums_follow_the_eager_lane_order() {
         (&[4, 19, 33], &[2, 0]),
         (&[2, 16], &[1]),
         (&[3, 600], &[]),
+        // single rows of 2^15 and more (`prim::SUM_CHUNKED_FROM`): summed in chunks, in
+        // parallel, eager and generated C in the same chunked order
+        (&[1 << 15], &[]),
+        (&[50_000], &[0]),
+        (&[300, 200], &[]),
+        (&[3, 70, 200], &[]),
+        (&[40, 1000], &[1, 0]),
+        (&[5, 9000], &[]),
     ];
     let mut differs = false;
     for &(shape, dims) in cases {
