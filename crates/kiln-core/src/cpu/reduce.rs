@@ -233,16 +233,19 @@ mod tests {
         s + c
     }
 
-    #[test]
-    fn lane_sums_are_within_their_error_bound_of_a_compensated_sum() {
-        // a small LCG: values of mixed signs and magnitudes, all 53 bits used
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = || {
+    /// A small LCG from `state`: values of mixed signs and magnitudes, all 53 bits used.
+    fn values(mut state: u64) -> impl FnMut() -> f64 {
+        move || {
             state = state
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             ((state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 1e3 / 7.0
-        };
+        }
+    }
+
+    #[test]
+    fn lane_sums_are_within_their_error_bound_of_a_compensated_sum() {
+        let mut next = values(0x2545_f491_4f6c_dd1d);
         for (n, inner) in [
             (1, 1),
             (15, 15),
@@ -310,13 +313,7 @@ mod tests {
 
     #[test]
     fn single_long_rows_sum_in_the_chunked_order_whatever_the_threads() {
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = || {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 11) as f64 / (1u64 << 53) as f64 - 0.5) * 1e3 / 7.0
-        };
+        let mut next = values(0x9e37_79b9_7f4a_7c15);
         for (n, inner) in [
             (SUM_CHUNKED_FROM, 200),
             (SUM_CHUNKED_FROM + 17, 3),
