@@ -31,7 +31,7 @@ const WORKLOADS: &[&str] = &[
 ];
 
 /// The workloads that run with `--device cuda` so far.
-const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18", "regional"];
+const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18", "regional", "dynamic"];
 /// The model workloads, which run on CUDA too (a list of their own, so that GPU_WORKLOADS's line
 /// stays one edit for whoever moves the next workload over).
 const GPU_MODEL_WORKLOADS: &[&str] = &["bert", "train_resnet18", "train_densenet121"];
@@ -39,7 +39,8 @@ const GPU_MODEL_WORKLOADS: &[&str] = &["bert", "train_resnet18", "train_densenet
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | bert
             | train_resnet18 | train_densenet121 | all
-  --device  cpu (the default) or cuda / cuda:N (sincos, adam, regional, resnet18, bert, train_*)
+  --device  cpu (the default) or cuda / cuda:N (sincos, adam, regional, resnet18, dynamic,
+            bert, train_*)
   --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
             (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
