@@ -153,33 +153,17 @@ impl<'a> Builder<'a> {
         v
     }
 
-    /// Reads buffer `id` at `idx` with each index clamped into the buffer (cat reads
-    /// out-of-range positions, whose values the caller then replaces).
-    fn load_clamped(&mut self, id: NodeId, idx: &[Ix]) -> String {
-        if self.inplace.iter().any(|(input, _, _)| *input == id) {
-            self.inplace_ok = false; // pad and cat read elsewhere than the element written
-        }
-        let shape = self.g.nodes[id].shape.clone();
-        let p = self.param(id);
-        let strides = crate::ir::lower::strides(&shape);
-        let mut terms = Vec::new();
-        for (d, i) in idx.iter().enumerate() {
-            let (lo, hi) = i.bounds(&self.ext);
-            let n = shape[d] as i64;
-            let e = i.to_c("i");
-            let e = if lo >= 0 && hi < n {
-                e
-            } else {
-                format!("(({e}) < 0 ? 0 : (({e}) > {} ? {} : ({e})))", n - 1, n - 1)
-            };
-            terms.push(format!("{}*({e})", strides[d]));
-        }
-        let off = if terms.is_empty() {
-            "0".to_string()
-        } else {
-            terms.join(" + ")
-        };
-        self.temp(self.g.nodes[id].dtype, format!("b{p}[{off}]"))
+    /// `id`'s value at `idx` with each index held inside `id`'s shape: what pad and cat read,
+    /// whose out-of-range positions the caller then replaces. The expression is evaluated at
+    /// every element, so every read inside it must be in bounds. (An extent of 0 leaves nothing
+    /// to hold the index in: only a kernel with no elements to compute reads such a value.)
+    fn value_held(&mut self, id: NodeId, idx: &[Ix]) -> String {
+        let held: Vec<Ix> = idx
+            .iter()
+            .zip(&self.g.nodes[id].shape)
+            .map(|(j, &n)| j.held_in(0, n as i64 - 1, &self.ext))
+            .collect();
+        self.value(id, &held, false)
     }
 
     /// The C expression for node `id` at index `idx` (buffers are loaded unless `id` is the root).
@@ -253,14 +237,9 @@ impl<'a> Builder<'a> {
                     }
                     in_idx.push(j);
                 }
-                // the operand's expression (fused, or a load of its buffer) at the index held
-                // inside its shape: every element evaluates it, the fill replaces it outside
-                let held: Vec<Ix> = in_idx
-                    .iter()
-                    .zip(in_shape)
-                    .map(|(j, &n)| j.held_in(0, n as i64 - 1, &self.ext))
-                    .collect();
-                let load = self.value(src, &held, false);
+                // the operand's expression (fused, or a load of its buffer): the fill replaces it
+                // outside
+                let load = self.value_held(src, &in_idx);
                 let fill = float_literal(*value, node.dtype);
                 if conds.is_empty() {
                     load
@@ -274,11 +253,15 @@ impl<'a> Builder<'a> {
             Prim::Cat { dim } => {
                 let mut start = 0i64;
                 let mut pieces = Vec::new();
+                let any = node.args.iter().any(|&a| g.nodes[a].shape[*dim] > 0);
                 for &a in &node.args {
                     let len = g.nodes[a].shape[*dim] as i64;
+                    if len == 0 && any {
+                        continue; // no element of the output is read from it
+                    }
                     let mut j = idx.to_vec();
                     j[*dim] = idx[*dim].add_const(-start);
-                    pieces.push((start + len, self.load_clamped(a, &j)));
+                    pieces.push((start + len, self.value_held(a, &j)));
                     start += len;
                 }
                 let i = idx[*dim].to_c("i");
@@ -572,38 +555,21 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let red: usize = reduced.iter().map(|k| k.1).product();
     match (lanes, reduced.split_last()) {
         (true, Some((&(d, n), outer))) if rows == 1 && red >= SUM_CHUNKED_FROM => {
-            chunked_sum(&mut text, &b.body, &v, acc_t, (d, n), outer, step);
+            chunked_sum(&mut text, (&b.body, &v), acc_t, (d, n), outer, step);
             let _ = writeln!(text, "  out[{off}] = ({})total;\n  }}", ty(node.dtype));
         }
         (true, Some((&(d, n), outer))) => {
             // `prim::SUM_LANES`'s order: element k of each run of the innermost reduced dim
-            // into lane k % L, the lanes folded in halves. The lanes are independent, so the
-            // lane loop is vectorized as it stands (no reassociation). The body is written
-            // twice: full groups of L, then the run's last n % L elements. Integer literals
-            // are only n and L, so a size-generic kernel fits n like any loop bound.
+            // into lane k % L, the lanes folded in halves. Integer literals are only n and L,
+            // so a size-generic kernel fits n like any loop bound.
             let l = SUM_LANES;
-            let add = step("acc[l]", &v);
-            let lane = format!(
-                "    const int64_t i{d} = c + l;\n{}    acc[l] = {add};\n",
-                b.body
-            );
             let _ = writeln!(text, "  {{\n  {acc_t} acc[{l}];");
             let _ = writeln!(text, "  for (int64_t l = 0; l < {l}; l++) acc[l] = {init};");
             loops(&mut text, outer, false);
-            let _ = writeln!(text, "  {{\n  int64_t c = 0;");
-            let _ = writeln!(text, "  for (; c + {l} <= {n}; c += {l}) {{");
-            let _ = writeln!(text, "  #pragma omp simd");
-            let _ = writeln!(
-                text,
-                "  for (int64_t l = 0; l < {l}; l++)\n  {{\n{lane}  }}\n  }}"
-            );
-            let _ = writeln!(
-                text,
-                "  for (int64_t l = 0; c + l < {n}; l++)\n  {{\n{lane}  }}\n  }}"
-            );
-            let fold = step("acc[l]", "acc[l + h]");
-            let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", l / 2);
-            let _ = writeln!(text, "    for (int64_t l = 0; l < h; l++) acc[l] = {fold};");
+            let _ = writeln!(text, "  {{");
+            lane_loops(&mut text, (d, &b.body, &v), step, "0", &n.to_string());
+            let _ = writeln!(text, "  }}");
+            fold_lanes(&mut text, step);
             let _ = writeln!(
                 text,
                 "  out[{off}] = ({})acc[0];
@@ -637,14 +603,42 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     finish(b, root, text, parallel)
 }
 
+/// The lane loops of `prim::SUM_LANES`'s order over the innermost reduced dim `d`, from `start`
+/// to `end` (C expressions): `body` computes `value` at `i{d} = c + l`, added to lane `l`. The
+/// lanes are independent, so the loop over a full group of lanes is vectorized as it stands (no
+/// reassociation); the group's body is written twice, for full groups then the tail.
+fn lane_loops(
+    text: &mut String,
+    (d, body, value): (usize, &str, &str),
+    step: fn(&str, &str) -> String,
+    start: &str,
+    end: &str,
+) {
+    let l = SUM_LANES;
+    let add = step("acc[l]", value);
+    let lane = format!("    const int64_t i{d} = c + l;\n{body}    acc[l] = {add};\n");
+    let _ = writeln!(
+        text,
+        "  int64_t c = {start};\n  for (; c + {l} <= {end}; c += {l}) {{\n  #pragma omp simd\n  \
+         for (int64_t l = 0; l < {l}; l++)\n  {{\n{lane}  }}\n  }}\n  for (int64_t l = 0; c + l < \
+         {end}; l++)\n  {{\n{lane}  }}"
+    );
+}
+
+/// The lanes folded in halves into `acc[0]`.
+fn fold_lanes(text: &mut String, step: fn(&str, &str) -> String) {
+    let fold = step("acc[l]", "acc[l + h]");
+    let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", SUM_LANES / 2);
+    let _ = writeln!(text, "    for (int64_t l = 0; l < h; l++) acc[l] = {fold};");
+}
+
 /// A single long float sum in `prim::SUM_CHUNKED_FROM`'s chunked order (the eager kernel's):
 /// the chunks lane-summed on OpenMP threads into a partials array, then added in order into
 /// `total`. `(d, n)`: the innermost reduced dim (the runs); `outer`: the other reduced dims,
 /// flattened into a run index. Opens a block the caller closes after storing `total`.
 fn chunked_sum(
     text: &mut String,
-    body: &str,
-    value: &str,
+    (body, value): (&str, &str),
     acc_t: &str,
     (d, n): (usize, usize),
     outer: &[(usize, usize)],
@@ -659,56 +653,61 @@ fn chunked_sum(
         (1, n.div_ceil(chunk))
     };
     let chunks = runs.div_ceil(per) * pieces;
-    let add = step("acc[l]", value);
-    let lane = format!("    const int64_t i{d} = c + l;\n{body}    acc[l] = {add};\n");
-    let fold = step("acc[l]", "acc[l + h]");
     let _ = writeln!(
         text,
         "  {{\n  double *part = (double *)malloc({chunks} * sizeof(double));\n  #pragma omp \
          parallel for schedule(static)\n  for (int64_t ch = 0; ch < {chunks}; ch++) {{\n  {acc_t} \
          acc[{l}];\n  for (int64_t l = 0; l < {l}; l++) acc[l] = 0.0;"
     );
-    if pieces == 1 {
+    let end = if pieces == 1 {
         let _ = writeln!(
             text,
             "  const int64_t first = ch * {per}, last = first + {per} < {runs} ? first + {per} : \
-             {runs};\n  for (int64_t r = first; r < last; r++) {{\n  const int64_t start = 0, \
-             end = {n};"
+             {runs};\n  for (int64_t r = first; r < last; r++) {{"
         );
+        ("0", n.to_string())
     } else {
         let _ = writeln!(
             text,
             "  {{\n  const int64_t r = ch / {pieces}, start = (ch % {pieces}) * {chunk};\n  const \
              int64_t end = start + {chunk} < {n} ? start + {chunk} : {n};"
         );
-    }
+        ("start", "end".to_string())
+    };
     // the run index as the outer reduced dims' indices
-    let vars: Vec<(usize, usize)> = outer.to_vec();
-    let _ = writeln!(text, "  int64_t rem = r;");
-    for (k, &(v, m)) in vars.iter().enumerate().rev() {
+    if !outer.is_empty() {
+        split_index(text, "r", outer, "  ", "rem");
+    }
+    lane_loops(text, (d, body, value), step, end.0, &end.1);
+    let _ = writeln!(text, "  }}");
+    fold_lanes(text, step);
+    let _ = writeln!(
+        text,
+        "  part[ch] = acc[0];\n  }}\n  double total = 0.0;\n  for (int64_t ch = 0; ch < \
+         {chunks}; ch++) total += part[ch];\n  free(part);"
+    );
+}
+
+/// `const long long i<d> = ...;` for each (dim, extent) of `vars`, splitting the flat index
+/// `flat` (row-major over `vars`) through the scratch variable `rem` (C and CUDA C alike).
+pub(crate) fn split_index(
+    out: &mut String,
+    flat: &str,
+    vars: &[(usize, usize)],
+    indent: &str,
+    rem: &str,
+) {
+    let _ = writeln!(out, "{indent}long long {rem} = {flat};");
+    for (k, &(v, n)) in vars.iter().enumerate().rev() {
         if k == 0 {
-            let _ = writeln!(text, "  const int64_t i{v} = rem;");
+            let _ = writeln!(out, "{indent}const long long i{v} = {rem};");
         } else {
-            let _ = writeln!(text, "  const int64_t i{v} = rem % {m}; rem /= {m};");
+            let _ = writeln!(
+                out,
+                "{indent}const long long i{v} = {rem} % {n}; {rem} /= {n};"
+            );
         }
     }
-    let _ = writeln!(text, "  (void)rem;\n  int64_t c = start;");
-    let _ = writeln!(
-        text,
-        "  for (; c + {l} <= end; c += {l}) {{\n  #pragma omp simd\n  for (int64_t l = 0; l < \
-         {l}; l++)\n  {{\n{lane}  }}\n  }}"
-    );
-    let _ = writeln!(
-        text,
-        "  for (int64_t l = 0; c + l < end; l++)\n  {{\n{lane}  }}\n  }}"
-    );
-    let _ = writeln!(
-        text,
-        "  for (int64_t h = {}; h > 0; h /= 2)\n    for (int64_t l = 0; l < h; l++) acc[l] = \
-         {fold};\n  part[ch] = acc[0];\n  }}\n  double total = 0.0;\n  for (int64_t ch = 0; ch < \
-         {chunks}; ch++) total += part[ch];\n  free(part);",
-        l / 2
-    );
 }
 
 /// A `Full` value in C. A whole number in a float type is written as an integer converted to

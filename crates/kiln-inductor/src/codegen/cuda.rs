@@ -16,7 +16,7 @@ use kiln_core::{profiler, DType, Result};
 
 use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{
-    pointwise_body, reduction_parts, ty, Builder, PointwiseBody, ReductionParts,
+    pointwise_body, reduction_parts, split_index, ty, Builder, PointwiseBody, ReductionParts,
 };
 use crate::codegen::{cuda_sizes, cuda_tune, cuda_units};
 use crate::ir::lower::{small_matmul, MatmulDims};
@@ -174,22 +174,6 @@ impl Cuda {
     fn blocks(&self, units: usize, per_block: usize) -> u32 {
         let want = units.div_ceil(per_block).max(1);
         want.min(self.sm_count.max(1) as usize * self.cfg.waves as usize) as u32
-    }
-}
-
-/// `const long long i<d> = ...;` for each (dim, extent) of `vars`, splitting the flat index
-/// `flat` (row-major over `vars`) through the scratch variable `rem`.
-fn split_index(out: &mut String, flat: &str, vars: &[(usize, usize)], indent: &str, rem: &str) {
-    let _ = writeln!(out, "{indent}long long {rem} = {flat};");
-    for (k, &(v, n)) in vars.iter().enumerate().rev() {
-        if k == 0 {
-            let _ = writeln!(out, "{indent}const long long i{v} = {rem};");
-        } else {
-            let _ = writeln!(
-                out,
-                "{indent}const long long i{v} = {rem} % {n}; {rem} /= {n};"
-            );
-        }
     }
 }
 
