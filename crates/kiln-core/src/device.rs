@@ -60,6 +60,44 @@ pub trait DeviceGraph: Send + Sync {
 /// every CUDA driver accepts. The compiler's horizontal kernels are packed up to it.
 pub const MAX_KERNEL_PARAMS: usize = 512;
 
+/// When a reduction on a GPU is split in two passes: a few output elements over long rows
+/// (batch norm's per-channel sums, a full sum) would give the device a few dozen blocks of
+/// megabytes each, so each row is cut into chunks reduced side by side, then the chunks' partial
+/// results are reduced in order. One policy for the eager kernels (kiln-cuda) and the generated
+/// ones (kiln-inductor's `split_reduction.rs`), which each choose their chunks within it.
+#[derive(Clone, Copy, Debug)]
+pub struct ReduceSplit {
+    /// Reductions with fewer output elements than this are split...
+    pub few_rows: usize,
+    /// ...when each output element reduces at least this many input elements.
+    pub long_row: usize,
+    /// Chunks are at least this long (shorter ones would spend more on the partials than they
+    /// save).
+    pub min_chunk: usize,
+}
+
+impl ReduceSplit {
+    /// For a GPU of `sm_count` multiprocessors: split when the rows cannot give every
+    /// multiprocessor two blocks.
+    pub fn for_gpu(sm_count: u32) -> ReduceSplit {
+        ReduceSplit {
+            few_rows: 2 * sm_count.max(1) as usize,
+            long_row: 1 << 16,
+            min_chunk: 4096,
+        }
+    }
+
+    /// The most chunks per row for `rows` output elements over `red` input elements each, or
+    /// `None` when such a reduction is left whole: about `2 · few_rows` blocks in all (four per
+    /// multiprocessor), no chunk shorter than `min_chunk`.
+    pub fn most_chunks(&self, rows: usize, red: usize) -> Option<usize> {
+        if rows == 0 || rows >= self.few_rows || red < self.long_row {
+            return None;
+        }
+        Some((2 * self.few_rows).div_ceil(rows).min(red / self.min_chunk))
+    }
+}
+
 /// A compiled generated kernel, loaded on its device (`DeviceRuntime::load_kernels`).
 pub trait DeviceKernel: Send + Sync {
     /// Queues the kernel on its device's stream: `grid` blocks of `block` threads, with `params`

@@ -13,54 +13,32 @@
 //! each keeps them busy.
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
+use kiln_core::device::ReduceSplit;
 use kiln_core::prim::Prim;
 
-/// When and how far to split.
-#[derive(Clone, Copy, Debug)]
-pub struct SplitPolicy {
-    /// Reductions with fewer output elements than this are split...
-    pub few_rows: usize,
-    /// ...when each output element reduces at least this many input elements.
-    pub long_row: usize,
-    /// The first half's chunks are at least this long (shorter ones would spend more on the
-    /// partials than they save).
-    pub min_chunk: usize,
-}
-
-impl SplitPolicy {
-    /// For a GPU of `sm_count` multiprocessors: split when the rows cannot give every
-    /// multiprocessor two blocks, into about four blocks per multiprocessor.
-    pub fn for_gpu(sm_count: u32) -> SplitPolicy {
-        SplitPolicy {
-            few_rows: 2 * sm_count.max(1) as usize,
-            long_row: 1 << 16,
-            min_chunk: 4096,
-        }
-    }
-
-    /// How many chunks a reduction of `rows` outputs over `red` elements, whose reduced
-    /// dimensions have the extents `reduced` (outermost first), is split into, and along which of
-    /// them: the largest divisor `S` of a reduced extent with `rows · S` at most about
-    /// `2 · few_rows` blocks and chunks no shorter than `min_chunk` (the outermost dimension on a
-    /// tie). `None`: leave it whole.
-    fn split(&self, rows: usize, red: usize, reduced: &[(usize, usize)]) -> Option<(usize, usize)> {
-        if rows == 0 || rows >= self.few_rows || red < self.long_row {
-            return None;
-        }
-        let want = (2 * self.few_rows).div_ceil(rows);
-        let most = want.min(red / self.min_chunk);
-        reduced
-            .iter()
-            .filter_map(|&(dim, n)| {
-                let s = (2..=most.min(n)).rev().find(|s| n % s == 0)?;
-                Some((dim, s))
-            })
-            .max_by_key(|&(dim, s)| (s, std::cmp::Reverse(dim)))
-    }
+/// How many chunks a reduction of `rows` outputs over `red` elements, whose reduced dimensions
+/// have the extents `reduced` (outermost first), is split into, and along which of them: the
+/// largest divisor `S` of a reduced extent within `policy`'s most chunks (the outermost
+/// dimension on a tie; a divisor, so the dimension can be viewed as `[S, n / S]`). `None`: leave
+/// it whole.
+fn split(
+    policy: &ReduceSplit,
+    rows: usize,
+    red: usize,
+    reduced: &[(usize, usize)],
+) -> Option<(usize, usize)> {
+    let most = policy.most_chunks(rows, red)?;
+    reduced
+        .iter()
+        .filter_map(|&(dim, n)| {
+            let s = (2..=most.min(n)).rev().find(|s| n % s == 0)?;
+            Some((dim, s))
+        })
+        .max_by_key(|&(dim, s)| (s, std::cmp::Reverse(dim)))
 }
 
 /// `g` with its long reductions split as `policy` says, or `None` when none is.
-pub fn split_reductions(g: &Graph, policy: SplitPolicy) -> Option<Graph> {
+pub fn split_reductions(g: &Graph, policy: ReduceSplit) -> Option<Graph> {
     let plans: Vec<Option<(usize, usize)>> = g
         .nodes
         .iter()
@@ -72,7 +50,7 @@ pub fn split_reductions(g: &Graph, policy: SplitPolicy) -> Option<Graph> {
             let reduced: Vec<(usize, usize)> = dims.iter().map(|&d| (d, in_shape[d])).collect();
             let red: usize = reduced.iter().map(|r| r.1).product();
             let rows: usize = node.shape.iter().product();
-            policy.split(rows, red, &reduced)
+            split(&policy, rows, red, &reduced)
         })
         .collect();
     if plans.iter().all(Option::is_none) {
@@ -153,7 +131,7 @@ mod tests {
     use super::*;
     use crate::test_graphs::cpu::{input, push};
 
-    const SMALL: SplitPolicy = SplitPolicy {
+    const SMALL: ReduceSplit = ReduceSplit {
         few_rows: 8,
         long_row: 64,
         min_chunk: 8,
@@ -238,14 +216,12 @@ mod tests {
 
     #[test]
     fn policy_targets_a_few_blocks_per_multiprocessor() {
-        let p = SplitPolicy::for_gpu(132);
+        let p = ReduceSplit::for_gpu(132);
         // ResNet-18's first batch norm at batch 64: 64 channels of 64·112·112
-        let (dim, s) = p
-            .split(64, 64 * 112 * 112, &[(0, 64), (2, 112), (3, 112)])
-            .unwrap();
+        let (dim, s) = split(&p, 64, 64 * 112 * 112, &[(0, 64), (2, 112), (3, 112)]).unwrap();
         assert!(64 * s >= 2 * 132, "{dim} {s}");
         assert!(64 * 112 * 112 / s >= p.min_chunk);
         // 512 channels already fill the device
-        assert!(p.split(512, 64 * 49, &[(0, 64), (2, 7), (3, 7)]).is_none());
+        assert!(split(&p, 512, 64 * 49, &[(0, 64), (2, 7), (3, 7)]).is_none());
     }
 }

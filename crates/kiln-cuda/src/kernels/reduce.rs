@@ -9,6 +9,7 @@ use std::ffi::c_void;
 use std::fmt::Write;
 use std::sync::Arc;
 
+use kiln_core::device::ReduceSplit;
 use kiln_core::prim::ReduceOp;
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Result};
@@ -37,13 +38,20 @@ const RGEO_C: &str = "struct RGeo { long long nout, nred; long long kshape[8], k
 /// Rows shorter than this are reduced by one thread each.
 const THREAD_ROW: usize = 32;
 
-fn acc_type(op: ReduceOp, d: DType) -> &'static str {
+/// The dtype a reduction accumulates in (and a split reduction keeps its partials in): sums
+/// and products of floats in f64, everything of u8/bool in i32 (warp shuffles move 32-bit words
+/// at least; a u8 sum wraps the same way modulo 256), the rest in the compute dtype.
+fn acc_dtype(op: ReduceOp, d: DType) -> DType {
     match (op, d) {
-        (ReduceOp::Sum | ReduceOp::Prod, d) if d.is_float() => "double",
-        // warp shuffles move 32-bit words at least; a u8 sum wraps the same way modulo 256
-        (_, DType::U8 | DType::Bool) => "int",
-        (_, d) => compute_type(d),
+        (ReduceOp::Sum | ReduceOp::Prod, d) if d.is_float() => DType::F64,
+        (_, DType::U8 | DType::Bool) => DType::I32,
+        (_, DType::F16 | DType::BF16) => DType::F32,
+        (_, d) => d,
     }
+}
+
+fn acc_type(op: ReduceOp, d: DType) -> &'static str {
+    compute_type(acc_dtype(op, d))
 }
 
 fn init(op: ReduceOp, d: DType) -> &'static str {
@@ -109,22 +117,8 @@ fn geometry(layout: &Layout, dims: &[usize]) -> (RGeo, usize, usize) {
             false => g.nout *= s,
         }
     }
-    for d in 0..layout.rank() {
-        if layout.shape[d] == 0 {
-            match dims.contains(&d) {
-                true => g.nred = 0,
-                false => g.nout = 0,
-            }
-        }
-    }
     (g, kr, rr)
 }
-
-/// Rows at least this long, of which there are too few to give every multiprocessor two blocks,
-/// are reduced in two passes (`launch`).
-const SPLIT_FROM: usize = 1 << 16;
-/// The first pass's chunks are at least this long.
-const MIN_CHUNK: usize = 4096;
 
 /// Reduces `x` (viewed by `layout`) over `dims` into `out` (contiguous, keepdim shape).
 ///
@@ -148,11 +142,10 @@ pub(crate) fn launch(
     let d = x.dtype;
     let (nout, nred) = (g.nout as usize, g.nred as usize);
     let narrow = nred <= i32::MAX as usize;
-    let few_rows = 2 * dev.sm_count as usize;
-    let chunks = match nout < few_rows && nred >= SPLIT_FROM {
-        true => (2 * few_rows).div_ceil(nout).min(nred / MIN_CHUNK).max(1),
-        false => 1,
-    };
+    // `ReduceSplit`'s most chunks, the last one shorter (an eager kernel bounds-checks its chunks)
+    let chunks = ReduceSplit::for_gpu(dev.sm_count)
+        .most_chunks(nout, nred)
+        .map_or(1, |c| c.max(1));
     let per_thread = nred < THREAD_ROW;
     let threads: u32 = if per_thread {
         128
@@ -249,17 +242,6 @@ enum Pass {
     Partial,
     /// One thread per output element over its partials, in chunk order.
     Finish,
-}
-
-/// The dtype partials are kept in: the accumulator's.
-fn acc_dtype(op: ReduceOp, d: DType) -> DType {
-    match acc_type(op, d) {
-        "double" => DType::F64,
-        "float" => DType::F32,
-        "int" => DType::I32,
-        "long long" => DType::I64,
-        _ => d,
-    }
 }
 
 fn source(k: &Kind, pass: Pass) -> String {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use kiln_compile::graph::{Graph, NodeId};
 use kiln_compile::{symbolic, CompiledGraph};
-use kiln_core::device::runtime_for;
+use kiln_core::device::{runtime_for, ReduceSplit};
 use kiln_core::{profiler, DType, Result};
 
 use crate::backend::{plan_graph, Planned, Target};
@@ -25,7 +25,7 @@ use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
 use crate::sequential::{Arg, Sequence};
-use crate::split_reduction::{split_reductions, SplitPolicy};
+use crate::split_reduction::split_reductions;
 
 /// Names the builder's C uses, mapped for NVRTC (which has no C headers): fixed-width integer
 /// types, the infinities, NaN tests that need no header, and the sine/cosine the CPU target
@@ -632,7 +632,7 @@ pub fn compile(
     // a symbolic graph's kernels serve every size: the chunk count, a divisor of a size, would
     // tie them to this one
     let split = match sizes {
-        None => split_reductions(graph, SplitPolicy::for_gpu(sm_count)),
+        None => split_reductions(graph, ReduceSplit::for_gpu(sm_count)),
         Some(_) => None,
     };
     let graph = split.as_ref().unwrap_or(graph);
