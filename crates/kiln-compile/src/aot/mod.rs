@@ -42,16 +42,19 @@ impl Backend for AotBackend {
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
-        let span = profiler::span(profiler::Category::Compile, || {
-            "aot autograd: joint graph and partition".into()
-        });
-        let Some(joint) = joint::build(graph)? else {
-            // nothing needs a gradient: an inference graph
-            drop(span);
+        let split = {
+            let _span = profiler::span(profiler::Category::Compile, || {
+                "aot autograd: joint graph and partition".into()
+            });
+            match joint::build(graph)? {
+                Some(joint) => Some((partition::partition(&joint)?, joint)),
+                None => None,
+            }
+        };
+        // nothing needs a gradient: an inference graph
+        let Some((mut part, joint)) = split else {
             return self.inner.compile(graph, ctx);
         };
-        let mut part = partition::partition(&joint)?;
-        drop(span);
         // the forward's inputs are the graph's, in order; the backward's are its own buffers
         part.forward.static_inputs = graph.static_inputs.clone();
         logs::emit(Channel::GraphCode, || {

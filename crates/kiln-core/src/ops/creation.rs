@@ -75,6 +75,7 @@ impl Tensor {
     pub fn ones(shape: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(shape, 1.0, dtype)
     }
+    /// `torch.ones(shape, device=device)`.
     pub fn ones_on(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
         Tensor::full_on(shape, 1.0, dtype, device)
     }
@@ -204,6 +205,7 @@ impl Tensor {
     pub fn uniform(shape: &[usize], low: f64, high: f64, dtype: DType) -> Result<Tensor> {
         Tensor::uniform_on(shape, low, high, dtype, Device::Cpu)
     }
+    /// Uniform on [low, high), made on `device` (so a compiled device graph captures it).
     pub fn uniform_on(
         shape: &[usize],
         low: f64,

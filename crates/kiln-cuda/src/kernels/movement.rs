@@ -90,7 +90,7 @@ pub(crate) fn cat(
 const CAT_PER_LAUNCH: usize = 32;
 
 /// One contiguous input of a concatenation: its first element, and its columns of the output.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 struct Piece {
     ptr: u64,
     start: i64,

@@ -187,11 +187,10 @@ impl CompiledCpu {
                         out_t.push(self.output_buffer(node, alloc, &vals, inputs, &mut bufs)?);
                     }
                     if out_t.iter().all(|t| t.numel() > 0) {
-                        let _span = profiler::span_on(
-                            profiler::Category::Kernel,
-                            out_t[0].device(),
-                            || name.to_string().into(),
-                        );
+                        let _span =
+                            profiler::span_on(profiler::Category::Kernel, self.device, || {
+                                name.to_string().into()
+                            });
                         call(f, &args_t, &out_t, sizes)?;
                         pool::count(|s| s.kernel_launches += 1);
                     }
