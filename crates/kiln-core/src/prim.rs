@@ -113,9 +113,57 @@ pub struct ConvParams {
     pub padding: [usize; 2],
     pub dilation: [usize; 2],
     pub groups: usize,
+    /// Operands and result in channels-last order: input `[N, H, W, C]`, weight
+    /// `[O, KH, KW, C/groups]`, output `[N, OH, OW, O]` (and the gradients' shapes likewise), each
+    /// a tensor like any other. The same convolution as the NCHW form of the same values; the
+    /// compiler's layout pass (`kiln-inductor/src/channels_last.rs`) writes it so that a GPU
+    /// convolution reads and writes NHWC memory. User code builds the NCHW form.
+    pub channels_last: bool,
+}
+
+/// The permutation taking an NCHW tensor to channels-last (NHWC) order.
+pub const TO_CHANNELS_LAST: [usize; 4] = [0, 2, 3, 1];
+/// The permutation taking a channels-last (NHWC) tensor back to NCHW order.
+pub const FROM_CHANNELS_LAST: [usize; 4] = [0, 3, 1, 2];
+
+impl Prim {
+    /// The geometry of a convolution prim (forward or either gradient).
+    pub fn conv_params(&self) -> Option<ConvParams> {
+        match self {
+            Prim::Conv2d(p) => Some(*p),
+            Prim::Conv2dGradInput { params, .. } | Prim::Conv2dGradWeight { params, .. } => {
+                Some(*params)
+            }
+            _ => None,
+        }
+    }
 }
 
 impl ConvParams {
+    /// The same convolution in channels-last form.
+    pub fn with_channels_last(self) -> ConvParams {
+        ConvParams {
+            channels_last: true,
+            ..self
+        }
+    }
+
+    /// `shape`, a 4-D operand or result shape in this convolution's order, in NCHW order.
+    pub fn nchw(&self, shape: &[usize]) -> Vec<usize> {
+        match self.channels_last && shape.len() == 4 {
+            true => FROM_CHANNELS_LAST.iter().map(|&d| shape[d]).collect(),
+            false => shape.to_vec(),
+        }
+    }
+
+    /// `shape`, a 4-D shape in NCHW order, in this convolution's order.
+    pub fn ordered(&self, shape: &[usize]) -> Vec<usize> {
+        match self.channels_last && shape.len() == 4 {
+            true => TO_CHANNELS_LAST.iter().map(|&d| shape[d]).collect(),
+            false => shape.to_vec(),
+        }
+    }
+
     /// Output spatial size for an input size and kernel size along one axis.
     pub fn out_size(&self, axis: usize, input: usize, kernel: usize) -> Option<usize> {
         let span = self.dilation[axis] * (kernel.max(1) - 1) + 1;
@@ -650,10 +698,10 @@ impl Prim {
                         "conv2d needs floating-point operands",
                     ));
                 }
-                let (x, w) = (shapes[0], shapes[1]);
-                conv_out_shape(p, x, w)?
+                let (x, w) = (p.nchw(shapes[0]), p.nchw(shapes[1]));
+                conv_out_shape(p, &x, &w)?
                     .map(|shape| OutMeta {
-                        shape,
+                        shape: p.ordered(&shape),
                         dtype: dtypes[0],
                     })
                     .ok_or_else(|| {

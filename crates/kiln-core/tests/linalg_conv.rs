@@ -198,6 +198,40 @@ proptest! {
         }
     }
 
+    /// The channels-last convolution prims (the compiler's NHWC form) compute what the NCHW ones
+    /// do on the same values: the forward against the direct loops, both gradients against the
+    /// NCHW gradient prims, with the shapes in channels-last order.
+    #[test]
+    fn channels_last_conv_prims_match_nchw(n in 0usize..3, g in 1usize..=2, cg in 1usize..=2, og in 1usize..=2, h in 1usize..7, w in 1usize..7, kh in 1usize..=3, kw in 1usize..=3, s0 in 1usize..=2, p0 in 0usize..=1, d0 in 1usize..=2, kind in kind(), seed: u64) {
+        use kiln_core::dispatch::apply;
+        use kiln_core::prim::{ConvParams, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
+        let mut rng = TRng::new(seed);
+        let (c, o) = (g * cg, g * og);
+        prop_assume!(h + 2 * p0 > d0 * (kh - 1) && w + 2 * p0 > d0 * (kw - 1));
+        let nchw = ConvParams { stride: [s0, 1], padding: [p0, p0], dilation: [d0, 1], groups: g, channels_last: false };
+        let cl = ConvParams { channels_last: true, ..nchw };
+        let x = make(&[n, c, h, w], kind, DType::F64, &mut rng, |r| r.uniform(-1.0, 1.0));
+        let wt = make(&[o, cg, kh, kw], Kind::Permuted, DType::F64, &mut rng, |r| r.uniform(-1.0, 1.0));
+        let to_cl = |t: &Tensor| t.permute(&TO_CHANNELS_LAST.map(|d| d as isize)).unwrap().contiguous().unwrap();
+        let (xc, wc) = (to_cl(&x), to_cl(&wt));
+        let y = apply(Prim::Conv2d(cl), &[&xc, &wc]).unwrap();
+        let (want, shape) = ref_conv(&x.to_vec_f64().unwrap(), x.shape(), &wt.to_vec_f64().unwrap(), wt.shape(), None, [s0, 1], [p0, p0], [d0, 1], g);
+        let back = y.permute(&FROM_CHANNELS_LAST.map(|d| d as isize)).unwrap();
+        check(&back, &want, &shape, DType::F64, "channels-last conv2d");
+        let gy = make(&shape, kind, DType::F64, &mut rng, |r| r.uniform(-1.0, 1.0));
+        let gyc = to_cl(&gy);
+        let s4 = |t: &Tensor| [t.shape()[0], t.shape()[1], t.shape()[2], t.shape()[3]];
+        for (plain, channels_last, args, args_cl) in [
+            (Prim::Conv2dGradInput { params: nchw, input_shape: s4(&x) }, Prim::Conv2dGradInput { params: cl, input_shape: s4(&xc) }, [&gy, &wt], [&gyc, &wc]),
+            (Prim::Conv2dGradWeight { params: nchw, weight_shape: s4(&wt) }, Prim::Conv2dGradWeight { params: cl, weight_shape: s4(&wc) }, [&gy, &x], [&gyc, &xc]),
+        ] {
+            let want = apply(plain.clone(), &args).unwrap();
+            let got = apply(channels_last, &args_cl).unwrap();
+            let got = got.permute(&FROM_CHANNELS_LAST.map(|d| d as isize)).unwrap();
+            check(&got, &want.to_vec_f64().unwrap(), want.shape(), DType::F64, plain.name());
+        }
+    }
+
     #[test]
     fn pooling_matches_direct_loops(n in 1usize..3, c in 1usize..3, h in 1usize..8, w in 1usize..8, k0 in 1usize..=3, k1 in 1usize..=3, s0 in 1usize..=3, s1 in 1usize..=2, pad: bool, kind in kind(), seed: u64) {
         let mut rng = TRng::new(seed);

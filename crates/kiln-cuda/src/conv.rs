@@ -95,6 +95,8 @@ struct PlanKey {
     benchmark: bool,
     /// Bytes every data pointer is aligned to (a graph plan is made for an alignment).
     alignment: usize,
+    /// NHWC operands (`ConvParams::channels_last`); `x`, `w`, `y` are in NCHW order either way.
+    channels_last: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -233,23 +235,25 @@ pub(crate) fn run(
     if data_type(dtype).is_none() || inputs.iter().any(|t| t.rank() != 4) {
         return Ok(None);
     }
-    let out_shape = shape4(&meta.shape);
+    // cuDNN's dims are in NCHW order whatever the memory order
+    let nchw = |s: &[usize]| shape4(&p.nchw(s));
+    let out_shape = nchw(&meta.shape);
     // cuDNN's names: x the input, w the filter, y the output of the forward convolution
     let (x, w, y) = match kind {
         Kind::Forward => (
-            shape4(inputs[0].shape()),
-            shape4(inputs[1].shape()),
+            nchw(inputs[0].shape()),
+            nchw(inputs[1].shape()),
             out_shape,
         ),
         Kind::GradInput => (
             out_shape,
-            shape4(inputs[1].shape()),
-            shape4(inputs[0].shape()),
+            nchw(inputs[1].shape()),
+            nchw(inputs[0].shape()),
         ),
         Kind::GradWeight => (
-            shape4(inputs[1].shape()),
+            nchw(inputs[1].shape()),
             out_shape,
-            shape4(inputs[0].shape()),
+            nchw(inputs[0].shape()),
         ),
     };
     let out = dev.alloc(out_shape.iter().product(), dtype)?;
@@ -273,6 +277,7 @@ pub(crate) fn run(
         tf32: cudnn_allow_tf32(),
         benchmark: cudnn_benchmark(),
         alignment: alignment(&[a.ptr(), b.ptr(), out.ptr]),
+        channels_last: p.channels_last,
     };
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
     dev.bind()?;
@@ -475,11 +480,13 @@ fn graph_spec(key: &PlanKey) -> crate::conv_graph::Spec {
         dilation: two(key.dilation),
         alignment: key.alignment as i64,
         strict_f32: key.dtype == DType::F32 && !key.tf32,
+        channels_last: key.channels_last,
         max_workspace: MAX_WORKSPACE,
     }
 }
 
-/// An operand as a packed NCHW buffer: its own memory when it is one, else a copy.
+/// An operand packed in its own order (NCHW, or NHWC when channels-last): its own memory when it
+/// is one, else a copy.
 enum Operand<'a> {
     Borrowed(&'a CudaBuffer, usize),
     Copied(CudaBuffer),
@@ -536,21 +543,34 @@ fn new_handle(dev: &CudaDevice) -> Result<Dnn> {
     })
 }
 
-fn tensor_desc(dt: dsys::cudnnDataType_t, s: [i32; 4]) -> DnnResult<TensorDesc> {
+/// The legacy API's memory order: NCHW, or NHWC for channels-last operands (dims in NCHW order
+/// either way).
+fn format(channels_last: bool) -> dsys::cudnnTensorFormat_t {
+    match channels_last {
+        true => dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+        false => dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW,
+    }
+}
+
+fn tensor_desc(
+    dt: dsys::cudnnDataType_t,
+    s: [i32; 4],
+    channels_last: bool,
+) -> DnnResult<TensorDesc> {
     let d = TensorDesc(dnn::create_tensor_descriptor()?);
     // SAFETY: a live descriptor
-    unsafe {
-        dnn::set_tensor4d_descriptor(d.0, dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW, dt, s)
-    }?;
+    unsafe { dnn::set_tensor4d_descriptor(d.0, format(channels_last), dt, s) }?;
     Ok(d)
 }
 
-fn filter_desc(dt: dsys::cudnnDataType_t, s: [i32; 4]) -> DnnResult<FilterDesc> {
+fn filter_desc(
+    dt: dsys::cudnnDataType_t,
+    s: [i32; 4],
+    channels_last: bool,
+) -> DnnResult<FilterDesc> {
     let d = FilterDesc(dnn::create_filter_descriptor()?);
     // SAFETY: a live descriptor
-    unsafe {
-        dnn::set_filter4d_descriptor(d.0, dt, dsys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW, s)
-    }?;
+    unsafe { dnn::set_filter4d_descriptor(d.0, dt, format(channels_last), s) }?;
     Ok(d)
 }
 
@@ -615,9 +635,9 @@ fn make_plan(handle: dsys::cudnnHandle_t, key: &PlanKey) -> DnnResult<Option<Pla
     }
     let math = math_type(key);
     let (xd, wd, yd, cd) = (
-        tensor_desc(dt, x)?,
-        filter_desc(dt, w)?,
-        tensor_desc(dt, y)?,
+        tensor_desc(dt, x, key.channels_last)?,
+        filter_desc(dt, w, key.channels_last)?,
+        tensor_desc(dt, y, key.channels_last)?,
         conv_desc(key, math)?,
     );
     const N: usize = 8;

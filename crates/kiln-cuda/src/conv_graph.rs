@@ -87,11 +87,17 @@ pub(crate) struct Spec {
     pub alignment: i64,
     /// f32 data held to FMA kernels (no TF32, no down-conversion).
     pub strict_f32: bool,
+    /// x, w and y are NHWC in memory (`ConvParams::channels_last`); the dims stay in NCHW order.
+    pub channels_last: bool,
     pub max_workspace: usize,
 }
 
-fn packed_strides(s: [i64; 4]) -> [i64; 4] {
-    [s[1] * s[2] * s[3], s[2] * s[3], s[3], 1]
+/// The strides of packed NCHW dims `s`, in NCHW or channels-last memory order.
+fn packed_strides(s: [i64; 4], channels_last: bool) -> [i64; 4] {
+    match channels_last {
+        true => [s[1] * s[2] * s[3], 1, s[3] * s[1], s[1]],
+        false => [s[1] * s[2] * s[3], s[2] * s[3], s[3], 1],
+    }
 }
 
 fn tensor(spec: &Spec, dims: [i64; 4], id: i64) -> DnnResult<Desc> {
@@ -105,7 +111,7 @@ fn tensor(spec: &Spec, dims: [i64; 4], id: i64) -> DnnResult<Desc> {
     t.set(
         A::CUDNN_ATTR_TENSOR_STRIDES,
         T::CUDNN_TYPE_INT64,
-        &packed_strides(dims),
+        &packed_strides(dims, spec.channels_last),
     )?;
     t.set(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, T::CUDNN_TYPE_INT64, &[id])?;
     t.set(

@@ -770,6 +770,7 @@ fn main() {
             gpu::conv::cudnn_forward_and_backward,
         ),
         ("conv_cudnn_bias_and_layer", gpu::conv::cudnn_bias_and_layer),
+        ("conv_cudnn_channels_last", gpu::conv::cudnn_channels_last),
         ("conv_cudnn_half_types", gpu::conv::cudnn_half_types),
         ("conv_cudnn_tf32_switch", gpu::conv::cudnn_tf32_switch),
         ("conv_cudnn_benchmark_mode", gpu::conv::cudnn_benchmark_mode),

@@ -299,6 +299,14 @@ impl Backend for CpuCodegen {
         "kiln_cpu"
     }
 
+    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
+        // one size of a symbolic graph keeps its shapes slot for slot (see `codegen/cuda.rs`)
+        match symbolic::context::current() {
+            None => crate::channels_last::channels_last(joint),
+            Some(_) => None,
+        }
+    }
+
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
         if graph.device() != kiln_core::Device::Cpu {
             // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs; both

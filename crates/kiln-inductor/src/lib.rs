@@ -5,6 +5,7 @@
 //! Layering: this crate knows graphs and prims (kiln-compile, kiln-core), nothing of `nn`.
 
 mod backend;
+pub mod channels_last;
 pub mod codegen;
 mod cudagraphs;
 mod footprint;

@@ -7,6 +7,10 @@
 //! dimension of size `n` as `[S, n / S]`, so the pointwise producers of the reduction stay fused
 //! into its first half: nothing new is written but the partials.
 //!
+//! An outer reduction (channels-last batch norm: the sum over N, H, W of `[N, H, W, C]`) has a
+//! thread per output element in the CUDA generator, so it wants tens of thousands of rows: its
+//! reduced run is cut into chunks by the thousand (`split_outer`), for threads, not blocks.
+//!
 //! Sums change in the last bits (partials are rounded to the value's dtype, as in Inductor); max
 //! and min are exact. Only the CUDA target splits: the C target keeps compiled sums equal to eager
 //! ones bit for bit (ARCHITECTURE.md invariant 2), and its threads are few enough that one row
@@ -37,9 +41,99 @@ fn split(
         .max_by_key(|&(dim, s)| (s, std::cmp::Reverse(dim)))
 }
 
+/// Shortest chunk of an outer reduction: a thread's loop.
+const OUTER_MIN_CHUNK: usize = 16;
+/// Input elements from which an outer reduction is split.
+const OUTER_SPLIT_FROM: usize = 1 << 20;
+/// Kept elements an outer reduction's reads need in a run (see `Cuda::reduction`).
+const OUTER_RUN: usize = 16;
+
+/// An outer reduction: its reduced dims are one consecutive run `[first, last]` followed by a run
+/// of at least `OUTER_RUN` kept elements (channels-last batch norm's sums over N, H, W). Its
+/// threads own kept elements, so it wants rows by the tens of thousands, not blocks.
+fn outer_run(in_shape: &[usize], dims: &[usize]) -> Option<(usize, usize)> {
+    let (&first, &last) = (dims.iter().min()?, dims.iter().max()?);
+    let consecutive = dims.len() == last - first + 1;
+    let run: usize = in_shape[last + 1..].iter().product();
+    (consecutive && last + 1 < in_shape.len() && run >= OUTER_RUN).then_some((first, last))
+}
+
+/// How an outer reduction of `rows` outputs over the run `[first, last]` of `in_shape` is split:
+/// into about `512` threads per multiprocessor (`policy.few_rows` is two per multiprocessor)
+/// with chunks of at least `OUTER_MIN_CHUNK`. The chunks are whole leading dims of the run and a
+/// divisor of the next one, which is viewed as `[d, n / d]`: a dim split in two keeps a load's
+/// index a sum of the loop variables, where chunks of the run flattened would cost a division
+/// and a modulo per dim at every load.
+fn split_outer(
+    policy: &ReduceSplit,
+    rows: usize,
+    in_shape: &[usize],
+    (first, last): (usize, usize),
+) -> Option<Split> {
+    let threads = policy.few_rows * 256;
+    let red: usize = in_shape[first..=last].iter().product();
+    // a reduction of fewer elements than a few per thread takes microseconds whole
+    let small = rows * red < OUTER_SPLIT_FROM;
+    if rows == 0 || 2 * rows >= threads || red < 2 * OUTER_MIN_CHUNK || small {
+        return None;
+    }
+    let most = threads / rows;
+    let mut chunks = 1;
+    for k in first..=last {
+        let n = in_shape[k];
+        let rest: usize = in_shape[k + 1..=last].iter().product();
+        let d = (1..=n)
+            .rev()
+            .find(|&d| n % d == 0 && chunks * d <= most && (n / d) * rest >= OUTER_MIN_CHUNK)?;
+        if d < n || k == last {
+            if chunks * d < 2 {
+                return None;
+            }
+            // dim k as [d, n / d]: the chunks are dims first..k and the d part
+            let mut view = in_shape[..k].to_vec();
+            view.extend([d, n / d]);
+            view.extend_from_slice(&in_shape[k + 1..]);
+            return Some(Split {
+                view,
+                first_dims: (k + 1..=last + 1).collect(),
+                second_dims: (first..=k).collect(),
+            });
+        }
+        chunks *= n;
+    }
+    None
+}
+
+/// A reduction's split: its operand viewed as `view`, a first reduction over `first_dims` of the
+/// view (within each chunk), a second over `second_dims` (across the chunks).
+#[derive(Clone, Debug)]
+struct Split {
+    view: Vec<usize>,
+    first_dims: Vec<usize>,
+    second_dims: Vec<usize>,
+}
+
+/// The block-per-chunk split of the reduced dims `dims` of `in_shape` along `dim`, viewed as
+/// `[s, n / s]`.
+fn split_one_dim(in_shape: &[usize], dims: &[usize], dim: usize, s: usize) -> Split {
+    let mut view = in_shape.to_vec();
+    view[dim] = in_shape[dim] / s;
+    view.insert(dim, s);
+    // dims after `dim` move one place on
+    let first_dims = dims
+        .iter()
+        .map(|&d| if d >= dim { d + 1 } else { d })
+        .collect();
+    Split {
+        view,
+        first_dims,
+        second_dims: vec![dim],
+    }
+}
+
 /// `g` with its long reductions split as `policy` says, or `None` when none is.
 pub fn split_reductions(g: &Graph, policy: ReduceSplit) -> Option<Graph> {
-    let plans: Vec<Option<(usize, usize)>> = g
+    let plans: Vec<Option<Split>> = g
         .nodes
         .iter()
         .map(|node| {
@@ -47,10 +141,14 @@ pub fn split_reductions(g: &Graph, policy: ReduceSplit) -> Option<Graph> {
                 return None;
             };
             let in_shape = &g.nodes[node.args[0]].shape;
+            let rows: usize = node.shape.iter().product();
+            if let Some(run) = outer_run(in_shape, dims) {
+                return split_outer(&policy, rows, in_shape, run);
+            }
             let reduced: Vec<(usize, usize)> = dims.iter().map(|&d| (d, in_shape[d])).collect();
             let red: usize = reduced.iter().map(|r| r.1).product();
-            let rows: usize = node.shape.iter().product();
-            split(&policy, rows, red, &reduced)
+            let (dim, s) = split(&policy, rows, red, &reduced)?;
+            Some(split_one_dim(in_shape, dims, dim, s))
         })
         .collect();
     if plans.iter().all(Option::is_none) {
@@ -65,28 +163,26 @@ pub fn split_reductions(g: &Graph, policy: ReduceSplit) -> Option<Graph> {
     for (node, plan) in g.nodes.iter().zip(plans) {
         let args: Vec<NodeId> = node.args.iter().map(|&a| at[a]).collect();
         let id = match (plan, &node.op) {
-            (Some((dim, s)), Op::Prim(Prim::Reduce { op, dims })) => {
-                let in_shape = &g.nodes[node.args[0]].shape;
+            (Some(split), Op::Prim(Prim::Reduce { op, .. })) => {
                 let like = |op: Prim, args: Vec<NodeId>, shape: Vec<usize>| Node {
                     op: Op::Prim(op),
                     args,
                     shape,
                     ..node.clone()
                 };
-                // [.., n, ..] viewed as [.., S, n / S, ..]: dims after `dim` move one place on
-                let mut viewed = in_shape.clone();
-                viewed[dim] = in_shape[dim] / s;
-                viewed.insert(dim, s);
-                let first_dims: Vec<usize> = dims
-                    .iter()
-                    .map(|&d| if d >= dim { d + 1 } else { d })
-                    .collect();
+                let Split {
+                    view: viewed,
+                    first_dims,
+                    second_dims,
+                } = split;
                 let mut partial_shape = viewed.clone();
                 for &d in &first_dims {
                     partial_shape[d] = 1;
                 }
                 let mut summed_shape = partial_shape.clone();
-                summed_shape[dim] = 1;
+                for &d in &second_dims {
+                    summed_shape[d] = 1;
+                }
                 let view = out.push(like(Prim::Reshape(viewed.clone()), args, viewed));
                 let partial = out.push(like(
                     Prim::Reduce {
@@ -99,7 +195,7 @@ pub fn split_reductions(g: &Graph, policy: ReduceSplit) -> Option<Graph> {
                 let summed = out.push(like(
                     Prim::Reduce {
                         op: *op,
-                        dims: vec![dim],
+                        dims: second_dims,
                     },
                     vec![partial],
                     summed_shape,
@@ -212,6 +308,34 @@ mod tests {
         assert!(split_reductions(&graph(&[2, 32], ReduceOp::Sum, &[1]), SMALL).is_none());
         // a prime extent has no chunks
         assert!(split_reductions(&graph(&[2, 67], ReduceOp::Sum, &[1]), SMALL).is_none());
+    }
+
+    #[test]
+    fn an_outer_reduction_is_split_over_its_whole_run_into_many_rows() {
+        // channels-last batch norm: the sum over N, H, W of [N, H, W, C], C innermost
+        let shape = [64, 32, 16, 32];
+        let g = graph(&shape, ReduceOp::Sum, &[0, 1, 2]);
+        let split = split_reductions(&g, ReduceSplit::for_gpu(132)).expect("a split");
+        let view = split
+            .nodes
+            .iter()
+            .find(|n| matches!(n.op, Op::Prim(Prim::Reshape(_))))
+            .expect("the chunked view");
+        // 67584 / 32 = 2112 chunks per row at most: the batch whole (64) and 32 of the second
+        // dim's 32, chunks of 16 (the third dim)
+        assert_eq!(view.shape, vec![64, 32, 1, 16, 32]);
+        let x = Tensor::randn(&shape, kiln_core::DType::F64).unwrap();
+        let (a, b) = (run(&g, &x), run(&split, &x));
+        assert_eq!(a[0].shape(), b[0].shape());
+        let (a, b) = (a[0].to_vec::<f64>().unwrap(), b[0].to_vec::<f64>().unwrap());
+        for (u, v) in a.iter().zip(&b) {
+            assert!((u - v).abs() <= 1e-12 * u.abs().max(1.0), "{u} vs {v}");
+        }
+        // a run of kept elements too short for coalesced reads, or reduced dims not in one run:
+        // the block-per-chunk split of the other tests
+        assert!(outer_run(&[8, 6, 4, 8], &[0, 1, 2]).is_none());
+        assert!(outer_run(&[8, 6, 4, 32], &[0, 2]).is_none());
+        assert_eq!(outer_run(&[8, 6, 4, 32], &[1, 2]), Some((1, 2)));
     }
 
     #[test]

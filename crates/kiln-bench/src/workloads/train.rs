@@ -156,7 +156,9 @@ fn run_with<M: Module>(
     }
 
     let variant = ctx.mode_name();
-    if std::env::var_os("KILN_BENCH_PROFILE").is_some() {
+    // `KILN_BENCH_PROFILE_COMPILE=0` leaves the cold compile unprofiled (the steps still are)
+    let profile_compile = std::env::var("KILN_BENCH_PROFILE_COMPILE").map_or(true, |v| v != "0");
+    if std::env::var_os("KILN_BENCH_PROFILE").is_some() && profile_compile {
         // where a cold compile's time goes (the `compile` rows), first-use costs of the process
         // included: a fresh model compiled in a fresh cache, its first step profiled. It runs
         // before the timed cold compile, which under KILN_BENCH_PROFILE is the process's second

@@ -47,7 +47,12 @@ impl Backend for AotBackend {
                 "aot autograd: joint graph and partition".into()
             });
             match joint::build(graph)? {
-                Some(joint) => Some((partition::partition(&joint)?, joint)),
+                Some(mut joint) => {
+                    if let Some(g) = self.inner.prepare_joint(&joint.graph) {
+                        joint.graph = g;
+                    }
+                    Some((partition::partition(&joint)?, joint))
+                }
                 None => None,
             }
         };

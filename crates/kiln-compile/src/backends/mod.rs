@@ -29,6 +29,14 @@ pub struct BackendContext {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &str;
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>>;
+    /// A rewrite of AOT autograd's joint graph (forward and backward in one) before it is split,
+    /// so that what the forward saves for the backward is what this backend wants saved (kiln's
+    /// CUDA target: activations in channels-last order). The rewrite keeps the graph's inputs and
+    /// outputs, in order, with their shapes and values. `None`, the default: no rewrite.
+    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
+        let _ = joint;
+        None
+    }
     /// Compiles a graph with symbolic sizes into code that runs at every size its guards admit
     /// (sizes read off the inputs at run time). `None`, the default: this backend compiles
     /// concrete graphs only, and kiln compiles the graph once per size for it.

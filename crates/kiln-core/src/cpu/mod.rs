@@ -14,7 +14,7 @@ mod reduce;
 
 use std::borrow::Cow;
 
-use crate::prim::{OutMeta, Prim};
+use crate::prim::{ConvParams, OutMeta, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
 use crate::shape::Layout;
 use crate::storage::{CpuStorage, Storage, StorageElement};
 use crate::{with_storage, Result, Tensor};
@@ -35,6 +35,9 @@ pub(crate) fn execute(
     meta: &OutMeta,
 ) -> Result<(Storage, Layout)> {
     let shape = &meta.shape;
+    if let Some(p) = prim.conv_params().filter(|p| p.channels_last) {
+        return channels_last_conv(prim, p, inputs, meta);
+    }
     Ok(match prim {
         Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_) => {
             match prim.view_layout(inputs[0].layout()) {
@@ -90,6 +93,56 @@ pub(crate) fn execute(
             shape,
         ),
     })
+}
+
+/// A channels-last convolution (`ConvParams::channels_last`): the NCHW one over permuted views of
+/// the operands, its result copied into channels-last order. The CPU has no NHWC kernel; this is
+/// the reference the GPU's NHWC convolutions are checked against.
+fn channels_last_conv(
+    prim: &Prim,
+    p: ConvParams,
+    inputs: &[&Tensor],
+    meta: &OutMeta,
+) -> Result<(Storage, Layout)> {
+    let view = |t: &Tensor, perm: &[usize], storage: Storage| {
+        Tensor::from_parts(storage, t.layout().permute(perm), t.dtype(), None)
+    };
+    let nchw: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| view(t, &FROM_CHANNELS_LAST, t.0.storage.clone()))
+        .collect();
+    let refs: Vec<&Tensor> = nchw.iter().collect();
+    let plain = ConvParams {
+        channels_last: false,
+        ..p
+    };
+    let four = |s: &[usize; 4]| {
+        let v = p.nchw(s);
+        [v[0], v[1], v[2], v[3]]
+    };
+    let prim = match prim {
+        Prim::Conv2dGradInput { input_shape, .. } => Prim::Conv2dGradInput {
+            params: plain,
+            input_shape: four(input_shape),
+        },
+        Prim::Conv2dGradWeight { weight_shape, .. } => Prim::Conv2dGradWeight {
+            params: plain,
+            weight_shape: four(weight_shape),
+        },
+        _ => Prim::Conv2d(plain),
+    };
+    let nchw_meta = OutMeta {
+        shape: p.nchw(&meta.shape),
+        dtype: meta.dtype,
+    };
+    let (storage, layout) = execute(&prim, &refs, &nchw_meta)?;
+    let out = Tensor::from_parts(
+        storage,
+        layout.permute(&TO_CHANNELS_LAST),
+        meta.dtype,
+        None,
+    );
+    Ok(owned(materialize(&out), &meta.shape))
 }
 
 fn meta_numel(m: &OutMeta) -> usize {

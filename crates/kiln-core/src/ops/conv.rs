@@ -92,6 +92,7 @@ impl Tensor {
                 padding,
                 dilation,
                 groups,
+                channels_last: false,
             }),
             &[self, weight],
         )?;

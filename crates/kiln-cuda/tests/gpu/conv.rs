@@ -75,6 +75,53 @@ pub fn cudnn_forward_and_backward() -> Outcome {
     Ok(())
 }
 
+/// The channels-last prims (`ConvParams::channels_last`, which the compiler's layout pass writes):
+/// forward, grad input and grad weight of every case on NHWC cuDNN descriptors, through the graph
+/// API and the legacy one (benchmark mode), against the CPU in f64, with no host fallback.
+pub fn cudnn_channels_last() -> Outcome {
+    use kiln_core::dispatch::apply;
+    use kiln_core::prim::{ConvParams, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
+    let e = |x: kiln_core::Error| x.to_string();
+    let before = conv_fallbacks();
+    let perm = |p: [usize; 4]| p.map(|d| d as isize);
+    for benchmark in [false, true] {
+        kiln_cuda::set_cudnn_benchmark(benchmark);
+        for (i, c) in CASES.iter().enumerate() {
+            let (_, _, stride, padding, dilation, groups) = *c;
+            let params = ConvParams {
+                stride,
+                padding,
+                dilation,
+                groups,
+                channels_last: true,
+            };
+            let mut rng = Rng::new(2400 + i as u64);
+            let x = input(&mut rng, &c.0, -1.0, 1.0, false).map_err(e)?;
+            let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
+            let what = format!("channels-last conv2d case {i} {c:?} (benchmark {benchmark})");
+            let r = check_grad(&what, &[x, w], 1e-5, |t| {
+                let nhwc = |t: &Tensor| t.permute(&perm(TO_CHANNELS_LAST))?.contiguous();
+                let y = apply(Prim::Conv2d(params), &[&nhwc(&t[0])?, &nhwc(&t[1])?])?;
+                y.permute(&perm(FROM_CHANNELS_LAST))
+            });
+            if r.is_err() {
+                kiln_cuda::set_cudnn_benchmark(false);
+                return r;
+            }
+        }
+    }
+    kiln_cuda::set_cudnn_benchmark(false);
+    let after = conv_fallbacks();
+    if after != before {
+        return Err(format!(
+            "{} channels-last convolutions took the host path: {:?}",
+            after - before,
+            kiln_cuda::host_fallbacks()
+        ));
+    }
+    Ok(())
+}
+
 /// conv2d with bias through the layer, batch 1, as a model runs it.
 pub fn cudnn_bias_and_layer() -> Outcome {
     let e = |x: kiln_core::Error| x.to_string();

@@ -49,6 +49,10 @@ template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 /// Reduced lengths from which a warp (then a block) reduces each output element.
 const WARP_FROM: usize = 32;
 const BLOCK_FROM: usize = 4096;
+/// An outer reduction (`Cuda::reduction`) has a thread per output element when its kept
+/// elements come in runs of at least this many and it has this many rows per multiprocessor.
+const OUTER_RUN_FROM: usize = 16;
+const OUTER_ROWS_PER_SM: usize = 128;
 /// Elements from which a pointwise kernel's threads take `UNROLL` elements per iteration.
 const UNROLL_FROM: usize = 1 << 20;
 const UNROLL: usize = 4;
@@ -400,7 +404,20 @@ impl Target for Cuda {
         let accumulate = format!("{}      acc = {};\n", b.body, step("acc", &v));
         let combine = step("acc", "other");
         let mut text = b.pre.clone();
-        let (grid, block) = if red < WARP_FROM {
+        // an outer reduction (its reduced dims lie outside a run of kept ones: channels-last
+        // batch norm's per-channel sums): consecutive threads own consecutive kept elements, so
+        // a warp's load is one contiguous run, where lanes over the reduced elements would read
+        // a run's length apart. Given enough rows to fill the device (`split_reduction.rs` cuts
+        // the reduced extent into chunks to make them).
+        let inner: usize = kept
+            .iter()
+            .filter(|k| reduced.iter().all(|r| k.0 > r.0))
+            .map(|k| k.1)
+            .product();
+        let outer = !reduced.is_empty()
+            && inner >= OUTER_RUN_FROM
+            && rows >= self.sm_count as usize * OUTER_ROWS_PER_SM;
+        let (grid, block) = if red < WARP_FROM || outer {
             // a thread per output element, its reduced elements in a loop nest
             let _ = writeln!(
                 text,
@@ -629,6 +646,13 @@ pub fn compile(
         horizontal: sizes.is_none(),
         ..Cuda::new(sm_count)
     };
+    // NHWC values for cuDNN (a joint graph was rewritten before its partition: not again); not
+    // for one size of a symbolic graph, whose kernels must match its other sizes' slot for slot
+    let nhwc = match sizes {
+        None => crate::channels_last::channels_last(graph),
+        Some(_) => None,
+    };
+    let graph = nhwc.as_ref().unwrap_or(graph);
     // a symbolic graph's kernels serve every size: the chunk count, a divisor of a size, would
     // tie them to this one
     let split = match sizes {
@@ -832,12 +856,60 @@ pub(crate) mod tests {
     }
 
     /// The default launch shape generates, byte for byte, the kernels kiln generated before
-    /// launch shapes could be tuned (the digest was taken from that generator): default and
-    /// reduce-overhead modes are unchanged by max-autotune.
+    /// launch shapes could be tuned (the digest was taken from that generator, and taken again
+    /// when outer reductions got a thread per output element: the sample's column sums over
+    /// [64, 32768]): default and reduce-overhead modes are unchanged by max-autotune.
     #[test]
     fn default_config_kernels_are_unchanged() {
         let d = digest(&Cuda::new(132), &sample_graph());
-        assert_eq!(d, (3, 15494952398212772944));
+        assert_eq!(d, (3, 15344924951685175539));
+    }
+
+    /// Channels-last batch norm's per-channel sum (an outer reduction over N, H, W of
+    /// [64, 112, 112, 64]) is split into chunks of whole dims and a dim cut in two, and its first
+    /// pass has a thread per (chunk, channel): the load is a sum of the loop variables, with no
+    /// division or modulo, and consecutive threads read consecutive channels.
+    #[test]
+    fn outer_reductions_read_coalesced_without_index_division() {
+        let mut g = Graph::default();
+        let shape = [64, 112, 112, 64];
+        let x = input(&mut g, &shape);
+        let e = push(&mut g, Op::Prim(Prim::Unary(UnaryOp::Exp)), vec![x], &shape);
+        let r = push(
+            &mut g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![0, 1, 2],
+            }),
+            vec![e],
+            &[1, 1, 1, 64],
+        );
+        g.outputs.push(r);
+        let split = split_reductions(&g, ReduceSplit::for_gpu(132)).expect("a split");
+        let kernels: Vec<CudaKernel> = plan_graph(&Cuda::new(132), &split)
+            .into_iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { kernel, .. } => Some(kernel),
+                Planned::Extern { .. } => None,
+            })
+            .collect();
+        assert_eq!(kernels.len(), 2, "a chunked pass and a pass over the chunks");
+        let first = &kernels[0];
+        let text: String = first
+            .device_fns
+            .iter()
+            .map(|(_, f)| f.as_str())
+            .chain([first.source.as_str()])
+            .collect();
+        assert!(text.contains("row < 65536"), "a thread per (chunk, channel):\n{text}");
+        let load = text
+            .lines()
+            .find(|l| l.contains("= b0["))
+            .expect("the load of x");
+        assert!(
+            !load.contains('/') && !load.contains('%'),
+            "the load indexes without division: {load}"
+        );
     }
 
     /// The candidates are valid, distinct, the default first, and each one changes the

@@ -219,16 +219,27 @@ pub fn test_device() -> Device {
 
 /// Element-wise comparison; `tol == 0.0` means bitwise (NaNs of any payload match each other).
 pub fn assert_same(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_close(what, got, want, tol, false);
+}
+
+/// `assert_same`, with the tolerance relative to each element's magnitude, or with `of_max` to
+/// the tensor's largest (sums with cancellation: an element near zero carries the rounding error
+/// of its large terms).
+pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64, of_max: bool) {
     assert_eq!(got.shape(), want.shape(), "{what}: shape");
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
     let (x, y) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    let largest = match of_max {
+        true => y.iter().filter(|v| v.is_finite()).fold(0f64, |m, v| m.max(v.abs())),
+        false => 0.0,
+    };
     for (i, (p, q)) in x.iter().zip(&y).enumerate() {
         let ok = if p.is_nan() || q.is_nan() {
             p.is_nan() && q.is_nan()
         } else if tol == 0.0 {
             p.to_bits() == q.to_bits()
         } else {
-            p == q || (p - q).abs() <= tol * p.abs().max(q.abs())
+            p == q || (p - q).abs() <= tol * p.abs().max(q.abs()).max(largest)
         };
         assert!(
             ok,
@@ -269,6 +280,8 @@ pub struct Case {
     name: String,
     fwd_tol: f64,
     grad_tol: f64,
+    /// Tolerances relative to each tensor's largest element (`assert_close`).
+    tol_of_max: bool,
     seed: Option<u64>,
     calls: usize,
     errs: bool,
@@ -281,6 +294,7 @@ impl Case {
             name: name.into(),
             fwd_tol: 0.0,
             grad_tol: 0.0,
+            tol_of_max: false,
             seed: None,
             calls: 2,
             errs: false,
@@ -295,6 +309,11 @@ impl Case {
     /// Relative tolerance for gradients (default: bitwise).
     pub fn grad_tol(mut self, t: f64) -> Case {
         self.grad_tol = t;
+        self
+    }
+    /// The tolerances relative to each compared tensor's largest element.
+    pub fn tol_of_max(mut self) -> Case {
+        self.tol_of_max = true;
         self
     }
     /// `manual_seed(seed + call)` before each compiled and each eager run.
@@ -402,7 +421,8 @@ impl Case {
 
             assert_eq!(out_c.len(), out_e.len(), "{what}: number of outputs");
             for (k, (c, e)) in out_c.iter().zip(&out_e).enumerate() {
-                assert_same(&format!("{what}: output {k}"), c, e, self.fwd_tol);
+                let what = format!("{what}: output {k}");
+                assert_close(&what, c, e, self.fwd_tol, self.tol_of_max);
                 assert_eq!(
                     c.requires_grad(),
                     e.requires_grad(),
@@ -414,7 +434,8 @@ impl Case {
                 assert_same(&format!("{what}: argument {k} after the call"), c, e, 0.0);
             }
             for (k, (c, e)) in state(&state_c).iter().zip(&state(&state_e)).enumerate() {
-                assert_same(&format!("{what}: state {k}"), c, e, self.fwd_tol);
+                let what = format!("{what}: state {k}");
+                assert_close(&what, c, e, self.fwd_tol, self.tol_of_max);
             }
 
             // backward of sum(out_k * w_k) with random weights w_k, through every differentiable output
@@ -455,11 +476,12 @@ impl Case {
             );
             for (k, (c, e)) in leaves_c.iter().zip(&leaves_e).enumerate() {
                 match (c.grad(), e.grad()) {
-                    (Some(gc), Some(ge)) => assert_same(
+                    (Some(gc), Some(ge)) => assert_close(
                         &format!("{what}: grad of input {k}"),
                         &gc,
                         &ge,
                         self.grad_tol,
+                        self.tol_of_max,
                     ),
                     (None, None) => {}
                     (gc, ge) => panic!(
