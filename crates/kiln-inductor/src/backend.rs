@@ -68,6 +68,8 @@ pub struct C {
     /// Small matmuls as generated reductions (`Target::inline_matmul`); off unless the
     /// `inline_small_matmuls` option turns it on (see `INLINE_SMALL_MATMULS`).
     pub inline_matmul: bool,
+    /// Whether independent kernels share one parallel region (`codegen/c_horizontal.rs`).
+    pub horizontal: bool,
 }
 
 /// `CompileOptions::option` key: `"true"` or `"false"`, whether small matmuls are generated
@@ -118,12 +120,21 @@ impl Target for C {
     fn inputs<'k>(&self, k: &'k Kernel) -> &'k [NodeId] {
         &k.inputs
     }
+    fn side_by_side(&self, k: &Kernel) -> Option<(u32, usize)> {
+        self.horizontal
+            .then(|| crate::codegen::c_horizontal::side_by_side(k))
+            .flatten()
+    }
+    fn horizontal(&self, members: &[&Kernel]) -> Option<Kernel> {
+        crate::codegen::c_horizontal::horizontal(members)
+    }
 }
 
 /// The C kernels of a graph, in step order, and the steps that run them.
 pub fn generate(graph: &Graph) -> (Vec<Step>, Vec<Option<Kernel>>) {
     let c = C {
         inline_matmul: false,
+        horizontal: false,
     };
     kernels_of(&c, graph, &schedule_for(&c, graph))
 }
@@ -350,13 +361,17 @@ impl Backend for CpuCodegen {
             });
             return Ok(Arc::new(Interpreter::new(graph.clone())));
         };
-        let c = C {
-            inline_matmul: inline_small_matmuls(ctx, false)?,
-        };
-        let planned = plan_graph(&c, graph);
         // one size of a symbolic graph: kernels that differ between sizes only in constants
         // become one size-generic kernel (`codegen/template.rs`)
         let sizes = symbolic::context::current();
+        let c = C {
+            inline_matmul: inline_small_matmuls(ctx, false)?,
+            // not under a size context: a horizontal kernel's member functions are named by
+            // the hash of their static text, which a size-generic kernel rewrites under the same
+            // names
+            horizontal: sizes.is_none(),
+        };
+        let planned = plan_graph(&c, graph);
         let kernels: Vec<&Kernel> = planned
             .iter()
             .filter_map(|p| match p {

@@ -224,6 +224,7 @@ mod tests {
             schedule_for(
                 &C {
                     inline_matmul: true,
+                    horizontal: true,
                 },
                 &g,
             ),
@@ -248,6 +249,7 @@ mod tests {
             schedule_for(
                 &C {
                     inline_matmul: true,
+                    horizontal: true,
                 },
                 &g,
             ),
@@ -268,6 +270,7 @@ mod tests {
         let c = schedule_for(
             &C {
                 inline_matmul: true,
+                horizontal: true,
             },
             &g,
         );

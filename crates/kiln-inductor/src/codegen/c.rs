@@ -6,11 +6,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
+use std::sync::Arc;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::{Prim, ReduceOp, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
 use kiln_core::DType;
 
+use super::c_horizontal::{Member, Threads};
 use crate::ir::index::Ix;
 use crate::ir::lower::{
     binary_c, c_dtype, float_literal, linear, reduce_c, unary_c, view_index, Kind,
@@ -18,7 +20,7 @@ use crate::ir::lower::{
 use crate::schedule::Schedule;
 
 /// Elements below which a kernel runs on one thread.
-const PARALLEL_THRESHOLD: usize = 32 * 1024;
+pub(crate) const PARALLEL_THRESHOLD: usize = 32 * 1024;
 
 /// One generated kernel.
 #[derive(Clone, Debug)]
@@ -28,6 +30,10 @@ pub struct Kernel {
     pub source: String,
     /// The buffers it reads, in argument order (the output comes after them).
     pub inputs: Vec<NodeId>,
+    /// Its loop nest in parts, for a kernel that can run beside others in one parallel region
+    /// (`codegen/c_horizontal.rs`); `None` for one that cannot (a chunked sum, a horizontal
+    /// kernel, a size-generic one).
+    pub(crate) member: Option<Arc<Member>>,
 }
 
 /// Builds the expressions of one kernel body, in C that is also CUDA C: one `const` temporary per
@@ -289,51 +295,84 @@ impl<'a> Builder<'a> {
     }
 }
 
-fn loops(out: &mut String, vars: &[(usize, usize)], parallel: bool) {
-    if parallel && !vars.is_empty() {
+/// One loop per `(variable, extent)`, the outer ones shared among OpenMP threads as `threads`
+/// says (all but the innermost collapsed into one iteration space).
+pub(crate) fn loops(out: &mut String, vars: &[(usize, usize)], threads: Threads) {
+    if threads != Threads::One && !vars.is_empty() {
         let collapse = if vars.len() >= 2 { vars.len() - 1 } else { 1 };
-        let _ = writeln!(
-            out,
-            "  #pragma omp parallel for collapse({collapse}) schedule(static)"
-        );
+        let _ = match threads {
+            Threads::Shared => writeln!(
+                out,
+                "  #pragma omp for collapse({collapse}) schedule(static) nowait"
+            ),
+            _ => writeln!(
+                out,
+                "  #pragma omp parallel for collapse({collapse}) schedule(static)"
+            ),
+        };
     }
     for &(v, n) in vars {
         let _ = writeln!(out, "  for (int64_t i{v} = 0; i{v} < {n}; i{v}++)");
     }
 }
 
-fn finish(b: Builder<'_>, root: NodeId, loop_text: String, parallel: bool) -> Kernel {
-    finish_outputs(b, &[(root, "out".into())], loop_text, parallel)
+/// A kernel's loops before they become a function: the outer (dim, extent) loops that OpenMP
+/// may share, the text inside them, the iterations of the whole nest, and whether the nest can
+/// be work-shared inside another function's parallel region (`Member`).
+struct Nest {
+    outer: Vec<(usize, usize)>,
+    inner: String,
+    elements: usize,
+    shareable: bool,
 }
 
-/// The C function: the input buffers, then one pointer per output (`outputs`: node, name).
+fn finish(b: Builder<'_>, root: NodeId, nest: Nest, parallel: bool) -> Kernel {
+    finish_outputs(b, &[(root, "out".into())], nest, parallel)
+}
+
+/// The C function: the input buffers, then one pointer per output (`outputs`: node, name), the
+/// values computed once, then the loops (their outer ones in a parallel region when `parallel`).
 fn finish_outputs(
     b: Builder<'_>,
     outputs: &[(NodeId, String)],
-    loop_text: String,
+    nest: Nest,
     parallel: bool,
 ) -> Kernel {
     let g = b.g;
-    let mut sig = String::new();
-    for (p, &id) in b.params.iter().enumerate() {
-        let t = ty(g.nodes[id].dtype);
-        let _ = writeln!(sig, "  const {t} *restrict b{p} = (const {t} *)args[{p}];");
-    }
-    for (j, (root, name)) in outputs.iter().enumerate() {
-        let out_t = ty(g.nodes[*root].dtype);
-        let _ = writeln!(
-            sig,
-            "  {out_t} *restrict {name} = ({out_t} *)args[{}];",
-            b.params.len() + j
-        );
-    }
-    let text = format!("{sig}{loop_text}");
+    let mut args: Vec<(&'static str, String)> = b
+        .params
+        .iter()
+        .enumerate()
+        .map(|(p, &id)| (ty(g.nodes[id].dtype), format!("b{p}")))
+        .collect();
+    args.extend(
+        outputs
+            .iter()
+            .map(|(root, name)| (ty(g.nodes[*root].dtype), name.clone())),
+    );
+    let member = Member {
+        args,
+        inputs: b.params.len(),
+        pre: b.pre,
+        outer: nest.outer,
+        inner: nest.inner,
+        parallel,
+        elements: nest.elements,
+    };
+    let mut text = String::new();
+    member.declare(&mut text, 0, member.inputs);
+    let threads = match parallel {
+        true => Threads::Region,
+        false => Threads::One,
+    };
+    member.nest(&mut text, threads);
     let hash = xxhash_rust::xxh3::xxh3_64(format!("{parallel}{text}").as_bytes());
     let name = format!("k_{hash:016x}");
     Kernel {
         source: format!("void {name}(void **args) {{\n{text}}}\n"),
         name,
         inputs: b.params,
+        member: nest.shareable.then(|| Arc::new(member)),
     }
 }
 
@@ -427,11 +466,13 @@ fn build_pointwise(
     } = pointwise_body(g, sched, roots, false);
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
-    let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
-    let mut text = b.pre.clone();
-    loops(&mut text, &vars, parallel);
-    let _ = write!(text, "  {{\n{}{stores}  }}\n", b.body);
-    (finish_outputs(b, &outputs, text, parallel), ok)
+    let nest = Nest {
+        outer: shape.iter().copied().enumerate().collect(),
+        inner: format!("  {{\n{}{stores}  }}\n", b.body),
+        elements: numel,
+        shareable: true,
+    };
+    (finish_outputs(b, &outputs, nest, parallel), ok)
 }
 
 /// What a reduction kernel is made of, whatever loops walk it: the builder holding the operand's
@@ -549,12 +590,15 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let node = &g.nodes[root];
     let numel: usize = kept.iter().chain(&reduced).map(|d| d.1).product();
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
-    let mut text = b.pre.clone();
-    loops(&mut text, &kept, parallel);
+    // the text inside the loops over the kept dims
+    let mut text = String::new();
+    let mut shareable = true;
     let rows: usize = kept.iter().map(|k| k.1).product();
     let red: usize = reduced.iter().map(|k| k.1).product();
     match (lanes, reduced.split_last()) {
         (true, Some((&(d, n), outer))) if rows == 1 && red >= SUM_CHUNKED_FROM => {
+            // its chunks run in a parallel region of its own (`chunked_sum`)
+            shareable = false;
             chunked_sum(&mut text, (&b.body, &v), acc_t, (d, n), outer, step);
             let _ = writeln!(text, "  out[{off}] = ({})total;\n  }}", ty(node.dtype));
         }
@@ -565,7 +609,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
             let l = SUM_LANES;
             let _ = writeln!(text, "  {{\n  {acc_t} acc[{l}];");
             let _ = writeln!(text, "  for (int64_t l = 0; l < {l}; l++) acc[l] = {init};");
-            loops(&mut text, outer, false);
+            loops(&mut text, outer, Threads::One);
             let _ = writeln!(text, "  {{");
             lane_loops(&mut text, (d, &b.body, &v), step, "0", &n.to_string());
             let _ = writeln!(text, "  }}");
@@ -583,7 +627,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
                 "  {{
   {acc_t} acc = {init};"
             );
-            loops(&mut text, &reduced, false);
+            loops(&mut text, &reduced, Threads::One);
             let _ = writeln!(
                 text,
                 "  {{
@@ -600,7 +644,13 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
             );
         }
     }
-    finish(b, root, text, parallel)
+    let nest = Nest {
+        outer: kept,
+        inner: text,
+        elements: numel,
+        shareable,
+    };
+    finish(b, root, nest, parallel)
 }
 
 /// The lane loops of `prim::SUM_LANES`'s order over the innermost reduced dim `d`, from `start`

@@ -68,6 +68,7 @@ pub(crate) fn resolve(
                     name: k.name.clone(),
                     source: k.source.clone(),
                     inputs: Vec::new(),
+                    member: None,
                 };
                 let place = template::place(graph.nodes.len(), count, i);
                 let (t, sizes) = template::resolve(ctx, place, &text, SizeArgs::Params);

@@ -1,10 +1,12 @@
 //! Source generation from the schedule. `c`: C with OpenMP for the CPU (and the expression
-//! builder both targets share); `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_units`: a
+//! builder both targets share; `c_horizontal`: independent C kernels in one parallel region);
+//! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
 //! graph's size-generic kernels in units of their own); `template`: size-generic kernels of both
 //! targets.
 
 pub mod c;
+pub(crate) mod c_horizontal;
 pub mod cuda;
 mod cuda_sizes;
 mod cuda_tune;

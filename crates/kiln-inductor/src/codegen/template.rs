@@ -224,6 +224,7 @@ fn build(text: &str, exprs: &[Expr], num_syms: usize, inputs: &[usize], how: Siz
         source: source.replace("KNAME", &name),
         name,
         inputs: inputs.to_vec(),
+        member: None,
     }
 }
 
@@ -270,6 +271,7 @@ mod tests {
             name: "k_12ab".into(),
             source: "void k_12ab(void **args) { float* b0 = args[0]; for (int64_t i0 = 0; i0 < 48; i0++) out[i0*3 + 2] = b0[i0] * 2.5f + 1e-5f + x1; }".into(),
             inputs: vec![],
+            member: None,
         };
         let (text, lits) = split_literals(&k);
         assert_eq!(lits, vec![0, 0, 48, 3, 2]);
@@ -305,6 +307,7 @@ mod size_one {
             source: source.replace("KN", &name),
             name,
             inputs: vec![0],
+            member: None,
         }
     }
 
