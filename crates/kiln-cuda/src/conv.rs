@@ -240,21 +240,9 @@ pub(crate) fn run(
     let out_shape = nchw(&meta.shape);
     // cuDNN's names: x the input, w the filter, y the output of the forward convolution
     let (x, w, y) = match kind {
-        Kind::Forward => (
-            nchw(inputs[0].shape()),
-            nchw(inputs[1].shape()),
-            out_shape,
-        ),
-        Kind::GradInput => (
-            out_shape,
-            nchw(inputs[1].shape()),
-            nchw(inputs[0].shape()),
-        ),
-        Kind::GradWeight => (
-            nchw(inputs[1].shape()),
-            out_shape,
-            nchw(inputs[0].shape()),
-        ),
+        Kind::Forward => (nchw(inputs[0].shape()), nchw(inputs[1].shape()), out_shape),
+        Kind::GradInput => (out_shape, nchw(inputs[1].shape()), nchw(inputs[0].shape())),
+        Kind::GradWeight => (nchw(inputs[1].shape()), out_shape, nchw(inputs[0].shape())),
     };
     let out = dev.alloc(out_shape.iter().product(), dtype)?;
     if [x, w, y].iter().any(|s| s.contains(&0)) {

@@ -263,7 +263,12 @@ mod tests {
             vec![c, e],
             &[2, 4, 6, 5],
         );
-        let a = push(&mut g, Op::Prim(Prim::Unary(UnaryOp::Tanh)), vec![d], &[2, 4, 6, 5]);
+        let a = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Tanh)),
+            vec![d],
+            &[2, 4, 6, 5],
+        );
         let pd = push(
             &mut g,
             Op::Prim(Prim::Pad {
@@ -293,7 +298,12 @@ mod tests {
             vec![sl],
             &[2, 5, 1, 1],
         );
-        let flat = push(&mut g, Op::Prim(Prim::Reshape(vec![2, 5])), vec![m], &[2, 5]);
+        let flat = push(
+            &mut g,
+            Op::Prim(Prim::Reshape(vec![2, 5])),
+            vec![m],
+            &[2, 5],
+        );
         let t = push(
             &mut g,
             Op::Prim(Prim::Permute(vec![0, 2, 3, 1])),
@@ -340,7 +350,10 @@ mod tests {
             assert_eq!(a.shape(), b.shape(), "output {i}");
             let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
             for (u, v) in a.iter().zip(&b) {
-                assert!((u - v).abs() <= 1e-5 * u.abs().max(1.0), "output {i}: {u} vs {v}");
+                assert!(
+                    (u - v).abs() <= 1e-5 * u.abs().max(1.0),
+                    "output {i}: {u} vs {v}"
+                );
             }
         }
         // the rank-4 output `a` is handed back contiguous, as eager lays it out
@@ -352,7 +365,12 @@ mod tests {
         assert!(channels_last(&on_cpu(&block())).is_none(), "a CPU graph");
         let mut g = Graph::default();
         let x = input(&mut g, &[2, 3, 4, 4]);
-        let y = push(&mut g, Op::Prim(Prim::Unary(UnaryOp::Exp)), vec![x], &[2, 3, 4, 4]);
+        let y = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Exp)),
+            vec![x],
+            &[2, 3, 4, 4],
+        );
         g.outputs = vec![y];
         assert!(channels_last(&g).is_none(), "no convolution");
     }

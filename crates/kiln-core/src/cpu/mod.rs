@@ -136,12 +136,7 @@ fn channels_last_conv(
         dtype: meta.dtype,
     };
     let (storage, layout) = execute(&prim, &refs, &nchw_meta)?;
-    let out = Tensor::from_parts(
-        storage,
-        layout.permute(&TO_CHANNELS_LAST),
-        meta.dtype,
-        None,
-    );
+    let out = Tensor::from_parts(storage, layout.permute(&TO_CHANNELS_LAST), meta.dtype, None);
     Ok(owned(materialize(&out), &meta.shape))
 }
 

@@ -893,7 +893,11 @@ pub(crate) mod tests {
                 Planned::Extern { .. } => None,
             })
             .collect();
-        assert_eq!(kernels.len(), 2, "a chunked pass and a pass over the chunks");
+        assert_eq!(
+            kernels.len(),
+            2,
+            "a chunked pass and a pass over the chunks"
+        );
         let first = &kernels[0];
         let text: String = first
             .device_fns
@@ -901,7 +905,10 @@ pub(crate) mod tests {
             .map(|(_, f)| f.as_str())
             .chain([first.source.as_str()])
             .collect();
-        assert!(text.contains("row < 65536"), "a thread per (chunk, channel):\n{text}");
+        assert!(
+            text.contains("row < 65536"),
+            "a thread per (chunk, channel):\n{text}"
+        );
         let load = text
             .lines()
             .find(|l| l.contains("= b0["))

@@ -230,7 +230,10 @@ pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64, of_max: b
     assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
     let (x, y) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
     let largest = match of_max {
-        true => y.iter().filter(|v| v.is_finite()).fold(0f64, |m, v| m.max(v.abs())),
+        true => y
+            .iter()
+            .filter(|v| v.is_finite())
+            .fold(0f64, |m, v| m.max(v.abs())),
         false => 0.0,
     };
     for (i, (p, q)) in x.iter().zip(&y).enumerate() {
