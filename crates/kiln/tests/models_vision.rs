@@ -4,6 +4,11 @@
 //! replay): logits, every parameter's gradient, and the BatchNorm running statistics. Eval mode (a
 //! recompile, the training flags are guarded): logits and gradients.
 //!
+//! On `KILN_TEST_DEVICE=cuda` (or `mock`) the models run on that device: there the compiled graphs
+//! are rewritten to channels-last order (kiln-inductor's `channels_last.rs`; on the mock device
+//! the rewritten graphs run on the interpreter, convolutions through the CPU reference of the
+//! channels-last prims).
+//!
 //! Tolerance: 1e-5 of the largest |eager| element of each tensor. Today the two agree bit for bit
 //! (ARCHITECTURE.md invariant 2: conv and matmul are the same extern kernels, sums accumulate in f64
 //! in both, no FMA contraction), and the test prints how many tensors are bitwise equal. It does not
@@ -13,6 +18,9 @@
 //! layers forward and back), so a few hundred ulps — ~1e-5 of the tensor's scale — is what honest
 //! rounding differences can add up to, while any real bug (a wrong index, a missed BN update, a
 //! dropped gradient term) shows up orders of magnitude above it.
+
+#[path = "common/mod.rs"]
+mod common;
 
 use kiln::models::densenet::densenet121;
 use kiln::models::resnet::resnet18;
@@ -33,7 +41,8 @@ fn batch(seed: u64) -> Result<(Tensor, Tensor)> {
     kiln::manual_seed(seed);
     let x = Tensor::randn(&[2, 3, 32, 32], DType::F32)?;
     let y = Tensor::from_vec(vec![(seed % 4) as i64, ((seed + 1) % 4) as i64], &[2])?;
-    Ok((x, y))
+    let dev = common::test_device();
+    Ok((x.to(dev)?, y.to(dev)?))
 }
 
 /// Generic because `kiln::compile` takes a sized module (here a `Box<dyn Module>`).
@@ -131,10 +140,13 @@ static DEFAULT_GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn check(build: &dyn Fn() -> Result<Box<dyn Module>>, tol: f64) -> Result<()> {
     let _draws = DEFAULT_GENERATOR.lock().unwrap_or_else(|e| e.into_inner());
+    let dev = common::test_device();
     kiln::manual_seed(7);
-    let eager_model = build()?;
+    let mut eager_model = build()?;
+    eager_model.to(dev)?;
     kiln::manual_seed(7);
-    let compiled_model = build()?;
+    let mut compiled_model = build()?;
+    compiled_model.to(dev)?;
     let eager = protocol(&eager_model, false)?;
     let compiled = protocol(&compiled_model, true)?;
     compare(&compiled, &eager, tol);
