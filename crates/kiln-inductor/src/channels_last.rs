@@ -19,7 +19,8 @@
 //!
 //! Applied to the joint graph before AOT autograd partitions it (`Backend::prepare_joint`), so
 //! the activations the forward saves for the backward are the NHWC twins; and to any other device
-//! graph with an NCHW convolution when it is compiled. `KILN_CHANNELS_LAST=0` turns it off.
+//! graph with an NCHW convolution when it is compiled. `KILN_CHANNELS_LAST=0` turns it off;
+//! `KILN_CHANNELS_LAST=cpu` applies it on the CPU as well (see `wanted`).
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::{Prim, FROM_CHANNELS_LAST as FROM, TO_CHANNELS_LAST as TO};
@@ -31,9 +32,11 @@ fn enabled() -> bool {
 }
 
 /// Whether `g` is a device graph with a convolution in NCHW form: what the pass rewrites. A graph
-/// it has rewritten has none left, so the pass never applies twice.
+/// it has rewritten has none left, so the pass never applies twice. `KILN_CHANNELS_LAST=cpu`
+/// rewrites CPU graphs too (the C target then runs the NHWC graphs: a check of the pass with
+/// the CPU's bitwise comparisons; no faster there).
 pub fn wanted(g: &Graph) -> bool {
-    g.device() != Device::Cpu
+    (g.device() != Device::Cpu || std::env::var("KILN_CHANNELS_LAST").is_ok_and(|v| v == "cpu"))
         && g.nodes.iter().any(|n| match &n.op {
             Op::Prim(p) => p.conv_params().is_some_and(|c| !c.channels_last),
             Op::Input(_) => false,
