@@ -311,11 +311,7 @@ impl Backend for CpuCodegen {
     }
 
     fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
-        // one size of a symbolic graph keeps its shapes slot for slot (see `codegen/cuda.rs`)
-        match symbolic::context::current() {
-            None => crate::channels_last::channels_last(joint),
-            Some(_) => None,
-        }
+        crate::channels_last::channels_last(joint)
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
@@ -371,6 +367,10 @@ impl Backend for CpuCodegen {
             // names
             horizontal: sizes.is_none(),
         };
+        // NHWC graphs on the CPU only under `KILN_CHANNELS_LAST=cpu` (a check of the pass; see
+        // `channels_last::wanted`)
+        let nhwc = crate::channels_last::channels_last(graph);
+        let graph = nhwc.as_ref().unwrap_or(graph);
         let planned = plan_graph(&c, graph);
         let kernels: Vec<&Kernel> = planned
             .iter()

@@ -646,12 +646,10 @@ pub fn compile(
         horizontal: sizes.is_none(),
         ..Cuda::new(sm_count)
     };
-    // NHWC values for cuDNN (a joint graph was rewritten before its partition: not again); not
-    // for one size of a symbolic graph, whose kernels must match its other sizes' slot for slot
-    let nhwc = match sizes {
-        None => crate::channels_last::channels_last(graph),
-        Some(_) => None,
-    };
+    // NHWC values for cuDNN (a joint graph was rewritten before its partition: not again). Also
+    // for one size of a symbolic graph: the rewrite depends on the graph's structure only, so
+    // every size is rewritten alike and its kernels still fit the size-generic templates
+    let nhwc = crate::channels_last::channels_last(graph);
     let graph = nhwc.as_ref().unwrap_or(graph);
     // a symbolic graph's kernels serve every size: the chunk count, a divisor of a size, would
     // tie them to this one
