@@ -181,26 +181,8 @@ mod tests {
     #[test]
     fn scalar_then_update_chains_gather_in_two_launches() {
         let mut g = Graph::default();
-        let one = input(&mut g, &[]);
-        for shape in [&[128usize, 64][..], &[10], &[5, 5, 5], &[7]] {
-            let (step_index, p_index) = (g.num_inputs, g.num_inputs + 1);
-            let step = input(&mut g, &[]);
-            let p = input(&mut g, shape);
-            let grad = input(&mut g, shape);
-            let bumped = binary(&mut g, BinaryOp::Add, step, one);
-            g.mutated_inputs.push((g.outputs.len(), step_index));
-            g.outputs.push(bumped);
-            let wide = push(
-                &mut g,
-                Op::Prim(Prim::Expand(shape.to_vec())),
-                vec![bumped],
-                shape,
-            );
-            let scaled = binary(&mut g, BinaryOp::Mul, grad, wide);
-            let new = binary(&mut g, BinaryOp::Sub, p, scaled);
-            g.mutated_inputs.push((g.outputs.len(), p_index));
-            g.outputs.push(new);
-        }
+        let shapes: [&[usize]; 4] = [&[128, 64], &[10], &[5, 5, 5], &[7]];
+        crate::test_graphs::counted_updates(&mut g, kiln_core::Device::Cuda(0), &shapes);
         assert_eq!(launches(&g), vec![4, 4]);
     }
 

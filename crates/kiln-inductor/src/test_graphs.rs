@@ -46,6 +46,33 @@ pub(crate) fn binary(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeI
     push_on(g, device, Op::Prim(Prim::Binary(op)), vec![a, b], &shape)
 }
 
+/// Adam's shape on `device`: per parameter shape, a step count bumped in place (a scalar kernel),
+/// then the parameter updated in place reading the new count (`p - grad * count`). Inputs: a
+/// scalar one, then per shape its count, parameter and gradient.
+pub(crate) fn counted_updates(g: &mut Graph, device: Device, shapes: &[&[usize]]) {
+    let one = input_on(g, device, &[]);
+    for &shape in shapes {
+        let (step_index, p_index) = (g.num_inputs, g.num_inputs + 1);
+        let step = input_on(g, device, &[]);
+        let p = input_on(g, device, shape);
+        let grad = input_on(g, device, shape);
+        let bumped = binary(g, BinaryOp::Add, step, one);
+        g.mutated_inputs.push((g.outputs.len(), step_index));
+        g.outputs.push(bumped);
+        let wide = push_on(
+            g,
+            device,
+            Op::Prim(Prim::Expand(shape.to_vec())),
+            vec![bumped],
+            shape,
+        );
+        let scaled = binary(g, BinaryOp::Mul, grad, wide);
+        let new = binary(g, BinaryOp::Sub, p, scaled);
+        g.mutated_inputs.push((g.outputs.len(), p_index));
+        g.outputs.push(new);
+    }
+}
+
 /// The same builders on the CPU.
 pub(crate) mod cpu {
     use super::*;

@@ -297,33 +297,8 @@ mod tests {
     #[test]
     fn an_optimizer_step_is_two_launches() {
         let mut g = Graph::default();
-        let one = input(&mut g, &[]);
-        let shapes = [
-            &[256usize, 256][..],
-            &[300, 200],
-            &[256, 256],
-            &[10],
-            &[5, 5, 5],
-        ];
-        for shape in shapes {
-            let (step_index, p_index) = (g.num_inputs, g.num_inputs + 1);
-            let step = input(&mut g, &[]);
-            let p = input(&mut g, shape);
-            let grad = input(&mut g, shape);
-            let bumped = binary(&mut g, BinaryOp::Add, step, one);
-            g.mutated_inputs.push((g.outputs.len(), step_index));
-            g.outputs.push(bumped);
-            let wide = push(
-                &mut g,
-                Op::Prim(Prim::Expand(shape.to_vec())),
-                vec![bumped],
-                shape,
-            );
-            let scaled = binary(&mut g, BinaryOp::Mul, grad, wide);
-            let new = binary(&mut g, BinaryOp::Sub, p, scaled);
-            g.mutated_inputs.push((g.outputs.len(), p_index));
-            g.outputs.push(new);
-        }
+        let shapes: [&[usize]; 5] = [&[256, 256], &[300, 200], &[256, 256], &[10], &[5, 5, 5]];
+        crate::test_graphs::counted_updates(&mut g, kiln_core::Device::Cpu, &shapes);
         assert_eq!(kernels(&g, false).len(), 10);
         let fused = kernels(&g, true);
         let sizes: Vec<usize> = fused.iter().map(|k| k.1.len()).collect();
