@@ -2,7 +2,7 @@
 //! (`codegen::c::Builder`, whose C is also CUDA C) as the CPU target; only the loops differ. A
 //! pointwise kernel is a grid-stride loop over the output's elements, the flat index split into
 //! one index per dimension; a reduction gives each output element a thread, a warp or a block
-//! by the length of what it reduces. A graph's kernels are a few translation units compiled by
+//! by the length of what it reduces (`codegen/cuda_reduce.rs`). A graph's kernels are a few translation units compiled by
 //! NVRTC (`codegen/cuda_units.rs`, through kiln-core's `DeviceRuntime::load_kernels`, which caches
 //! by source); a symbolic graph's kernels take its sizes as parameters (`codegen/cuda_sizes.rs`).
 
@@ -15,9 +15,7 @@ use kiln_core::device::{runtime_for, ReduceSplit};
 use kiln_core::{profiler, DType, Result};
 
 use crate::backend::{plan_graph, Planned, Target};
-use crate::codegen::c::{
-    pointwise_body, reduction_parts, split_index, ty, Builder, PointwiseBody, ReductionParts,
-};
+use crate::codegen::c::{pointwise_body, split_index, ty, Builder, PointwiseBody};
 use crate::codegen::{cuda_sizes, cuda_tune, cuda_units};
 use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::runtime::autotune::{Candidate, Tuned};
@@ -46,13 +44,6 @@ const PRELUDE: &str = r#"#define int64_t long long
 template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 "#;
 
-/// Reduced lengths from which a warp (then a block) reduces each output element.
-const WARP_FROM: usize = 32;
-const BLOCK_FROM: usize = 4096;
-/// An outer reduction (`Cuda::reduction`) has a thread per output element when its kept
-/// elements come in runs of at least this many and it has this many rows per multiprocessor.
-const OUTER_RUN_FROM: usize = 16;
-const OUTER_ROWS_PER_SM: usize = 128;
 /// Elements from which a pointwise kernel's threads take `UNROLL` elements per iteration.
 const UNROLL_FROM: usize = 1 << 20;
 const UNROLL: usize = 4;
@@ -175,14 +166,18 @@ impl Cuda {
         }
     }
 
-    fn blocks(&self, units: usize, per_block: usize) -> u32 {
+    pub(super) fn blocks(&self, units: usize, per_block: usize) -> u32 {
         let want = units.div_ceil(per_block).max(1);
         want.min(self.sm_count.max(1) as usize * self.cfg.waves as usize) as u32
     }
 }
 
 /// The kernel's parameters, each (C type, name): its input buffers, then one per output.
-fn parameters(b: &Builder<'_>, g: &Graph, outputs: &[(NodeId, String)]) -> Vec<(String, String)> {
+pub(super) fn parameters(
+    b: &Builder<'_>,
+    g: &Graph,
+    outputs: &[(NodeId, String)],
+) -> Vec<(String, String)> {
     let mut params: Vec<(String, String)> = b
         .params
         .iter()
@@ -200,7 +195,7 @@ fn parameters(b: &Builder<'_>, g: &Graph, outputs: &[(NodeId, String)]) -> Vec<(
 }
 
 /// Names the kernel by the hash of its text (identical kernels of repeated blocks are one).
-fn finish(
+pub(super) fn finish(
     inputs: Vec<NodeId>,
     params: Vec<(String, String)>,
     text: String,
@@ -385,110 +380,7 @@ impl Target for Cuda {
     }
 
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
-        let ReductionParts {
-            b,
-            value: v,
-            acc_t,
-            init,
-            step,
-            out_offset: off,
-            kept,
-            reduced,
-            ..
-        } = reduction_parts(g, sched, root);
-        let node = &g.nodes[root];
-        let rows: usize = kept.iter().map(|k| k.1).product();
-        let red: usize = reduced.iter().map(|k| k.1).product();
-        let out_t = ty(node.dtype);
-        let store = format!("out[{off}] = ({out_t})acc;");
-        let accumulate = format!("{}      acc = {};\n", b.body, step("acc", &v));
-        let combine = step("acc", "other");
-        let mut text = b.pre.clone();
-        // an outer reduction (its reduced dims lie outside a run of kept ones: channels-last
-        // batch norm's per-channel sums): consecutive threads own consecutive kept elements, so
-        // a warp's load is one contiguous run, where lanes over the reduced elements would read
-        // a run's length apart. Given enough rows to fill the device (`split_reduction.rs` cuts
-        // the reduced extent into chunks to make them).
-        let inner: usize = kept
-            .iter()
-            .filter(|k| reduced.iter().all(|r| k.0 > r.0))
-            .map(|k| k.1)
-            .product();
-        let outer = !reduced.is_empty()
-            && inner >= OUTER_RUN_FROM
-            && rows >= self.sm_count as usize * OUTER_ROWS_PER_SM;
-        let (grid, block) = if red < WARP_FROM || outer {
-            // a thread per output element, its reduced elements in a loop nest
-            let _ = writeln!(
-                text,
-                "  for (long long row = kbid * blockDim.x + threadIdx.x; row < {rows}; \
-                 row += knblk * blockDim.x) {{"
-            );
-            split_index(&mut text, "row", &kept, "    ", "rem");
-            let _ = writeln!(text, "    {acc_t} acc = {init};");
-            for &(v, n) in &reduced {
-                let _ = writeln!(text, "    for (long long i{v} = 0; i{v} < {n}; i{v}++)");
-            }
-            let _ = writeln!(text, "    {{\n{accumulate}    }}\n    {store}\n  }}");
-            (self.blocks(rows, self.cfg.block as usize), self.cfg.block)
-        } else {
-            // a warp (or a block) per output element: strided partial sums, then shuffles
-            let per_block = red < BLOCK_FROM;
-            let row_block = self.cfg.row_block;
-            let (lanes, rows_per_block, block) = if per_block {
-                (32, self.cfg.warp_rows as usize, self.cfg.warp_rows * 32)
-            } else {
-                (row_block as usize, 1, row_block)
-            };
-            let (first_row, lane) = if per_block {
-                (
-                    format!("kbid * {rows_per_block} + threadIdx.x / 32"),
-                    "threadIdx.x % 32",
-                )
-            } else {
-                ("kbid".to_string(), "threadIdx.x")
-            };
-            if !per_block {
-                let _ = writeln!(text, "  __shared__ {acc_t} partial[{}];", row_block / 32);
-            }
-            let _ = writeln!(
-                text,
-                "  for (long long row = {first_row}; row < {rows}; \
-                 row += knblk * {rows_per_block}) {{"
-            );
-            split_index(&mut text, "row", &kept, "    ", "rem_row");
-            let _ = writeln!(text, "    {acc_t} acc = {init};");
-            let _ = writeln!(
-                text,
-                "    for (long long r = {lane}; r < {red}; r += {lanes}) {{"
-            );
-            split_index(&mut text, "r", &reduced, "      ", "rem");
-            let _ = writeln!(text, "{accumulate}    }}");
-            let _ = writeln!(
-                text,
-                "    for (int s = 16; s > 0; s >>= 1) {{ {acc_t} other = \
-                 __shfl_down_sync(0xffffffffu, acc, s); acc = {combine}; }}"
-            );
-            if per_block {
-                let _ = writeln!(text, "    if ({lane} == 0) {store}");
-            } else {
-                let _ = writeln!(
-                    text,
-                    "    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = acc;\n    \
-                     __syncthreads();\n    if (threadIdx.x < 32) {{\n      acc = threadIdx.x < \
-                     {w} ? partial[threadIdx.x] : ({acc_t})({init});\n      for (int s = 16; s > \
-                     0; s >>= 1) {{ {acc_t} other = __shfl_down_sync(0xffffffffu, acc, s); acc = \
-                     {combine}; }}\n      if (threadIdx.x == 0) {store}\n    }}\n    \
-                     __syncthreads();",
-                    w = row_block / 32
-                );
-            }
-            let _ = writeln!(text, "  }}");
-            (self.blocks(rows, rows_per_block), block)
-        };
-        let outputs = [(root, "out".to_string())];
-        let params = parameters(&b, g, &outputs);
-        finish(b.params, params, text, grid, block)
+        super::cuda_reduce::reduction(self, g, sched, root)
     }
 
     fn inputs<'k>(&self, k: &'k CudaKernel) -> &'k [NodeId] {
