@@ -315,6 +315,12 @@ impl Backend for CpuCodegen {
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
+        // NHWC values for cuDNN on a device (a joint graph was rewritten before its partition:
+        // `wanted` finds nothing left to rewrite). One size of a symbolic graph too: the rewrite
+        // follows the graph's structure, so every size is rewritten alike and its kernels still
+        // fit the size-generic templates
+        let nhwc = crate::channels_last::channels_last(graph);
+        let graph = nhwc.as_ref().unwrap_or(graph);
         if graph.device() != kiln_core::Device::Cpu {
             // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs; both
             // max-autotune modes time launch shapes of the generated kernels
@@ -367,10 +373,6 @@ impl Backend for CpuCodegen {
             // names
             horizontal: sizes.is_none(),
         };
-        // NHWC graphs on the CPU only under `KILN_CHANNELS_LAST=cpu` (a check of the pass; see
-        // `channels_last::wanted`)
-        let nhwc = crate::channels_last::channels_last(graph);
-        let graph = nhwc.as_ref().unwrap_or(graph);
         let planned = plan_graph(&c, graph);
         let kernels: Vec<&Kernel> = planned
             .iter()

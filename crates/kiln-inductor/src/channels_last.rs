@@ -28,17 +28,22 @@ use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::{Prim, FROM_CHANNELS_LAST as FROM, TO_CHANNELS_LAST as TO};
 use kiln_core::Device;
 
-/// Whether the pass is on (`KILN_CHANNELS_LAST=0` turns it off, to measure it).
-fn enabled() -> bool {
-    std::env::var("KILN_CHANNELS_LAST").map_or(true, |v| v != "0")
+/// Whether the pass rewrites graphs computing on `device`: device graphs, unless
+/// `KILN_CHANNELS_LAST=0` (to measure it); CPU graphs too under `KILN_CHANNELS_LAST=cpu` (the C
+/// target then runs the NHWC graphs: a check of the pass with the CPU's bitwise comparisons; no
+/// faster there).
+fn applies_on(device: Device) -> bool {
+    match std::env::var("KILN_CHANNELS_LAST").as_deref() {
+        Ok("0") => false,
+        Ok("cpu") => true,
+        _ => device != Device::Cpu,
+    }
 }
 
-/// Whether `g` is a device graph with a convolution in NCHW form: what the pass rewrites. A graph
-/// it has rewritten has none left, so the pass never applies twice. `KILN_CHANNELS_LAST=cpu`
-/// rewrites CPU graphs too (the C target then runs the NHWC graphs: a check of the pass with
-/// the CPU's bitwise comparisons; no faster there).
+/// Whether the pass rewrites `g`: a graph with a convolution in NCHW form, on a device it applies
+/// on. A graph it has rewritten has none left, so the pass never applies twice.
 pub fn wanted(g: &Graph) -> bool {
-    (g.device() != Device::Cpu || std::env::var("KILN_CHANNELS_LAST").is_ok_and(|v| v == "cpu"))
+    applies_on(g.device())
         && g.nodes.iter().any(|n| match &n.op {
             Op::Prim(p) => p.conv_params().is_some_and(|c| !c.channels_last),
             Op::Input(_) => false,
@@ -59,10 +64,6 @@ fn nhwc_prim(g: &Graph, node: &Node) -> Option<Prim> {
     if node.shape.len() != 4 || node.args.iter().any(|&a| g.nodes[a].shape.len() != 4) {
         return None;
     }
-    let four = |s: &[usize; 4]| {
-        let v = to_nhwc(s);
-        [v[0], v[1], v[2], v[3]]
-    };
     Some(match p {
         Prim::Unary(_) | Prim::Binary(_) | Prim::Where | Prim::Cast(_) | Prim::Contiguous => {
             p.clone()
@@ -106,14 +107,14 @@ fn nhwc_prim(g: &Graph, node: &Node) -> Option<Prim> {
             input_shape,
         } if !params.channels_last => Prim::Conv2dGradInput {
             params: params.with_channels_last(),
-            input_shape: four(input_shape),
+            input_shape: TO.map(|d| input_shape[d]),
         },
         Prim::Conv2dGradWeight {
             params,
             weight_shape,
         } if !params.channels_last => Prim::Conv2dGradWeight {
             params: params.with_channels_last(),
-            weight_shape: four(weight_shape),
+            weight_shape: TO.map(|d| weight_shape[d]),
         },
         // reshapes, random draws (their values follow the element order), gathers, matmuls
         _ => return None,
@@ -127,6 +128,8 @@ struct Rewrite {
     plain: Vec<Option<NodeId>>,
     /// Per old node: its NHWC twin, where made.
     twin: Vec<Option<NodeId>>,
+    /// Per old node: whether the rewrite computes it in NHWC order (its twin is its value).
+    computed_nhwc: Vec<bool>,
 }
 
 impl Rewrite {
@@ -165,12 +168,9 @@ impl Rewrite {
     }
 }
 
-/// `g` with its rank-4 values in NHWC order, or `None` when the pass does not apply.
+/// `g` with its rank-4 values in NHWC order, or `None` when the pass does not apply (`wanted`).
 pub fn channels_last(g: &Graph) -> Option<Graph> {
-    if !enabled() || !wanted(g) {
-        return None;
-    }
-    Some(rewrite(g))
+    wanted(g).then(|| rewrite(g))
 }
 
 /// The rewrite itself, whatever the graph's device.
@@ -183,6 +183,7 @@ fn rewrite(g: &Graph) -> Graph {
         },
         plain: vec![None; n],
         twin: vec![None; n],
+        computed_nhwc: vec![false; n],
     };
     for (id, node) in g.nodes.iter().enumerate() {
         match nhwc_prim(g, node) {
@@ -195,6 +196,7 @@ fn rewrite(g: &Graph) -> Graph {
                     ..node.clone()
                 });
                 r.twin[id] = Some(t);
+                r.computed_nhwc[id] = true;
             }
             None => {
                 let args: Vec<NodeId> = node.args.iter().map(|&a| r.plain(a)).collect();
@@ -206,25 +208,28 @@ fn rewrite(g: &Graph) -> Graph {
             }
         }
     }
-    let outputs: Vec<NodeId> = g
-        .outputs
-        .iter()
-        .map(|&o| match r.plain[o] {
-            Some(p) => p,
-            None => {
-                // handed back as eager lays it out: contiguous NCHW
+    // a value computed in NHWC order is handed back as eager lays it out: contiguous NCHW (its
+    // NCHW permute, which other readers may share, is a strided view)
+    let mut contiguous: Vec<Option<NodeId>> = vec![None; n];
+    for i in 0..g.outputs.len() {
+        let o = g.outputs[i];
+        let out = match (r.computed_nhwc[o], contiguous[o]) {
+            (false, _) => r.plain(o),
+            (true, Some(c)) => c,
+            (true, None) => {
                 let view = r.plain(o);
-                let v = &r.out.nodes[view];
                 let node = Node {
                     op: Op::Prim(Prim::Contiguous),
                     args: vec![view],
-                    ..v.clone()
+                    ..r.out.nodes[view].clone()
                 };
-                r.out.push(node)
+                let c = r.out.push(node);
+                contiguous[o] = Some(c);
+                c
             }
-        })
-        .collect();
-    r.out.outputs = outputs;
+        };
+        r.out.outputs[i] = out;
+    }
     r.out
 }
 
@@ -320,7 +325,14 @@ mod tests {
             vec![a],
             &[2, 6, 5, 4],
         );
-        g.outputs = vec![flat, a, t];
+        // a reshape of `a` (no NHWC form) reads `a` in NCHW order, and `a` is an output too
+        let a_flat = push(
+            &mut g,
+            Op::Prim(Prim::Reshape(vec![2, 120])),
+            vec![a],
+            &[2, 120],
+        );
+        g.outputs = vec![flat, a, t, a_flat];
         g
     }
 

@@ -104,30 +104,26 @@ fn channels_last_conv(
     inputs: &[&Tensor],
     meta: &OutMeta,
 ) -> Result<(Storage, Layout)> {
-    let view = |t: &Tensor, perm: &[usize], storage: Storage| {
-        Tensor::from_parts(storage, t.layout().permute(perm), t.dtype(), None)
-    };
     let nchw: Vec<Tensor> = inputs
         .iter()
-        .map(|t| view(t, &FROM_CHANNELS_LAST, t.0.storage.clone()))
+        .map(|t| {
+            let layout = t.layout().permute(&FROM_CHANNELS_LAST);
+            Tensor::from_parts(t.0.storage.clone(), layout, t.dtype(), None)
+        })
         .collect();
     let refs: Vec<&Tensor> = nchw.iter().collect();
     let plain = ConvParams {
         channels_last: false,
         ..p
     };
-    let four = |s: &[usize; 4]| {
-        let v = p.nchw(s);
-        [v[0], v[1], v[2], v[3]]
-    };
     let prim = match prim {
         Prim::Conv2dGradInput { input_shape, .. } => Prim::Conv2dGradInput {
             params: plain,
-            input_shape: four(input_shape),
+            input_shape: FROM_CHANNELS_LAST.map(|d| input_shape[d]),
         },
         Prim::Conv2dGradWeight { weight_shape, .. } => Prim::Conv2dGradWeight {
             params: plain,
-            weight_shape: four(weight_shape),
+            weight_shape: FROM_CHANNELS_LAST.map(|d| weight_shape[d]),
         },
         _ => Prim::Conv2d(plain),
     };

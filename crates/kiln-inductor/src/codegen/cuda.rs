@@ -2,9 +2,10 @@
 //! (`codegen::c::Builder`, whose C is also CUDA C) as the CPU target; only the loops differ. A
 //! pointwise kernel is a grid-stride loop over the output's elements, the flat index split into
 //! one index per dimension; a reduction gives each output element a thread, a warp or a block
-//! by the length of what it reduces (`codegen/cuda_reduce.rs`). A graph's kernels are a few translation units compiled by
-//! NVRTC (`codegen/cuda_units.rs`, through kiln-core's `DeviceRuntime::load_kernels`, which caches
-//! by source); a symbolic graph's kernels take its sizes as parameters (`codegen/cuda_sizes.rs`).
+//! by the length of what it reduces (`codegen/cuda_reduce.rs`). A graph's kernels are a few
+//! translation units compiled by NVRTC (`codegen/cuda_units.rs`, through kiln-core's
+//! `DeviceRuntime::load_kernels`, which caches by source); a symbolic graph's kernels take its
+//! sizes as parameters (`codegen/cuda_sizes.rs`).
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -538,11 +539,6 @@ pub fn compile(
         horizontal: sizes.is_none(),
         ..Cuda::new(sm_count)
     };
-    // NHWC values for cuDNN (a joint graph was rewritten before its partition: not again). Also
-    // for one size of a symbolic graph: the rewrite depends on the graph's structure only, so
-    // every size is rewritten alike and its kernels still fit the size-generic templates
-    let nhwc = crate::channels_last::channels_last(graph);
-    let graph = nhwc.as_ref().unwrap_or(graph);
     // a symbolic graph's kernels serve every size: the chunk count, a divisor of a size, would
     // tie them to this one
     let split = match sizes {
