@@ -45,17 +45,35 @@ fn split(
 const OUTER_MIN_CHUNK: usize = 16;
 /// Input elements from which an outer reduction is split.
 const OUTER_SPLIT_FROM: usize = 1 << 20;
-/// Kept elements an outer reduction's reads need in a run (see `Cuda::reduction`).
+/// Kept elements an outer reduction's reads need in a run.
 const OUTER_RUN: usize = 16;
 
-/// An outer reduction: its reduced dims are one consecutive run `[first, last]` followed by a run
-/// of at least `OUTER_RUN` kept elements (channels-last batch norm's sums over N, H, W). Its
-/// threads own kept elements, so it wants rows by the tens of thousands, not blocks.
+/// Whether a reduction with these kept and reduced (dim, extent) pairs is an outer one: its
+/// reduced dims come before a run of at least `OUTER_RUN` kept elements (channels-last batch
+/// norm's sums over N, H, W of `[N, H, W, C]`), so threads that own consecutive kept elements
+/// read consecutive memory. The CUDA generator gives such a reduction a thread per output element
+/// (`codegen/cuda_reduce.rs`); this pass splits it for that.
+pub(crate) fn is_outer(kept: &[(usize, usize)], reduced: &[(usize, usize)]) -> bool {
+    let Some(last) = reduced.iter().map(|r| r.0).max() else {
+        return false;
+    };
+    let run: usize = kept.iter().filter(|k| k.0 > last).map(|k| k.1).product();
+    run >= OUTER_RUN
+}
+
+/// An outer reduction (`is_outer`) whose reduced dims are one consecutive run `[first, last]`: the
+/// run this pass can cut into chunks. Its threads own kept elements, so it wants rows by the tens
+/// of thousands, not blocks.
 fn outer_run(in_shape: &[usize], dims: &[usize]) -> Option<(usize, usize)> {
     let (&first, &last) = (dims.iter().min()?, dims.iter().max()?);
+    let pairs = |reduced: bool| -> Vec<(usize, usize)> {
+        (0..in_shape.len())
+            .filter(|d| dims.contains(d) == reduced)
+            .map(|d| (d, in_shape[d]))
+            .collect()
+    };
     let consecutive = dims.len() == last - first + 1;
-    let run: usize = in_shape[last + 1..].iter().product();
-    (consecutive && last + 1 < in_shape.len() && run >= OUTER_RUN).then_some((first, last))
+    (consecutive && is_outer(&pairs(false), &pairs(true))).then_some((first, last))
 }
 
 /// How an outer reduction of `rows` outputs over the run `[first, last]` of `in_shape` is split:

@@ -11,13 +11,13 @@ use kiln_compile::graph::{Graph, NodeId};
 use super::c::{reduction_parts, split_index, ty, ReductionParts};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
 use crate::schedule::Schedule;
+use crate::split_reduction::is_outer;
 
 /// Reduced lengths from which a warp (then a block) reduces each output element.
 const WARP_FROM: usize = 32;
 const BLOCK_FROM: usize = 4096;
-/// An outer reduction has a thread per output element when its kept elements come in runs of at
-/// least this many and it has this many rows per multiprocessor.
-const OUTER_RUN_FROM: usize = 16;
+/// An outer reduction (`split_reduction::is_outer`) has a thread per output element when it has
+/// this many rows per multiprocessor.
 const OUTER_ROWS_PER_SM: usize = 128;
 
 pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
@@ -45,14 +45,7 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> 
     // a warp's load is one contiguous run, where lanes over the reduced elements would read
     // a run's length apart. Given enough rows to fill the device (`split_reduction.rs` cuts
     // the reduced extent into chunks to make them).
-    let inner: usize = kept
-        .iter()
-        .filter(|k| reduced.iter().all(|r| k.0 > r.0))
-        .map(|k| k.1)
-        .product();
-    let outer = !reduced.is_empty()
-        && inner >= OUTER_RUN_FROM
-        && rows >= t.sm_count as usize * OUTER_ROWS_PER_SM;
+    let outer = is_outer(&kept, &reduced) && rows >= t.sm_count as usize * OUTER_ROWS_PER_SM;
     let (grid, block) = if red < WARP_FROM || outer {
         // a thread per output element, its reduced elements in a loop nest
         let _ = writeln!(
