@@ -80,6 +80,25 @@ impl Ctx {
     }
 }
 
+impl Ctx {
+    /// With `KILN_BENCH_CUDA_RANGE` set, on a GPU: runs `f` once between `cuProfilerStart` and
+    /// `cuProfilerStop`, the device synchronized on both sides, so `ncu --profile-from-start off
+    /// kiln-bench ...` measures exactly one steady-state call kernel by kernel (cuDNN's and
+    /// cuBLAS's kernels included, which kiln's own profiler sees only as the prim that called
+    /// them). Otherwise nothing.
+    pub fn cuda_range<R>(&self, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Result<()> {
+        if !self.on_gpu() || std::env::var_os("KILN_BENCH_CUDA_RANGE").is_none() {
+            return Ok(());
+        }
+        kiln::cuda::synchronize(self.dev)?;
+        kiln::cuda::profiler_range(self.dev, true)?;
+        let r = f();
+        kiln::cuda::synchronize(self.dev)?;
+        kiln::cuda::profiler_range(self.dev, false)?;
+        r.map(|_| ())
+    }
+}
+
 pub struct Row {
     pub workload: String,
     pub variant: String,

@@ -96,6 +96,31 @@ pub fn empty_cache(device: Device) -> Result<()> {
     dev(device)?.empty_cache()
 }
 
+/// `torch.cuda.profiler.start()`/`stop()`: marks the region an external profiler started with
+/// `--profile-from-start off` (Nsight Compute, Nsight Systems) records, so one steady-state step
+/// can be measured kernel by kernel. `on`: start, else stop.
+pub fn profiler_range(device: Device, on: bool) -> Result<()> {
+    let d = dev(device)?;
+    d.bind()?;
+    // SAFETY: the device's context is current on this thread
+    let r = unsafe {
+        match on {
+            true => cudarc::driver::sys::cuProfilerStart(),
+            false => cudarc::driver::sys::cuProfilerStop(),
+        }
+    };
+    match r {
+        cudarc::driver::sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(Error::unsupported(
+            "cuda profiler",
+            format!(
+                "cuProfiler{} failed: {e:?}",
+                if on { "Start" } else { "Stop" }
+            ),
+        )),
+    }
+}
+
 /// Runs the library probe for arbitrary library names: the message a user gets when one is missing.
 /// For tests (the real libraries are present on a GPU machine, so their message cannot be seen).
 #[doc(hidden)]

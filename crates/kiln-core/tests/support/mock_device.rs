@@ -116,8 +116,13 @@ impl DeviceRuntime for Mock {
             "the mock device runs no generated kernels",
         ))
     }
+    /// One, or `KILN_MOCK_SMS` (to generate the kernels a given GPU would get, e.g. 132 for an
+    /// H100: split reductions and launch shapes depend on the count).
     fn multiprocessors(&self, _: Device) -> Result<u32> {
-        Ok(1)
+        Ok(std::env::var("KILN_MOCK_SMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1))
     }
 }
 
