@@ -61,14 +61,20 @@ fn is_pad_or_cat(g: &Graph, id: NodeId) -> bool {
     )
 }
 
+/// A movement the core makes without a copy: everything but pad, cat and `Contiguous`. A
+/// realized `Contiguous` is a copy: a generated kernel, which its readers may fuse and which
+/// runs beside other independent kernels (the permuted weights of a channels-last network's
+/// convolutions: a launch per weight as eager copies, one for all of them generated).
+fn is_view(g: &Graph, kinds: &[Kind], id: NodeId) -> bool {
+    kinds[id] == Kind::Movement
+        && !is_pad_or_cat(g, id)
+        && !matches!(g.nodes[id].op, Op::Prim(Prim::Contiguous))
+}
+
 /// Realizes the value a chain of views starting at `id` looks at (the views stay index maps over
 /// its buffer).
 fn realize_below_views(g: &Graph, kinds: &[Kind], realized: &mut [bool], mut id: NodeId) {
-    while kinds[id] == Kind::Movement
-        && !is_pad_or_cat(g, id)
-        && !realized[id]
-        && g.nodes[id].args.len() == 1
-    {
+    while is_view(g, kinds, id) && !realized[id] && g.nodes[id].args.len() == 1 {
         id = g.nodes[id].args[0];
     }
     realized[id] = true;
@@ -108,7 +114,7 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
             Kind::Input | Kind::Extern | Kind::Reduction => true,
             Kind::Constant => must_realize[id],
             Kind::Pointwise | Kind::Movement => {
-                let is_view = kinds[id] == Kind::Movement && !is_pad_or_cat(g, id);
+                let is_view = is_view(g, &kinds, id);
                 if is_view && must_realize[id] {
                     // realize what the view looks at and keep the view a view: the kernel then
                     // has the producer's shape, the same in every block that reshapes it
