@@ -314,3 +314,66 @@ fn linear_matches_f64() -> kiln_core::Result<()> {
     assert_eq!(z.to_vec::<f32>()?, vec![0.0; 6]);
     Ok(())
 }
+
+/// max_pool2d sends each output's gradient to the first window position holding the maximum
+/// (row by row, PyTorch's `max_pool2d_with_indices` rule), ties included: inputs drawn from
+/// {-1, 0, 1} tie often. A NaN in a window makes the output NaN and takes the gradient.
+#[test]
+fn max_pool2d_gradient_goes_to_the_first_maximum_of_each_window() -> kiln_core::Result<()> {
+    let mut rng = TRng::new(7);
+    for (shape, k, s, p) in [
+        ([2, 3, 7, 6], [3, 3], [2, 2], [1, 1]),
+        ([1, 2, 5, 5], [2, 2], [1, 1], [0, 0]),
+        ([1, 1, 6, 4], [3, 2], [1, 2], [1, 0]),
+    ] {
+        let numel: usize = shape.iter().product();
+        let mut xv: Vec<f64> = (0..numel).map(|_| rng.uniform(-1.5, 1.5).round()).collect();
+        xv[numel / 2] = f64::NAN;
+        let x = Tensor::from_vec(xv.clone(), &shape)?.with_grad()?;
+        let y = x.max_pool2d(k, s, p)?;
+        let (oh, ow) = (y.shape()[2], y.shape()[3]);
+        let gv: Vec<f64> = (0..y.numel()).map(|_| rng.uniform(0.5, 2.0)).collect();
+        y.mul(&Tensor::from_vec(gv.clone(), y.shape())?)?
+            .sum_all()?
+            .backward()?;
+        let (h, w) = (shape[2], shape[3]);
+        let mut want = vec![0.0; numel];
+        let yv = y.to_vec_f64()?;
+        for plane in 0..shape[0] * shape[1] {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut best: Option<(usize, f64)> = None;
+                    for ki in 0..k[0] {
+                        for kj in 0..k[1] {
+                            let iy = (oy * s[0] + ki) as isize - p[0] as isize;
+                            let ix = (ox * s[1] + kj) as isize - p[1] as isize;
+                            if iy < 0 || ix < 0 || iy as usize >= h || ix as usize >= w {
+                                continue;
+                            }
+                            let at = plane * h * w + iy as usize * w + ix as usize;
+                            let v = xv[at];
+                            let better = match best {
+                                None => true,
+                                Some((_, b)) => !b.is_nan() && (v > b || v.is_nan()),
+                            };
+                            if better {
+                                best = Some((at, v));
+                            }
+                        }
+                    }
+                    let (at, v) = best.expect("every window holds an input element");
+                    let o = plane * oh * ow + oy * ow + ox;
+                    want[at] += gv[o];
+                    let got = yv[o];
+                    assert!(
+                        got == v || (got.is_nan() && v.is_nan()),
+                        "{shape:?} out {o}: {got} vs {v}"
+                    );
+                }
+            }
+        }
+        let grad = x.grad().expect("a gradient").to_vec_f64()?;
+        assert_eq!(grad, want, "{shape:?} k {k:?} s {s:?} p {p:?}");
+    }
+    Ok(())
+}

@@ -2,7 +2,7 @@
 
 use crate::dispatch::apply;
 use crate::prim::{ConvParams, Prim};
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 fn check_nchw(op: &'static str, x: &Tensor) -> Result<()> {
     if x.rank() != 4 {
@@ -114,11 +114,33 @@ impl Tensor {
             f64::NEG_INFINITY,
         )?;
         let views = windows(&x, kernel, stride, out)?;
-        let mut acc = views[0].clone();
+        let mut largest = views[0].clone();
         for v in &views[1..] {
-            acc = acc.maximum(v)?;
+            largest = largest.maximum(v)?;
         }
-        Ok(acc)
+        if views.len() == 1 {
+            return Ok(largest);
+        }
+        // where the largest came from: the first window position holding it, a NaN counting as
+        // holding it (PyTorch's max_pool2d_with_indices records that position)
+        let last = (views.len() - 1) as f64;
+        let mut index = Tensor::full_on(largest.shape(), last, DType::F32, largest.device())?;
+        for (j, v) in views.iter().enumerate().rev().skip(1) {
+            let holds = v.eq(&largest)?.logical_or(&v.ne(v)?)?;
+            index = Tensor::where_(&holds, j as f64, &index)?;
+        }
+        // the output is that position's value (the other terms are exact zeros), so the
+        // gradient reaches it alone, as in PyTorch, and the backward reads one saved index per
+        // output where a chain of pairwise maxima would split ties and keep a mask per link
+        let mut out: Option<Tensor> = None;
+        for (j, v) in views.iter().enumerate() {
+            let term = Tensor::where_(&index.eq(j as f64)?, v, 0.0)?;
+            out = Some(match out {
+                None => term,
+                Some(acc) => acc.add(&term)?,
+            });
+        }
+        out.ok_or_else(|| Error::arg("max_pool2d", "no window"))
     }
     /// `F.avg_pool2d(x, kernel, stride, padding, count_include_pad)`.
     pub fn avg_pool2d(
