@@ -100,9 +100,11 @@ impl ReduceSplit {
 
 /// A compiled generated kernel, loaded on its device (`DeviceRuntime::load_kernels`).
 pub trait DeviceKernel: Send + Sync {
-    /// Queues the kernel on its device's stream: `grid` blocks of `block` threads, with `params`
-    /// the kernel's arguments in order, each eight bytes (device addresses and 64-bit integers).
-    fn launch(&self, grid: [u32; 3], block: u32, params: &[u64]) -> Result<()>;
+    /// Queues the kernel on its device's stream: `grid` blocks of `block` threads, each block
+    /// with `shared` bytes of dynamic shared memory (at most the runtime's
+    /// `shared_memory_per_block`), and `params` the kernel's arguments in order, each eight bytes
+    /// (device addresses and 64-bit integers).
+    fn launch(&self, grid: [u32; 3], block: u32, shared: u32, params: &[u64]) -> Result<()>;
 }
 
 /// What a device runtime provides. All work is queued in order on the device's stream; the methods
@@ -141,6 +143,13 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     ) -> Result<Vec<Arc<dyn DeviceKernel>>>;
     /// The multiprocessor count of `device` (generated kernels size their grids by it).
     fn multiprocessors(&self, device: Device) -> Result<u32>;
+    /// The most dynamic shared memory, in bytes, one block of a generated kernel may be launched
+    /// with on `device` (CUDA's opt-in limit: 227 KiB on Hopper). 48 KiB, which every CUDA
+    /// device gives without opting in, where the runtime does not say.
+    fn shared_memory_per_block(&self, device: Device) -> Result<u32> {
+        let _ = device;
+        Ok(48 * 1024)
+    }
     /// Device time of `f`'s queued work: `f` runs once to warm up, then `reps` times between two
     /// device events; the milliseconds per run. What max-autotune times candidate kernels with.
     /// Waits for the device. Runtimes without timing say "not supported" (the compiler then

@@ -29,6 +29,8 @@ pub struct CudaDevice {
     /// NVRTC's target: "compute_90" on an H100.
     pub(crate) arch: &'static str,
     pub(crate) sm_count: u32,
+    /// The most dynamic shared memory a block may opt in to (227 KiB on Hopper).
+    pub(crate) shared_per_block: u32,
     /// The driver's name for the model ("NVIDIA H100 80GB HBM3"): part of max-autotune's keys.
     pub(crate) name: String,
 }
@@ -97,6 +99,9 @@ impl CudaDevice {
         let minor =
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(|e| err("attr", e))?;
         let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| err("attr", e))?;
+        // a driver that does not say gets the limit every device gives without opting in
+        let shared =
+            attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).unwrap_or(48 << 10);
         // only a key for tuned choices: a driver that cannot name the model still runs
         let name = result::device::get_name(dev).unwrap_or_else(|_| "cuda".into());
         // non-blocking: kiln's stream never waits on work other libraries queue on stream 0
@@ -115,6 +120,7 @@ impl CudaDevice {
             cublaslt: Mutex::new(None),
             arch: Box::leak(format!("compute_{major}{minor}").into_boxed_str()),
             sm_count: sms.max(1) as u32,
+            shared_per_block: shared.max(48 << 10) as u32,
             name,
         })
     }

@@ -3,6 +3,7 @@
 //! each argument as eight bytes (device addresses, 64-bit sizes).
 
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -15,7 +16,13 @@ pub(crate) struct GeneratedKernel {
     pub(crate) f: sys::CUfunction,
     pub(crate) dev: Arc<CudaDevice>,
     pub(crate) name: String,
+    /// The dynamic shared memory this function has been allowed (over the 48 KiB every launch
+    /// may take, a function must opt in through its attribute once).
+    pub(crate) shared_opt_in: AtomicU32,
 }
+
+/// Dynamic shared memory every launch may take without opting in.
+const SHARED_WITHOUT_OPT_IN: u32 = 48 << 10;
 
 // SAFETY: a CUfunction is a process-wide handle of a module that stays loaded; launches bind the
 // device's context first.
@@ -27,7 +34,7 @@ unsafe impl Sync for GeneratedKernel {}
 const MAX_PARAMS: usize = kiln_core::device::MAX_KERNEL_PARAMS;
 
 impl DeviceKernel for GeneratedKernel {
-    fn launch(&self, grid: [u32; 3], block: u32, params: &[u64]) -> Result<()> {
+    fn launch(&self, grid: [u32; 3], block: u32, shared: u32, params: &[u64]) -> Result<()> {
         if params.len() > MAX_PARAMS {
             return Err(Error::arg(
                 "cuda kernel",
@@ -47,8 +54,35 @@ impl DeviceKernel for GeneratedKernel {
             *p = (v as *mut u64).cast::<c_void>();
         }
         self.dev.bind()?;
+        if shared > SHARED_WITHOUT_OPT_IN && shared > self.shared_opt_in.load(Ordering::Relaxed) {
+            self.opt_in(shared)?;
+        }
         // the generator emitted one 8-byte parameter per entry of `params`, in this order
         self.dev
-            .launch_grid(self.f, grid, block, 0, &mut ptrs[..params.len()])
+            .launch_grid(self.f, grid, block, shared, &mut ptrs[..params.len()])
+    }
+}
+
+impl GeneratedKernel {
+    /// Lets the function take `shared` bytes of dynamic shared memory per block (the device's
+    /// opt-in limit bounds it: `DeviceRuntime::shared_memory_per_block`).
+    fn opt_in(&self, shared: u32) -> Result<()> {
+        if shared > self.dev.shared_per_block {
+            return Err(Error::arg(
+                "cuda kernel",
+                format!(
+                    "{} asks for {shared} bytes of shared memory per block; {} allows {}",
+                    self.name, self.dev.name, self.dev.shared_per_block
+                ),
+            ));
+        }
+        use sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+        // SAFETY: a loaded function of the bound context; the value is within the device's limit
+        unsafe {
+            cudarc::driver::result::function::set_function_attribute(self.f, MAX, shared as i32)
+        }
+        .map_err(|e| crate::device::cu_err("cuFuncSetAttribute", self.dev.ordinal, e))?;
+        self.shared_opt_in.fetch_max(shared, Ordering::Relaxed);
+        Ok(())
     }
 }

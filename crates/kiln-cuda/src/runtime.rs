@@ -1,6 +1,7 @@
 //! kiln-core's `DeviceRuntime` for CUDA: maps each prim to a generated kernel, cuBLAS, or the host
 //! path, on the operands' device.
 
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use kiln_core::device::{DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime};
@@ -224,6 +225,7 @@ impl DeviceRuntime for CudaRuntime {
                     f,
                     dev: dev.clone(),
                     name: name.clone(),
+                    shared_opt_in: AtomicU32::new(0),
                 }) as Arc<dyn DeviceKernel>
             })
             .collect())
@@ -231,6 +233,10 @@ impl DeviceRuntime for CudaRuntime {
 
     fn multiprocessors(&self, device: Device) -> Result<u32> {
         Ok(CudaDevice::get(ordinal("multiprocessors", device)?)?.sm_count)
+    }
+
+    fn shared_memory_per_block(&self, device: Device) -> Result<u32> {
+        Ok(CudaDevice::get(ordinal("shared_memory_per_block", device)?)?.shared_per_block)
     }
 
     fn time_launches(

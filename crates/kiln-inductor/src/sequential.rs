@@ -13,6 +13,7 @@
 //! Planning here is target-neutral; the CUDA text is `codegen/cuda.rs`.
 
 use kiln_compile::graph::{Graph, NodeId};
+use kiln_core::DType;
 
 use crate::backend::{Planned, Target};
 use crate::footprint::Footprint;
@@ -42,10 +43,25 @@ pub struct Member<'k, K> {
 /// A planned kernel and the values it writes.
 pub type Step<'k, K> = (&'k K, &'k [(NodeId, Alloc)]);
 
+/// What the composed kernel knows of one of its inputs: a target may read a read-only input
+/// from a copy made at the start of the launch (the CUDA target stages them in shared memory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InputInfo {
+    /// Elements the members read, from the buffer's first (a kernel's input is a dense buffer
+    /// of its node's shape).
+    pub numel: usize,
+    pub dtype: DType,
+    /// Whether a member writes its storage during the launch (an in-place update): a copy of
+    /// it would go stale.
+    pub written: bool,
+}
+
 /// The members in order, reading `inputs` and writing `outs` (every member's outputs, in order).
 pub struct Sequence<'k, K> {
     pub members: Vec<Member<'k, K>>,
     pub inputs: Vec<NodeId>,
+    /// `inputs`' sizes, dtypes and whether they are written, in the same order.
+    pub input_info: Vec<InputInfo>,
     pub outs: Vec<(NodeId, Alloc)>,
 }
 
@@ -72,7 +88,7 @@ pub fn compose<T: Target>(
     let Some(kernels) = kernels.filter(|k| small && k.len() >= 2) else {
         return planned;
     };
-    let seq = sequence(t, roots, &kernels);
+    let seq = sequence(t, g, roots, &kernels);
     match t.sequential(&seq) {
         Some(kernel) => vec![Planned::Kernel {
             kernel,
@@ -85,6 +101,7 @@ pub fn compose<T: Target>(
 /// Arguments and barriers of `kernels` run in order.
 pub fn sequence<'k, T: Target>(
     t: &T,
+    g: &Graph,
     roots: &[NodeId],
     kernels: &[Step<'k, T::Kernel>],
 ) -> Sequence<'k, T::Kernel> {
@@ -124,9 +141,25 @@ pub fn sequence<'k, T: Target>(
             barrier_before,
         });
     }
+    let written: Vec<NodeId> = outs
+        .iter()
+        .filter_map(|&(_, a)| match a {
+            Alloc::InPlace(input) => Some(roots[input]),
+            _ => None,
+        })
+        .collect();
+    let input_info = inputs
+        .iter()
+        .map(|&i| InputInfo {
+            numel: g.nodes[i].shape.iter().product(),
+            dtype: g.nodes[i].dtype,
+            written: written.contains(&roots[i]),
+        })
+        .collect();
     Sequence {
         members,
         inputs,
+        input_info,
         outs,
     }
 }
@@ -178,13 +211,77 @@ mod tests {
             .collect()
     }
 
-    /// The member calls of a composed kernel's body, and the barriers before each.
+    /// The member calls of a composed kernel's body, and the barriers before them (not the one
+    /// after the inputs are staged).
     fn calls(k: &CudaKernel) -> (usize, usize) {
         let body = k.source.split_once('{').map_or("", |b| b.1);
-        (
-            body.matches(", 0, 1);").count(),
-            body.matches("__syncthreads();").count(),
-        )
+        let lines: Vec<&str> = body.lines().collect();
+        let is_call = |l: &str| l.contains(", 0, 1);");
+        let barriers = lines
+            .windows(2)
+            .filter(|w| w[1].contains("__syncthreads();") && !w[0].contains("for (int e = "))
+            .count();
+        (lines.iter().filter(|l| is_call(l)).count(), barriers)
+    }
+
+    /// The composed kernel's inputs copied into shared memory (their indices), and whether any
+    /// member is handed an input's global pointer.
+    fn staged(k: &CudaKernel) -> (Vec<usize>, bool) {
+        let body = k.source.split_once('{').map_or("", |b| b.1);
+        let copies = body
+            .lines()
+            .filter(|l| l.contains("for (int e = "))
+            .filter_map(|l| l.rsplit_once("= x"))
+            .filter_map(|(_, i)| i.split('[').next()?.parse().ok())
+            .collect();
+        let global = body.lines().filter(|l| l.contains(", 0, 1);")).any(|l| {
+            l.split(|c: char| !c.is_alphanumeric())
+                .any(|w| w.len() > 1 && w.starts_with('x') && w[1..].parse::<usize>().is_ok())
+        });
+        (copies, global)
+    }
+
+    /// Every input (x, weights, biases: 17 of 100 f32) is copied into shared memory before the
+    /// first member, in 16-byte aligned regions, and the members read only those copies; with
+    /// room for two, the other fifteen are read from global memory.
+    #[test]
+    fn a_composition_reads_its_inputs_from_shared_memory() {
+        let g = mlp(8, 10);
+        let (k, _) = &kernels(&g)[0];
+        assert_eq!(k.shared, 17 * 400);
+        assert_eq!(staged(k), ((0..17).collect(), false));
+        let small = Cuda {
+            shared_per_block: (8 << 10) + 1000,
+            ..Cuda::new(2)
+        };
+        let Planned::Kernel { kernel, .. } = &plan_graph(&small, &g)[0] else {
+            panic!("an extern step");
+        };
+        assert_eq!(kernel.shared, 800);
+        assert_eq!(staged(kernel), (vec![0, 1], true));
+    }
+
+    /// Adam's shape: the step counts and parameters updated in place are the members' outputs
+    /// (read and written through global memory), never staged; what the members only read
+    /// (the constant one, the gradients) is.
+    #[test]
+    fn buffers_updated_in_place_stay_in_global_memory() {
+        let mut g = Graph::default();
+        crate::test_graphs::counted_updates(&mut g, kiln_core::Device::Cuda(0), &[&[4, 4], &[8]]);
+        let ks = kernels(&g);
+        assert_eq!(ks.len(), 1, "one launch");
+        let (k, outs) = &ks[0];
+        let in_place = outs
+            .iter()
+            .filter(|o| matches!(o.1, Alloc::InPlace(_)))
+            .count();
+        assert_eq!(in_place, 4, "two counts and two parameters in place");
+        assert!(k
+            .inputs
+            .iter()
+            .all(|i| !outs.iter().any(|o| o.1 == Alloc::InPlace(*i))));
+        assert_eq!(staged(k), ((0..k.inputs.len()).collect(), false));
+        assert_eq!(k.inputs.len(), 3, "the constant one and two gradients");
     }
 
     /// Eight 10x10 layers: eight generated matmuls (each reading the previous layer's bias add
@@ -256,7 +353,7 @@ mod tests {
         );
         // and the planning says so, in member order
         let ks2 = [(&ks[0].0, ks[0].1.as_slice())];
-        let seq = sequence(&t, &(0..g.nodes.len()).collect::<Vec<_>>(), &ks2);
+        let seq = sequence(&t, &g, &(0..g.nodes.len()).collect::<Vec<_>>(), &ks2);
         assert!(!seq.members[0].barrier_before);
     }
 

@@ -116,6 +116,7 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> 
         (t.blocks(rows, rows_per_block), block)
     };
     let outputs = [(root, "out".to_string())];
+    let text = t.narrow_index(g, b.params.iter().copied().chain([root]), rows * red, text);
     let params = parameters(&b, g, &outputs);
     finish(b.params, params, text, grid, block)
 }

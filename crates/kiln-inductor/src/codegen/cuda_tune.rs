@@ -35,6 +35,8 @@ pub(crate) fn candidates(
                 inline_matmul: base.inline_matmul,
                 horizontal: base.horizontal,
                 cfg,
+                shared_per_block: base.shared_per_block,
+                int_index: base.int_index,
             };
             plan_graph(&target, graph)
                 .into_iter()

@@ -34,6 +34,8 @@ pub struct Candidate {
     pub name: String,
     pub grid: [u32; 3],
     pub block: u32,
+    /// Bytes of dynamic shared memory per block.
+    pub shared: u32,
 }
 
 /// A kernel whose launch shape is chosen at its first launch.
@@ -169,7 +171,7 @@ impl Tuned {
             }
         };
         let c = &self.candidates[i];
-        c.kernel.launch(c.grid, c.block, params)
+        c.kernel.launch(c.grid, c.block, c.shared, params)
     }
 
     /// Times every candidate on `inputs` and scratch copies of `outs`; the default shape when
@@ -198,7 +200,7 @@ impl Tuned {
             let c = &self.candidates[i];
             rt.time_launches(
                 self.device,
-                &mut || c.kernel.launch(c.grid, c.block, &params),
+                &mut || c.kernel.launch(c.grid, c.block, c.shared, &params),
                 REPS,
             )
         });
@@ -267,7 +269,7 @@ pub(crate) mod tests {
     /// Records its launches' block sizes.
     struct Recorder(std::sync::Mutex<Vec<u32>>);
     impl DeviceKernel for Recorder {
-        fn launch(&self, _: [u32; 3], block: u32, _: &[u64]) -> Result<()> {
+        fn launch(&self, _: [u32; 3], block: u32, _: u32, _: &[u64]) -> Result<()> {
             self.0.lock().unwrap_or_else(|e| e.into_inner()).push(block);
             Ok(())
         }
@@ -282,6 +284,7 @@ pub(crate) mod tests {
             kernel: k.clone(),
             name: "k".into(),
             grid: [4, 1, 1],
+            shared: 0,
             block,
         };
         let t = Tuned::new(Device::Cuda(0), "k", None, vec![cand(256), cand(128)]);

@@ -27,6 +27,8 @@ pub enum Launch {
         kernel: Arc<dyn DeviceKernel>,
         grid: [u32; 3],
         block: u32,
+        /// Bytes of dynamic shared memory per block.
+        shared: u32,
     },
     /// A device kernel with several launch shapes, the fastest chosen at its first launch
     /// (max-autotune: `autotune.rs`).
@@ -256,13 +258,14 @@ fn call(f: &Launch, args_t: &[Tensor], out_t: &[Tensor], sizes: &[i64]) -> Resul
             kernel,
             grid,
             block,
+            shared,
         } => {
             // the same conditions as above, on the device; buffers dropped after the launch are
             // reused only by work queued after it (one stream per device)
             let mut params = device_addresses(args_t, out_t)?;
             // a size-generic kernel's sizes are `long long` parameters after the buffers
             params.extend(sizes.iter().map(|&s| s as u64));
-            kernel.launch(*grid, *block, &params)
+            kernel.launch(*grid, *block, *shared, &params)
         }
         Launch::Tuned(t) => {
             // tuned kernels are never size-generic (`codegen/cuda.rs`: no tuning under a size
