@@ -130,6 +130,8 @@ struct Rewrite {
     twin: Vec<Option<NodeId>>,
     /// Per old node: whether the rewrite computes it in NHWC order (its twin is its value).
     computed_nhwc: Vec<bool>,
+    /// Per old node: its twin copied into dense NHWC memory, where a convolution needed it.
+    dense: Vec<Option<NodeId>>,
 }
 
 impl Rewrite {
@@ -168,6 +170,31 @@ impl Rewrite {
     }
 }
 
+impl Rewrite {
+    /// Old node `id`'s twin as a convolution operand: cuDNN reads packed NHWC memory, so a twin
+    /// that is only a permute of the NCHW value (a weight, the input image) is copied by a
+    /// `Contiguous` of its own, made once: a generated kernel, which runs beside the others of
+    /// its kind (every weight of a network in one launch), where the convolution would otherwise
+    /// copy its operand eagerly, a launch each.
+    fn dense_twin(&mut self, id: NodeId) -> NodeId {
+        let t = self.twin(id);
+        if self.computed_nhwc[id] {
+            return t;
+        }
+        if let Some(d) = self.dense[id] {
+            return d;
+        }
+        let node = Node {
+            op: Op::Prim(Prim::Contiguous),
+            args: vec![t],
+            ..self.out.nodes[t].clone()
+        };
+        let d = self.out.push(node);
+        self.dense[id] = Some(d);
+        d
+    }
+}
+
 /// `g` with its rank-4 values in NHWC order, or `None` when the pass does not apply (`wanted`).
 pub fn channels_last(g: &Graph) -> Option<Graph> {
     wanted(g).then(|| rewrite(g))
@@ -184,11 +211,15 @@ fn rewrite(g: &Graph) -> Graph {
         plain: vec![None; n],
         twin: vec![None; n],
         computed_nhwc: vec![false; n],
+        dense: vec![None; n],
     };
     for (id, node) in g.nodes.iter().enumerate() {
         match nhwc_prim(g, node) {
             Some(p) => {
-                let args: Vec<NodeId> = node.args.iter().map(|&a| r.twin(a)).collect();
+                let args: Vec<NodeId> = match p.conv_params() {
+                    Some(_) => node.args.iter().map(|&a| r.dense_twin(a)).collect(),
+                    None => node.args.iter().map(|&a| r.twin(a)).collect(),
+                };
                 let t = r.out.push(Node {
                     op: Op::Prim(p),
                     args,
@@ -407,6 +438,27 @@ mod tests {
                     "output {i}: {u} vs {v}"
                 );
             }
+        }
+    }
+
+    /// The convolution reads dense NHWC operands: the input and weight, graph inputs in NCHW
+    /// order, each through a `Contiguous` of its permute (a generated copy), not the bare view
+    /// the convolution would copy eagerly.
+    #[test]
+    fn convolution_operands_are_dense_copies() {
+        let out = channels_last(&block()).expect("a device graph with a convolution");
+        let conv = out
+            .nodes
+            .iter()
+            .find(|n| matches!(&n.op, Op::Prim(p) if p.conv_params().is_some()))
+            .expect("the convolution");
+        for &a in &conv.args {
+            let n = &out.nodes[a];
+            assert!(matches!(n.op, Op::Prim(Prim::Contiguous)), "{:?}", n.op);
+            assert!(matches!(
+                out.nodes[n.args[0]].op,
+                Op::Prim(Prim::Permute(_))
+            ));
         }
     }
 
