@@ -321,6 +321,9 @@ impl Backend for CpuCodegen {
         // fit the size-generic templates
         let nhwc = crate::channels_last::channels_last(graph);
         let graph = nhwc.as_ref().unwrap_or(graph);
+        // per-channel and per-row arithmetic on broadcast values runs on the small shape
+        let sunk = crate::sink_expands::sink_expands(graph);
+        let graph = sunk.as_ref().unwrap_or(graph);
         if graph.device() != kiln_core::Device::Cpu {
             // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs; both
             // max-autotune modes time launch shapes of the generated kernels
