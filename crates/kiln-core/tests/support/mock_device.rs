@@ -124,6 +124,13 @@ impl DeviceRuntime for Mock {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1))
     }
+    /// 48 KiB, or `KILN_MOCK_SHARED` bytes (232448 for an H100's opt-in limit).
+    fn shared_memory_per_block(&self, _: Device) -> Result<u32> {
+        Ok(std::env::var("KILN_MOCK_SHARED")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(48 << 10))
+    }
 }
 
 /// Registers the mock as the device runtime (idempotent).
