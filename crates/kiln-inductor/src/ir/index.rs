@@ -111,10 +111,34 @@ impl Ix {
         if lo >= 0 && hi < n {
             return q;
         }
+        if let Some((a, y, _)) = self.factor(n, ext) {
+            return y.div(n / a, ext);
+        }
         if lo >= 0 {
             return q.add(&Ix::atom(Atom::Div(Box::new(rest), n)));
         }
         Ix::atom(Atom::Div(Box::new(self.clone()), n))
+    }
+
+    /// `self` as `a·y + r` for the largest proper divisor `a` of `n` (above 1) with `0 <= r < a`
+    /// over the loop ranges and `y >= 0`: then `self / n == y / (n / a)` and `self % n ==
+    /// a·(y % (n / a)) + r`. A strided slice of a padded row reads `(114·h + w + 1) / 228`
+    /// with `w + 1 < 114`, which is `h / 2`. `None` when no divisor splits it so.
+    fn factor(&self, n: i64, ext: &Extents) -> Option<(i64, Ix, Ix)> {
+        let mut divisors: Vec<i64> = (2..)
+            .take_while(|d| d * d <= n)
+            .filter(|d| n % d == 0)
+            .flat_map(|d| [d, n / d])
+            .filter(|&d| d < n)
+            .collect();
+        divisors.sort_unstable_by(|a, b| b.cmp(a));
+        divisors.into_iter().find_map(|a| {
+            let (whole, rest) = self.split_multiple(a);
+            let (lo, hi) = rest.bounds(ext);
+            let y = whole.exact_div(a);
+            (!whole.terms.is_empty() && lo >= 0 && hi < a && y.bounds(ext).0 >= 0)
+                .then_some((a, y, rest))
+        })
     }
 
     /// Modulo by a positive constant.
@@ -126,6 +150,9 @@ impl Ix {
         let (lo, hi) = rest.bounds(ext);
         if lo >= 0 && hi < n {
             return rest;
+        }
+        if let Some((a, y, r)) = self.factor(n, ext) {
+            return y.rem(n / a, ext).mul(a).add(&r);
         }
         if lo >= 0 {
             return Ix::atom(Atom::Mod(Box::new(rest), n));
@@ -146,6 +173,24 @@ impl Ix {
             return Ix::constant(hi);
         }
         Ix::atom(Atom::Clamp(Box::new(self.clone()), lo, hi))
+    }
+
+    /// The value at the loop variables `vars` (tests check simplified forms against it).
+    #[cfg(test)]
+    pub fn eval(&self, vars: &[i64]) -> i64 {
+        self.constant
+            + self
+                .terms
+                .iter()
+                .map(|(k, a)| {
+                    k * match a {
+                        Atom::Var(v) => vars[*v],
+                        Atom::Div(x, n) => x.eval(vars).div_euclid(*n),
+                        Atom::Mod(x, n) => x.eval(vars).rem_euclid(*n),
+                        Atom::Clamp(x, lo, hi) => x.eval(vars).clamp(*lo, *hi),
+                    }
+                })
+                .sum::<i64>()
     }
 
     fn exact_div(&self, n: i64) -> Ix {
@@ -281,6 +326,45 @@ mod tests {
         let odd = Ix::var(0).mul(4).add(&Ix::var(1));
         assert!(matches!(odd.div(5, &ext).terms[0].1, Atom::Div(..)));
         assert_eq!(odd.bounds(&ext), (0, 16));
+    }
+
+    /// A common factor of the divisor whose remainder stays below it divides out: a step-2
+    /// slice of a padded 114-wide row reads `(114·h + w + 1) / 228` with `w` in 0..112, which
+    /// is `h / 2`, and its modulo `114·(h % 2) + w + 1`. The same expressions checked against
+    /// plain integer arithmetic at every point of the loop space.
+    #[test]
+    fn common_factors_of_the_divisor_divide_out() {
+        let ext = [112, 112];
+        let (h, w) = (Ix::var(0), Ix::var(1));
+        let x = h.mul(114).add(&w).add_const(1);
+        let q = x.div(228, &ext);
+        assert_eq!(q.to_c("i"), "((i0) / 2)");
+        let r = x.rem(228, &ext);
+        assert_eq!(r.to_c("i"), "i1 + 114*((i0) % 2) + 1");
+        // with a clamped row, as a pad reads it
+        let held = h.add_const(1).held_in(0, 111, &ext);
+        let x2 = held.mul(114).add(&w).add_const(1);
+        assert!(!x2.div(228, &ext).to_c("i").contains("228"));
+        let eval = |e: &Ix, i0: i64, i1: i64| -> i64 { e.eval(&[i0, i1]) };
+        for i0 in 0..112 {
+            for i1 in 0..112 {
+                let v = 114 * i0 + i1 + 1;
+                assert_eq!(eval(&q, i0, i1), v / 228);
+                assert_eq!(eval(&r, i0, i1), v % 228);
+                let v2 = 114 * (i0 + 1).clamp(0, 111) + i1 + 1;
+                assert_eq!(eval(&x2.div(228, &ext), i0, i1), v2 / 228);
+                assert_eq!(eval(&x2.rem(228, &ext), i0, i1), v2 % 228);
+            }
+        }
+        // a factor of 2 only: (57·h + w) / 114, still exact
+        let y = h.mul(114).add(&w.mul(2));
+        assert_eq!(y.div(228, &ext).to_c("i"), "((57*i0 + i1) / 114)");
+        for i0 in 0..112 {
+            for i1 in 0..112 {
+                assert_eq!(eval(&y.div(228, &ext), i0, i1), (114 * i0 + 2 * i1) / 228);
+                assert_eq!(eval(&y.rem(228, &ext), i0, i1), (114 * i0 + 2 * i1) % 228);
+            }
+        }
     }
 
     #[test]
