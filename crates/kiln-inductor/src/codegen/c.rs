@@ -537,6 +537,86 @@ pub(crate) fn reduction_parts<'a>(
     }
 }
 
+/// One accumulator of a reduction kernel computing several values (`many_reduction_parts`).
+pub(crate) struct Accumulator {
+    pub(crate) root: NodeId,
+    /// The operand's value at the loop's element.
+    pub(crate) value: String,
+    pub(crate) acc_t: &'static str,
+    pub(crate) init: String,
+    pub(crate) step: fn(&str, &str) -> String,
+}
+
+/// Several reductions over operands of one shape and the same dims, walked by one loop nest: one
+/// builder evaluates every operand at the loop's element, so a buffer two of them read is loaded
+/// once (batch norm's backward sums `g` and `g * x̂` per channel: one pass over `g` and `x̂`,
+/// not two). `None` unless every root is a `Reduce` over the same dims of an operand of the same
+/// shape (the kept and reduced loops, and so the output offsets, are then the same).
+pub(crate) fn many_reduction_parts<'a>(
+    g: &'a Graph,
+    sched: &'a Schedule,
+    roots: &[NodeId],
+) -> Option<(Builder<'a>, Vec<Accumulator>, ReductionShape)> {
+    let shape_of = |root: NodeId| match &g.nodes[root].op {
+        Op::Prim(Prim::Reduce { dims, .. }) => {
+            Some((g.nodes[g.nodes[root].args[0]].shape.clone(), dims.clone()))
+        }
+        _ => None,
+    };
+    let (in_shape, dims) = shape_of(*roots.first()?)?;
+    if roots
+        .iter()
+        .any(|&r| shape_of(r).as_ref() != Some(&(in_shape.clone(), dims.clone())))
+    {
+        return None;
+    }
+    let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
+    let mut b = Builder::new(g, sched, ext);
+    let idx: Vec<Ix> = (0..in_shape.len()).map(Ix::var).collect();
+    let accs = roots
+        .iter()
+        .map(|&root| {
+            let node = &g.nodes[root];
+            let Op::Prim(Prim::Reduce { op, .. }) = &node.op else {
+                unreachable!("checked above")
+            };
+            let src = node.args[0];
+            let value = b.value(src, &idx, false);
+            let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
+            Accumulator {
+                root,
+                value,
+                acc_t,
+                init,
+                step,
+            }
+        })
+        .collect();
+    let out_idx: Vec<Ix> = (0..in_shape.len())
+        .map(|d| match dims.contains(&d) {
+            true => Ix::constant(0),
+            false => Ix::var(d),
+        })
+        .collect();
+    let shape = ReductionShape {
+        out_offset: linear(&out_idx, &g.nodes[roots[0]].shape).to_c("i"),
+        kept: (0..in_shape.len())
+            .filter(|d| !dims.contains(d))
+            .map(|d| (d, in_shape[d]))
+            .collect(),
+        reduced: dims.iter().map(|&d| (d, in_shape[d])).collect(),
+    };
+    Some((b, accs, shape))
+}
+
+/// The loops of a reduction: the output offset (in the kept dims' variables) and the kept and
+/// reduced (dim, extent) lists.
+pub(crate) struct ReductionShape {
+    pub(crate) out_offset: String,
+    pub(crate) kept: Vec<(usize, usize)>,
+    pub(crate) reduced: Vec<(usize, usize)>,
+}
+
 /// A small matmul `[B,M,K] x [B,K,N]` as a sum over the loop space `[B,M,N,K]` (variables
 /// `i0..i3`, k reduced) of `a[i0,i1,i3] * b[i0,i3,i2]`: each operand read through its index
 /// expression, so its views and pointwise producers are evaluated in the load, never
