@@ -35,12 +35,6 @@ pub trait Target {
         roots: &[(NodeId, Option<NodeId>)],
     ) -> (Self::Kernel, bool);
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Self::Kernel;
-    /// One kernel computing several reductions over operands of one shape and the same dims
-    /// in one loop nest (their outputs in `roots`' order), or `None` where the target has no
-    /// such kernels or these do not share loops.
-    fn reductions(&self, _g: &Graph, _sched: &Schedule, _roots: &[NodeId]) -> Option<Self::Kernel> {
-        None
-    }
     /// Whether a matmul of these sizes is generated as a reduction over k (fused with its
     /// operands' producers and its readers) instead of running as an extern call.
     fn inline_matmul(&self, _dims: MatmulDims) -> bool {
@@ -252,7 +246,6 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
         });
     }
     let planned = group(t, graph, &sched, planned);
-    let planned = group_reductions(t, graph, &sched, planned);
     // a small graph in one launch; else independent kernels side by side
     let planned = crate::sequential::compose(t, graph, &roots, planned);
     crate::horizontal::fuse(t, graph, &roots, planned)
@@ -308,91 +301,6 @@ fn group<T: Target>(
             }
             None => out.push(p),
         }
-    }
-    out
-}
-
-/// Most reductions one kernel computes together.
-const MAX_REDUCTIONS: usize = 8;
-
-/// The loops a single-value reduction kernel walks: its operand's shape and reduced dims.
-fn reduction_loops(
-    graph: &Graph,
-    sched: &Schedule,
-    outs: &[(NodeId, Alloc)],
-) -> Option<(Vec<usize>, Vec<usize>)> {
-    let &[(node, alloc)] = outs else {
-        return None;
-    };
-    if sched.kinds[node] != Kind::Reduction || matches!(alloc, Alloc::InPlace(_)) {
-        return None;
-    }
-    match &graph.nodes[node].op {
-        kiln_compile::graph::Op::Prim(kiln_core::prim::Prim::Reduce { dims, .. }) => Some((
-            graph.nodes[graph.nodes[node].args[0]].shape.clone(),
-            dims.clone(),
-        )),
-        _ => None,
-    }
-}
-
-/// Reductions walking the same loops, as one kernel where the target makes one
-/// (`Target::reductions`): a reduction joins the nearest earlier kernel of reductions over an
-/// operand of its shape and dims, unless a step between them (or that kernel) produces a value
-/// it reads. Their operands' common loads are then made once: batch norm's backward sums the
-/// incoming gradient and its product with the normalized input over the same channels, four
-/// such sums per layer, each a pass over the activations when apart.
-fn group_reductions<T: Target>(
-    t: &T,
-    graph: &Graph,
-    sched: &Schedule,
-    planned: Vec<Planned<T::Kernel>>,
-) -> Vec<Planned<T::Kernel>> {
-    // per kept step: the loops of its reductions, when it is a kernel of them
-    let mut loops: Vec<Option<(Vec<usize>, Vec<usize>)>> = Vec::with_capacity(planned.len());
-    let mut out: Vec<Planned<T::Kernel>> = Vec::with_capacity(planned.len());
-    for p in planned {
-        let key = match &p {
-            Planned::Kernel { outs, .. } => reduction_loops(graph, sched, outs),
-            Planned::Extern { .. } => None,
-        };
-        if let (Some(k), Planned::Kernel { kernel, outs }) = (&key, &p) {
-            let reads = t.inputs(kernel);
-            let mut at = None;
-            for j in (0..out.len()).rev() {
-                let produced: &[(NodeId, Alloc)] = match &out[j] {
-                    Planned::Kernel { outs, .. } => outs,
-                    Planned::Extern { node } => {
-                        if reads.contains(node) {
-                            break;
-                        }
-                        continue;
-                    }
-                };
-                if produced.iter().any(|(n, _)| reads.contains(n)) {
-                    break;
-                }
-                if loops[j].as_ref() == Some(k) && produced.len() < MAX_REDUCTIONS {
-                    at = Some(j);
-                    break;
-                }
-            }
-            if let Some(j) = at {
-                if let Planned::Kernel { outs: have, .. } = &out[j] {
-                    let joined: Vec<(NodeId, Alloc)> = have.iter().chain(outs).copied().collect();
-                    let roots: Vec<NodeId> = joined.iter().map(|o| o.0).collect();
-                    if let Some(kernel) = t.reductions(graph, sched, &roots) {
-                        out[j] = Planned::Kernel {
-                            kernel,
-                            outs: joined,
-                        };
-                        continue;
-                    }
-                }
-            }
-        }
-        loops.push(key);
-        out.push(p);
     }
     out
 }

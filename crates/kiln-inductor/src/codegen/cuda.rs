@@ -434,10 +434,6 @@ impl Target for Cuda {
         super::cuda_reduce::reduction(self, g, sched, root)
     }
 
-    fn reductions(&self, g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<CudaKernel> {
-        super::cuda_reduce::reductions(self, g, sched, roots)
-    }
-
     fn inputs<'k>(&self, k: &'k CudaKernel) -> &'k [NodeId] {
         &k.inputs
     }
