@@ -219,21 +219,21 @@ mod tests {
         let is_call = |l: &str| l.contains(", 0, 1);");
         let barriers = lines
             .windows(2)
-            .filter(|w| w[1].contains("__syncthreads();") && !w[0].contains("for (int e = "))
+            .filter(|w| w[1].contains("__syncthreads();") && w[0].trim() != "}")
             .count();
         (lines.iter().filter(|l| is_call(l)).count(), barriers)
     }
 
-    /// The composed kernel's inputs copied into shared memory (their indices), and whether any
-    /// member is handed an input's global pointer.
+    /// The composed kernel's inputs copied into shared memory (their indices, once each), and
+    /// whether any member is handed an input's global pointer.
     fn staged(k: &CudaKernel) -> (Vec<usize>, bool) {
         let body = k.source.split_once('{').map_or("", |b| b.1);
-        let copies = body
+        let mut copies: Vec<usize> = body
             .lines()
-            .filter(|l| l.contains("for (int e = "))
-            .filter_map(|l| l.rsplit_once("= x"))
+            .filter_map(|l| l.split_once(" ? x"))
             .filter_map(|(_, i)| i.split('[').next()?.parse().ok())
             .collect();
+        copies.dedup();
         let global = body.lines().filter(|l| l.contains(", 0, 1);")).any(|l| {
             l.split(|c: char| !c.is_alphanumeric())
                 .any(|w| w.len() > 1 && w.starts_with('x') && w[1..].parse::<usize>().is_ok())
@@ -259,6 +259,15 @@ mod tests {
         };
         assert_eq!(kernel.shared, 800);
         assert_eq!(staged(kernel), (vec![0, 1], true));
+        // 40x40 inputs: seven rounds of the block's 256 threads each, the loads of a batch of
+        // 32 before its stores
+        let g = mlp(2, 40);
+        let (k, _) = &kernels(&g)[0];
+        assert!(k.source.contains("x0[e + 1536]") && !k.source.contains("x0[e + 1792]"));
+        let first_store = k.source.find("if (e + ").expect("stores");
+        let loads_before = k.source[..first_store].matches(" ? x").count();
+        // 35 copies (5 inputs x 7 rounds): the first batch holds 32
+        assert_eq!(loads_before, 32, "a batch of loads, then stores");
     }
 
     /// Adam's shape: the step counts and parameters updated in place are the members' outputs
