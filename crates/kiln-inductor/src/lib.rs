@@ -14,7 +14,7 @@ pub mod ir;
 pub mod runtime;
 pub mod schedule;
 mod sequential;
-mod sink_expands;
+pub mod sink_expands;
 mod split_reduction;
 #[cfg(test)]
 mod test_graphs;

@@ -136,7 +136,18 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
                 // computed by the sum and by the division: no buffer written and read back)
                 let shared = users[id] >= 2 && !view_of_buffer;
                 let recompute = cost[id] <= MAX_RECOMPUTE_OPS && users[id] <= MAX_RECOMPUTE_USERS;
-                must_realize[id] || (shared && !recompute)
+                if shared && !recompute && matches!(node.op, Op::Prim(Prim::Expand(_))) {
+                    // a broadcast read by several kernels: what it broadcasts is realized (a
+                    // per-channel value, not a tensor of its copies) and it stays a view
+                    for &a in &node.args {
+                        realize_below_views(g, &kinds, &mut realized, a);
+                    }
+                    cheap[id] = true;
+                    cost[id] = 0;
+                    false
+                } else {
+                    must_realize[id] || (shared && !recompute)
+                }
             }
         };
         if kinds[id] == Kind::Constant {
@@ -290,5 +301,50 @@ mod tests {
             "the matmul and the bias add: {:?}",
             cuda.steps
         );
+    }
+    /// A per-channel chain too long to recompute, broadcast and read by two reductions: the
+    /// [1, 8] chain is realized and the [1024, 8] broadcast stays a view (not 8192 copies of 8
+    /// values written and read back).
+    #[test]
+    fn a_shared_broadcast_realizes_what_it_broadcasts() {
+        let mut g = Graph::default();
+        let x = input(&mut g, &[1024, 8]);
+        let mut c = input(&mut g, &[1, 8]);
+        for _ in 0..6 {
+            c = push(
+                &mut g,
+                Op::Prim(Prim::Unary(UnaryOp::Tanh)),
+                vec![c],
+                &[1, 8],
+            );
+        }
+        let e = push(
+            &mut g,
+            Op::Prim(Prim::Expand(vec![1024, 8])),
+            vec![c],
+            &[1024, 8],
+        );
+        let reduce = |g: &mut Graph, a: NodeId, op| {
+            let m = push(g, Op::Prim(Prim::Binary(op)), vec![x, a], &[1024, 8]);
+            push(
+                g,
+                Op::Prim(Prim::Reduce {
+                    op: kiln_core::prim::ReduceOp::Sum,
+                    dims: vec![0],
+                }),
+                vec![m],
+                &[1, 8],
+            )
+        };
+        let s1 = reduce(&mut g, e, BinaryOp::Mul);
+        let s2 = reduce(&mut g, e, BinaryOp::Add);
+        g.outputs = vec![s1, s2];
+        let c_target = C {
+            inline_matmul: false,
+            horizontal: true,
+        };
+        let s = schedule_for(&c_target, &g);
+        assert!(!s.realized[e], "the broadcast is a view");
+        assert!(s.realized[c], "the per-channel chain is a buffer");
     }
 }
