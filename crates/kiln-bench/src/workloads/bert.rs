@@ -188,6 +188,7 @@ fn run_model(ctx: &mut Ctx, weights: &Weights) -> BenchResult {
             no_grad(|| compiled.forward(&ids))
         })?;
         ctx.emit(w, variant, "call", t.ms(), "ms");
+        ctx.cuda_range(|| no_grad(|| compiled.forward(&ids)))?;
         ctx.emit(
             w,
             variant,
