@@ -27,6 +27,9 @@ pub enum Step {
 const MAX_RECOMPUTE_OPS: usize = 4;
 /// Most readers a shared pointwise chain is inlined into.
 const MAX_RECOMPUTE_USERS: usize = 3;
+/// Longest chain a padded value read only through windows is recomputed with (training's batch
+/// norm and ReLU before a max-pool: subtract, scale, shift, compare, select).
+const MAX_WINDOW_RECOMPUTE_OPS: usize = 8;
 /// How a target generates small matmuls (`Target::inline_matmul`, `Target::matmul_operand_ops`).
 pub struct MatmulFusion<'a> {
     /// Which matmuls are generated (the others stay extern calls).
@@ -89,6 +92,8 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
         .map(|node| kind_with(g, node, mm.inline))
         .collect();
     let mut users = vec![0usize; n];
+    // read only through slices (a pooling's windows over a padded value)
+    let mut only_windows = vec![true; n];
     let mut must_realize = vec![false; n];
     for &o in &g.outputs {
         must_realize[o] = true;
@@ -96,6 +101,7 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
     for (id, node) in g.nodes.iter().enumerate() {
         for &a in &node.args {
             users[a] += 1;
+            only_windows[a] &= matches!(node.op, Op::Prim(Prim::Slice { .. }));
             // extern ops take tensors; cat reads each operand under a bounds check at every
             // element (a pad evaluates its operand once per element, at the index held inside
             // the operand: fused like any other read)
@@ -135,7 +141,15 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
                 // a short chain read by a few kernels is recomputed in each (softmax's exp is
                 // computed by the sum and by the division: no buffer written and read back)
                 let shared = users[id] >= 2 && !view_of_buffer;
-                let recompute = cost[id] <= MAX_RECOMPUTE_OPS && users[id] <= MAX_RECOMPUTE_USERS;
+                // a padded value read only through windows (max-pool's nine) is recomputed in
+                // the window's reader whatever their number: its readers are one kernel's
+                // loads of overlapping windows, which the cache serves, where a realized pad
+                // costs a write and a read of the padded tensor (ResNet-18's stem: 53 MB)
+                let windows = only_windows[id] && matches!(node.op, Op::Prim(Prim::Pad { .. }));
+                let recompute = match windows {
+                    true => cost[id] <= MAX_WINDOW_RECOMPUTE_OPS,
+                    false => cost[id] <= MAX_RECOMPUTE_OPS && users[id] <= MAX_RECOMPUTE_USERS,
+                };
                 if shared && !recompute && matches!(node.op, Op::Prim(Prim::Expand(_))) {
                     // a broadcast read by several kernels: what it broadcasts is realized (a
                     // per-channel value, not a tensor of its copies) and it stays a view
@@ -346,5 +360,61 @@ mod tests {
         let s = schedule_for(&c_target, &g);
         assert!(!s.realized[e], "the broadcast is a view");
         assert!(s.realized[c], "the per-channel chain is a buffer");
+    }
+    /// A value padded and read through strided windows (as a max-pool reads it) is not
+    /// realized, however many windows: each window's reader recomputes it.
+    #[test]
+    fn a_pad_read_through_windows_is_recomputed() {
+        let mut g = Graph::default();
+        let x = input(&mut g, &[1, 4, 8, 8]);
+        let s = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Tanh)),
+            vec![x],
+            &[1, 4, 8, 8],
+        );
+        let p = push(
+            &mut g,
+            Op::Prim(Prim::Pad {
+                pads: vec![(0, 0), (0, 0), (1, 1), (1, 1)],
+                value: f64::NEG_INFINITY,
+            }),
+            vec![s],
+            &[1, 4, 10, 10],
+        );
+        let mut acc: Option<NodeId> = None;
+        // four windows: more readers than a shared chain is otherwise recomputed for
+        for ki in 0..4 {
+            let v = push(
+                &mut g,
+                Op::Prim(Prim::Slice {
+                    dim: 2,
+                    start: ki,
+                    end: ki + 7,
+                    step: 2,
+                }),
+                vec![p],
+                &[1, 4, 4, 10],
+            );
+            acc = Some(match acc {
+                None => v,
+                Some(a) => push(
+                    &mut g,
+                    Op::Prim(Prim::Binary(BinaryOp::Max)),
+                    vec![a, v],
+                    &[1, 4, 4, 10],
+                ),
+            });
+        }
+        g.outputs = vec![acc.expect("windows")];
+        let c_target = C {
+            inline_matmul: false,
+            horizontal: true,
+        };
+        let sched = schedule_for(&c_target, &g);
+        assert!(
+            !sched.realized[p],
+            "the pad is recomputed in its windows' readers"
+        );
     }
 }
