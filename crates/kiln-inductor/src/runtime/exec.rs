@@ -2,6 +2,7 @@
 //! applies a prim through the core's kernels; values are dropped after their last use, so the
 //! pooled buffer behind an intermediate is free for a later kernel (see `plan.rs`, `pool.rs`).
 
+use std::cell::OnceCell;
 use std::ffi::c_void;
 use std::sync::Arc;
 
@@ -108,6 +109,7 @@ impl CompiledCpu {
         alloc: Alloc,
         vals: &[Option<Tensor>],
         inputs: &[Tensor],
+        spans: &OnceCell<InputSpans>,
         bufs: &mut CallBuffers<'_>,
     ) -> Result<Tensor> {
         let n = &self.graph.nodes[node];
@@ -125,7 +127,8 @@ impl CompiledCpu {
                         format!("in-place destination %{input} is not a graph input"),
                     ));
                 };
-                if writable_in_place(index, n.shape.as_slice(), n.dtype, inputs) {
+                let spans = spans.get_or_init(|| InputSpans::new(inputs));
+                if writable_in_place(index, n.shape.as_slice(), n.dtype, inputs, spans) {
                     pool::count(|s| s.inplace_bytes += bytes);
                     return Ok(t);
                 }
@@ -149,6 +152,8 @@ impl CompiledCpu {
         pool::count(|s| s.calls += 1);
         // declared before the values: dropped after them, so it sees which buffers escaped
         let mut bufs = self.pool.take();
+        // the inputs' memory, for in-place writes: measured once per call, at the first
+        let spans = OnceCell::new();
         let mut vals: Vec<Option<Tensor>> = vec![None; g.nodes.len()];
         for (id, n) in g.nodes.iter().enumerate() {
             if let Op::Input(i) = n.op {
@@ -186,7 +191,9 @@ impl CompiledCpu {
                     }
                     let mut out_t = Vec::with_capacity(outs.len());
                     for &(node, alloc) in outs {
-                        out_t.push(self.output_buffer(node, alloc, &vals, inputs, &mut bufs)?);
+                        out_t.push(
+                            self.output_buffer(node, alloc, &vals, inputs, &spans, &mut bufs)?,
+                        );
                     }
                     if out_t.iter().all(|t| t.numel() > 0) {
                         let _span =
@@ -301,6 +308,7 @@ fn writable_in_place(
     shape: &[usize],
     dtype: kiln_core::DType,
     inputs: &[Tensor],
+    spans: &InputSpans,
 ) -> bool {
     let Some(t) = inputs.get(index) else {
         return false;
@@ -309,14 +317,61 @@ fn writable_in_place(
         return false;
     }
     let (lo, hi) = span(t);
-    inputs
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != index)
-        .all(|(_, o)| {
-            let (a, b) = span(o);
-            a >= b || b <= lo || a >= hi
-        })
+    !spans.overlaps_other(index, lo, hi)
+}
+
+/// The byte ranges of a call's inputs, sorted by start, with the largest end over each prefix
+/// (and the input it belongs to, and the largest end of any other input): whether a range
+/// overlaps another input's is one binary search. A compiled optimizer step writes every
+/// parameter and moment in place, thousands of them; checking each against every input was
+/// quadratic (38 ms of host time per step for DenseNet-121's 364 parameters).
+pub(super) struct InputSpans {
+    /// (start, end, input index), empty ranges left out.
+    sorted: Vec<(usize, usize, usize)>,
+    /// Per prefix of `sorted`: (largest end, its input, largest end of another input).
+    prefix: Vec<(usize, usize, usize)>,
+}
+
+impl InputSpans {
+    pub(super) fn new(inputs: &[Tensor]) -> InputSpans {
+        InputSpans::of_ranges(inputs.iter().enumerate().map(|(i, t)| {
+            let (lo, hi) = span(t);
+            (lo, hi, i)
+        }))
+    }
+
+    /// From (start, end, input index) ranges.
+    fn of_ranges(ranges: impl Iterator<Item = (usize, usize, usize)>) -> InputSpans {
+        let mut sorted: Vec<(usize, usize, usize)> =
+            ranges.filter(|&(lo, hi, _)| lo < hi).collect();
+        sorted.sort_unstable();
+        let mut prefix = Vec::with_capacity(sorted.len());
+        let (mut best, mut best_at, mut second) = (0usize, usize::MAX, 0usize);
+        for &(_, hi, i) in &sorted {
+            if hi > best {
+                if best_at != i {
+                    second = best;
+                }
+                (best, best_at) = (hi, i);
+            } else if i != best_at && hi > second {
+                second = hi;
+            }
+            prefix.push((best, best_at, second));
+        }
+        InputSpans { sorted, prefix }
+    }
+
+    /// Whether `lo..hi` overlaps the range of an input other than `index`: some input starting
+    /// before `hi` ends after `lo`.
+    fn overlaps_other(&self, index: usize, lo: usize, hi: usize) -> bool {
+        let before = self.sorted.partition_point(|&(start, _, _)| start < hi);
+        let Some(&(best, best_at, second)) = before.checked_sub(1).and_then(|k| self.prefix.get(k))
+        else {
+            return false;
+        };
+        let end = if best_at == index { second } else { best };
+        end > lo
+    }
 }
 
 /// The byte range a tensor's elements occupy (empty when it has none).
@@ -350,5 +405,42 @@ impl CompiledGraph for CompiledCpu {
 
     fn run_with_rng(&self, inputs: &[Tensor], rng: (u64, u64)) -> Result<Vec<Tensor>> {
         no_grad(|| self.execute(inputs, rng))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::InputSpans;
+
+    /// The sorted sweep answers as checking every other input would, on ranges that nest, touch,
+    /// repeat and are empty.
+    #[test]
+    fn input_spans_find_the_same_overlaps_as_a_scan() {
+        let mut state = 12345u64;
+        let mut next = |n: u64| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % n) as usize
+        };
+        for _ in 0..200 {
+            let count = 1 + next(12);
+            let ranges: Vec<(usize, usize, usize)> = (0..count)
+                .map(|i| {
+                    let lo = next(40);
+                    (lo, lo + next(10), i)
+                })
+                .collect();
+            let spans = InputSpans::of_ranges(ranges.iter().copied());
+            for &(lo, hi, i) in &ranges {
+                if lo >= hi {
+                    continue;
+                }
+                let scan = ranges
+                    .iter()
+                    .any(|&(a, b, j)| j != i && a < b && b > lo && a < hi);
+                assert_eq!(spans.overlaps_other(i, lo, hi), scan, "{ranges:?} at {i}");
+            }
+        }
     }
 }
