@@ -102,6 +102,25 @@ fn ref_conv(
 }
 
 /// Reference pooling; `avg` None means max.
+/// The in-plane offsets (row-major in an `hw` plane) of the input elements under output
+/// `o`'s window, row by row, padding left out.
+fn window_taps(
+    o: [usize; 2],
+    hw: [usize; 2],
+    k: [usize; 2],
+    s: [usize; 2],
+    p: [usize; 2],
+) -> impl Iterator<Item = usize> {
+    (0..k[0]).flat_map(move |ki| {
+        (0..k[1]).filter_map(move |kj| {
+            let iy = (o[0] * s[0] + ki) as isize - p[0] as isize;
+            let ix = (o[1] * s[1] + kj) as isize - p[1] as isize;
+            let inside = iy >= 0 && ix >= 0 && (iy as usize) < hw[0] && (ix as usize) < hw[1];
+            inside.then(|| iy as usize * hw[1] + ix as usize)
+        })
+    })
+}
+
 fn ref_pool(
     x: &[f64],
     xs: &[usize],
@@ -118,18 +137,11 @@ fn ref_pool(
         for y in 0..oh {
             for xx in 0..ow {
                 let (mut mx, mut sum, mut cnt) = (f64::NEG_INFINITY, 0.0, 0usize);
-                for ki in 0..k[0] {
-                    for kj in 0..k[1] {
-                        let iy = (y * s[0] + ki) as isize - p[0] as isize;
-                        let ix = (xx * s[1] + kj) as isize - p[1] as isize;
-                        if iy < 0 || ix < 0 || iy as usize >= h || ix as usize >= w {
-                            continue;
-                        }
-                        let v = x[plane * h * w + iy as usize * w + ix as usize];
-                        mx = mx.max(v);
-                        sum += v;
-                        cnt += 1;
-                    }
+                for at in window_taps([y, xx], [h, w], k, s, p) {
+                    let v = x[plane * h * w + at];
+                    mx = mx.max(v);
+                    sum += v;
+                    cnt += 1;
                 }
                 out.push(match avg {
                     None => mx,
@@ -343,22 +355,15 @@ fn max_pool2d_gradient_goes_to_the_first_maximum_of_each_window() -> kiln_core::
             for oy in 0..oh {
                 for ox in 0..ow {
                     let mut best: Option<(usize, f64)> = None;
-                    for ki in 0..k[0] {
-                        for kj in 0..k[1] {
-                            let iy = (oy * s[0] + ki) as isize - p[0] as isize;
-                            let ix = (ox * s[1] + kj) as isize - p[1] as isize;
-                            if iy < 0 || ix < 0 || iy as usize >= h || ix as usize >= w {
-                                continue;
-                            }
-                            let at = plane * h * w + iy as usize * w + ix as usize;
-                            let v = xv[at];
-                            let better = match best {
-                                None => true,
-                                Some((_, b)) => !b.is_nan() && (v > b || v.is_nan()),
-                            };
-                            if better {
-                                best = Some((at, v));
-                            }
+                    for tap in window_taps([oy, ox], [h, w], k, s, p) {
+                        let at = plane * h * w + tap;
+                        let v = xv[at];
+                        let better = match best {
+                            None => true,
+                            Some((_, b)) => !b.is_nan() && (v > b || v.is_nan()),
+                        };
+                        if better {
+                            best = Some((at, v));
                         }
                     }
                     let (at, v) = best.expect("every window holds an input element");

@@ -25,13 +25,7 @@ impl Footprint {
     /// (`plan::alias_roots`). An in-place output's storage counts as read too: the kernel reads
     /// its old value there.
     pub fn of_kernel(reads: &[NodeId], outs: &[(NodeId, Alloc)], roots: &[NodeId]) -> Self {
-        let overwrites: Vec<NodeId> = outs
-            .iter()
-            .filter_map(|&(_, a)| match a {
-                Alloc::InPlace(input) => Some(roots[input]),
-                _ => None,
-            })
-            .collect();
+        let overwrites = overwritten_roots(outs, roots);
         let mut read_roots: Vec<NodeId> = reads.iter().map(|&r| roots[r]).collect();
         read_roots.extend(&overwrites);
         Footprint {
@@ -67,4 +61,14 @@ impl Footprint {
         self.read_roots.extend(other.read_roots);
         self.overwrites.extend(other.overwrites);
     }
+}
+
+/// The storage (alias roots) that outputs written in place into graph inputs overwrite.
+pub fn overwritten_roots(outs: &[(NodeId, Alloc)], roots: &[NodeId]) -> Vec<NodeId> {
+    outs.iter()
+        .filter_map(|&(_, a)| match a {
+            Alloc::InPlace(input) => Some(roots[input]),
+            _ => None,
+        })
+        .collect()
 }

@@ -141,13 +141,7 @@ pub fn sequence<'k, T: Target>(
             barrier_before,
         });
     }
-    let written: Vec<NodeId> = outs
-        .iter()
-        .filter_map(|&(_, a)| match a {
-            Alloc::InPlace(input) => Some(roots[input]),
-            _ => None,
-        })
-        .collect();
+    let written = crate::footprint::overwritten_roots(&outs, roots);
     let input_info = inputs
         .iter()
         .map(|&i| InputInfo {
