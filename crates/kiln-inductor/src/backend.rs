@@ -35,6 +35,12 @@ pub trait Target {
         roots: &[(NodeId, Option<NodeId>)],
     ) -> (Self::Kernel, bool);
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Self::Kernel;
+    /// One kernel computing `roots` row by row (`codegen/cuda_rows.rs`): a reduction over the
+    /// trailing dims of an operand, then values of that operand's shape and reductions over the
+    /// same dims that read the earlier ones. `None` where the target has no such kernels.
+    fn rows(&self, _g: &Graph, _sched: &Schedule, _roots: &[NodeId]) -> Option<Self::Kernel> {
+        None
+    }
     /// Whether a matmul of these sizes is generated as a reduction over k (fused with its
     /// operands' producers and its readers) instead of running as an extern call.
     fn inline_matmul(&self, _dims: MatmulDims) -> bool {
@@ -246,6 +252,7 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
         });
     }
     let planned = group(t, graph, &sched, planned);
+    let planned = group_rows(t, graph, &sched, planned);
     // a small graph in one launch; else independent kernels side by side
     let planned = crate::sequential::compose(t, graph, &roots, planned);
     crate::horizontal::fuse(t, graph, &roots, planned)
@@ -300,6 +307,78 @@ fn group<T: Target>(
                 out.push(j);
             }
             None => out.push(p),
+        }
+    }
+    out
+}
+
+/// Most kernels one row kernel runs.
+const MAX_ROW_MEMBERS: usize = 6;
+
+/// Runs of consecutive kernels that walk the same rows, as one row kernel where the target
+/// makes them (`Target::rows`): a reduction over the trailing dims of an operand opens a run,
+/// which takes the following single-value kernels of that operand's shape (values, or
+/// reductions over the same dims) while some of them read an earlier member. Layer norm's
+/// mean, variance and normalization, softmax's max, sum and division: one pass over memory
+/// where three kernels made three.
+fn group_rows<T: Target>(
+    t: &T,
+    graph: &Graph,
+    sched: &Schedule,
+    planned: Vec<Planned<T::Kernel>>,
+) -> Vec<Planned<T::Kernel>> {
+    let single = |p: &Planned<T::Kernel>| match p {
+        Planned::Kernel { outs, .. } if outs.len() == 1 => match outs[0].1 {
+            Alloc::InPlace(_) => None,
+            _ => Some(outs[0].0),
+        },
+        _ => None,
+    };
+    let mut out: Vec<Planned<T::Kernel>> = Vec::with_capacity(planned.len());
+    let mut rest = planned.into_iter().peekable();
+    while let Some(p) = rest.next() {
+        let opener = single(&p)
+            .filter(|&r| sched.kinds[r] == Kind::Reduction)
+            .and_then(|r| crate::codegen::cuda_rows::row_domain(graph, r).map(|d| (r, d)));
+        let Some((first, domain)) = opener else {
+            out.push(p);
+            continue;
+        };
+        let mut run = vec![p];
+        let mut roots: Vec<NodeId> = vec![first];
+        while run.len() < MAX_ROW_MEMBERS {
+            let Some(next) = rest.peek() else { break };
+            let Some(root) = single(next) else { break };
+            if !crate::codegen::cuda_rows::joins_rows(graph, sched, root, &domain) {
+                break;
+            }
+            let reads_run = match next {
+                Planned::Kernel { kernel, .. } => {
+                    t.inputs(kernel).iter().any(|i| roots.contains(i))
+                }
+                Planned::Extern { .. } => false,
+            };
+            if !reads_run {
+                break;
+            }
+            roots.push(root);
+            run.extend(rest.next());
+        }
+        let fused = (run.len() > 1)
+            .then(|| t.rows(graph, sched, &roots))
+            .flatten();
+        match fused {
+            Some(kernel) => {
+                let outs = run
+                    .iter()
+                    .flat_map(|p| match p {
+                        Planned::Kernel { outs, .. } => outs.clone(),
+                        Planned::Extern { .. } => Vec::new(),
+                    })
+                    .collect();
+                out.push(Planned::Kernel { kernel, outs });
+            }
+            None => out.extend(run),
         }
     }
     out

@@ -65,6 +65,9 @@ pub(crate) struct Builder<'a> {
     lanes_at: Option<Ix>,
     /// The buffers read as vectors in lane mode: (C name, dtype), in first-read order.
     pub(crate) vector_reads: Vec<(String, DType)>,
+    /// Values already in a register at one index (a row kernel's reductions, at the row:
+    /// `codegen/cuda_rows.rs`); a read at another index loads the buffer.
+    pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String>,
 }
 
 /// The C type of a value of `d` (what the builder declares its temporaries as).
@@ -89,7 +92,16 @@ impl<'a> Builder<'a> {
             inplace_ok: true,
             lanes_at: None,
             vector_reads: Vec::new(),
+            registers: HashMap::new(),
         }
+    }
+
+    /// Forgets the loop body's values (a row kernel's next loop starts a new body); values
+    /// computed before the loops stay.
+    pub(crate) fn new_body(&mut self) -> String {
+        let invariant = &self.invariant;
+        self.memo.retain(|_, v| invariant.contains(v));
+        std::mem::take(&mut self.body)
     }
 
     fn temp(&mut self, d: DType, expr: String) -> String {
@@ -129,6 +141,9 @@ impl<'a> Builder<'a> {
     /// first group's mask), so selects pick between values that were loaded unconditionally.
     fn load(&mut self, id: NodeId, idx: &[Ix]) -> String {
         let key = (id, idx.to_vec());
+        if let Some(r) = self.registers.get(&key) {
+            return r.clone();
+        }
         if let Some(v) = self.memo.get(&key) {
             return v.clone();
         }

@@ -148,8 +148,8 @@ pub struct Cuda {
     pub sm_count: u32,
     /// Small matmuls as generated reductions (`Target::inline_matmul`).
     pub inline_matmul: bool,
-    /// Whether kernels may share a launch: side by side (`horizontal.rs`) or in sequence
-    /// (`sequential.rs`). Not for a symbolic graph: the dispatcher of such a launch bakes each
+    /// Whether kernels may share a launch: side by side (`horizontal.rs`), in sequence
+    /// (`sequential.rs`) or row by row (`codegen/cuda_rows.rs`). Not for a symbolic graph: the dispatcher of such a launch bakes each
     /// member's block count and sizes into its text, which then differs at every size (and its
     /// members are device functions that `codegen/template.rs` does not make size-generic).
     pub horizontal: bool,
@@ -432,6 +432,14 @@ impl Target for Cuda {
 
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
         super::cuda_reduce::reduction(self, g, sched, root)
+    }
+
+    /// Not for a symbolic graph (`horizontal` off): its kernels stay the ones
+    /// `codegen/template.rs` fits across sizes.
+    fn rows(&self, g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<CudaKernel> {
+        self.horizontal
+            .then(|| super::cuda_rows::row_kernel(self, g, sched, roots))
+            .flatten()
     }
 
     fn inputs<'k>(&self, k: &'k CudaKernel) -> &'k [NodeId] {

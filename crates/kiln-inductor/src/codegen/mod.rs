@@ -1,6 +1,7 @@
 //! Source generation from the schedule. `c`: C with OpenMP for the CPU (and the expression
 //! builder both targets share; `c_horizontal`: independent C kernels in one parallel region);
-//! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_reduce`: its reduction kernels; `cuda_units`: a
+//! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_reduce`: its reduction kernels; `cuda_rows`: reductions over a row and the
+//! values that read them, a warp per row; `cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
 //! graph's size-generic kernels in units of their own); `template`: size-generic kernels of both
 //! targets.
@@ -9,6 +10,7 @@ pub mod c;
 pub(crate) mod c_horizontal;
 pub mod cuda;
 mod cuda_reduce;
+pub(crate) mod cuda_rows;
 mod cuda_sizes;
 mod cuda_tune;
 mod cuda_units;
