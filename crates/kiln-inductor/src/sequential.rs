@@ -360,25 +360,6 @@ mod tests {
         assert!(!seq.members[0].barrier_before);
     }
 
-    /// Records the graph it is given; runs it on the interpreter.
-    struct Capture(std::sync::Mutex<Vec<Graph>>);
-
-    impl kiln_compile::Backend for Capture {
-        fn name(&self) -> &str {
-            "capture"
-        }
-        fn compile(
-            &self,
-            graph: &Graph,
-            _ctx: &kiln_compile::BackendContext,
-        ) -> kiln_core::Result<std::sync::Arc<dyn kiln_compile::CompiledGraph>> {
-            self.0.lock().unwrap().push(graph.clone());
-            Ok(std::sync::Arc::new(
-                kiln_compile::backends::Interpreter::new(graph.clone()),
-            ))
-        }
-    }
-
     /// The graph `kiln-bench regional`'s model (here 4 blocks) traces to under no_grad, planned
     /// for a GPU: every matmul generated, one launch.
     #[test]
@@ -402,16 +383,9 @@ mod tests {
             }
             Ok(vec![h])
         };
-        let capture = std::sync::Arc::new(Capture(Default::default()));
-        let f = kiln_compile::compile_fn(
-            model,
-            kiln_compile::CompileOptions::default().custom_backend(capture.clone()),
-        )?;
         let x = Tensor::randn(&[10, 10], DType::F32)?;
-        kiln_core::no_grad(|| f.call(&[x]))?;
-        let graphs = capture.0.lock().unwrap().clone();
-        assert_eq!(graphs.len(), 1);
-        let planned = plan_graph(&Cuda::new(2), &graphs[0]);
+        let graph = crate::test_graphs::traced(model, &[x])?;
+        let planned = plan_graph(&Cuda::new(2), &graph);
         assert_eq!(planned.len(), 1, "one step");
         let Planned::Kernel { kernel, outs } = &planned[0] else {
             panic!("an extern step");

@@ -85,3 +85,46 @@ pub(crate) mod cpu {
         input_on(g, Device::Cpu, shape)
     }
 }
+
+/// A backend that records the graphs it is given and runs them on the interpreter.
+pub(crate) struct Capture(pub(crate) std::sync::Mutex<Vec<Graph>>);
+
+impl kiln_compile::Backend for Capture {
+    fn name(&self) -> &str {
+        "capture"
+    }
+    fn compile(
+        &self,
+        graph: &Graph,
+        _ctx: &kiln_compile::BackendContext,
+    ) -> kiln_core::Result<std::sync::Arc<dyn kiln_compile::CompiledGraph>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(graph.clone());
+        Ok(std::sync::Arc::new(
+            kiln_compile::backends::Interpreter::new(graph.clone()),
+        ))
+    }
+}
+
+/// The graph `f` traces to on `args`, without autograd.
+pub(crate) fn traced(
+    f: impl Fn(&[kiln_core::Tensor]) -> kiln_core::Result<Vec<kiln_core::Tensor>>
+        + Send
+        + Sync
+        + 'static,
+    args: &[kiln_core::Tensor],
+) -> kiln_core::Result<Graph> {
+    let capture = std::sync::Arc::new(Capture(Default::default()));
+    let compiled = kiln_compile::compile_fn(
+        f,
+        kiln_compile::CompileOptions::default().custom_backend(capture.clone()),
+    )?;
+    kiln_core::no_grad(|| compiled.call(args))?;
+    let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    graphs
+        .into_iter()
+        .next()
+        .ok_or_else(|| kiln_core::Error::arg("traced", "the function compiled no graph"))
+}

@@ -159,50 +159,20 @@ pub(super) fn row_kernel(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
-
-    use kiln_compile::graph::Graph;
     use kiln_core::{DType, Result, Tensor};
 
     use crate::backend::{plan_graph, Planned};
     use crate::codegen::cuda::{Cuda, CudaKernel};
+    use crate::test_graphs::traced;
 
-    /// Records the graphs it is given; runs them on the interpreter.
-    struct Capture(Mutex<Vec<Graph>>);
-
-    impl kiln_compile::Backend for Capture {
-        fn name(&self) -> &str {
-            "capture"
-        }
-        fn compile(
-            &self,
-            graph: &Graph,
-            _ctx: &kiln_compile::BackendContext,
-        ) -> Result<Arc<dyn kiln_compile::CompiledGraph>> {
-            self.0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(graph.clone());
-            Ok(Arc::new(kiln_compile::backends::Interpreter::new(
-                graph.clone(),
-            )))
-        }
-    }
-
-    /// The graph `f` traces to on `args` (no autograd), and its CUDA plan's kernels with the
-    /// number of values each writes.
+    /// The CUDA plan's kernels of the graph `f` traces to on `args`, with the number of values
+    /// each writes.
     fn plan(
         f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + 'static,
         args: &[Tensor],
     ) -> Result<Vec<(CudaKernel, usize)>> {
-        let capture = Arc::new(Capture(Mutex::new(Vec::new())));
-        let compiled = kiln_compile::compile_fn(
-            f,
-            kiln_compile::CompileOptions::default().custom_backend(capture.clone()),
-        )?;
-        kiln_core::no_grad(|| compiled.call(args))?;
-        let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let g = crate::sink_expands::sink_expands(&graphs[0]).unwrap_or_else(|| graphs[0].clone());
+        let g = traced(f, args)?;
+        let g = crate::sink_expands::sink_expands(&g).unwrap_or(g);
         Ok(plan_graph(&Cuda::new(132), &g)
             .into_iter()
             .filter_map(|p| match p {
@@ -233,9 +203,6 @@ mod tests {
             },
             &[x, w, b],
         )?;
-        for (k, n) in &ln {
-            eprintln!("{n} outputs\n{}", k.source);
-        }
         assert_eq!(ln.len(), 1, "one kernel");
         let (k, outs) = &ln[0];
         assert_eq!(*outs, 3, "mean, variance, normalized value");
