@@ -112,6 +112,13 @@ impl Target for C {
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         reduction_kernel(g, sched, root)
     }
+    /// Not under a size context (`horizontal` off): a symbolic graph's kernels stay the ones
+    /// `codegen/template.rs` fits across sizes.
+    fn rows(&self, g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<Kernel> {
+        self.horizontal
+            .then(|| crate::codegen::c_rows::row_kernel(g, sched, roots))
+            .flatten()
+    }
     fn inline_matmul(&self, dims: MatmulDims) -> bool {
         self.inline_matmul && small_matmul(dims)
     }
@@ -252,7 +259,7 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
         });
     }
     let planned = group(t, graph, &sched, planned);
-    let planned = group_rows(t, graph, &sched, planned);
+    let planned = crate::rows::group_rows(t, graph, &sched, planned);
     // a small graph in one launch; else independent kernels side by side
     let planned = crate::sequential::compose(t, graph, &roots, planned);
     crate::horizontal::fuse(t, graph, &roots, planned)
@@ -307,78 +314,6 @@ fn group<T: Target>(
                 out.push(j);
             }
             None => out.push(p),
-        }
-    }
-    out
-}
-
-/// Most kernels one row kernel runs.
-const MAX_ROW_MEMBERS: usize = 6;
-
-/// Runs of consecutive kernels that walk the same rows, as one row kernel where the target
-/// makes them (`Target::rows`): a reduction over the trailing dims of an operand opens a run,
-/// which takes the following single-value kernels of that operand's shape (values, or
-/// reductions over the same dims) while some of them read an earlier member. Layer norm's
-/// mean, variance and normalization, softmax's max, sum and division: one pass over memory
-/// where three kernels made three.
-fn group_rows<T: Target>(
-    t: &T,
-    graph: &Graph,
-    sched: &Schedule,
-    planned: Vec<Planned<T::Kernel>>,
-) -> Vec<Planned<T::Kernel>> {
-    let single = |p: &Planned<T::Kernel>| match p {
-        Planned::Kernel { outs, .. } if outs.len() == 1 => match outs[0].1 {
-            Alloc::InPlace(_) => None,
-            _ => Some(outs[0].0),
-        },
-        _ => None,
-    };
-    let mut out: Vec<Planned<T::Kernel>> = Vec::with_capacity(planned.len());
-    let mut rest = planned.into_iter().peekable();
-    while let Some(p) = rest.next() {
-        let opener = single(&p)
-            .filter(|&r| sched.kinds[r] == Kind::Reduction)
-            .and_then(|r| crate::codegen::cuda_rows::row_domain(graph, r).map(|d| (r, d)));
-        let Some((first, domain)) = opener else {
-            out.push(p);
-            continue;
-        };
-        let mut run = vec![p];
-        let mut roots: Vec<NodeId> = vec![first];
-        while run.len() < MAX_ROW_MEMBERS {
-            let Some(next) = rest.peek() else { break };
-            let Some(root) = single(next) else { break };
-            if !crate::codegen::cuda_rows::joins_rows(graph, sched, root, &domain) {
-                break;
-            }
-            let reads_run = match next {
-                Planned::Kernel { kernel, .. } => {
-                    t.inputs(kernel).iter().any(|i| roots.contains(i))
-                }
-                Planned::Extern { .. } => false,
-            };
-            if !reads_run {
-                break;
-            }
-            roots.push(root);
-            run.extend(rest.next());
-        }
-        let fused = (run.len() > 1)
-            .then(|| t.rows(graph, sched, &roots))
-            .flatten();
-        match fused {
-            Some(kernel) => {
-                let outs = run
-                    .iter()
-                    .flat_map(|p| match p {
-                        Planned::Kernel { outs, .. } => outs.clone(),
-                        Planned::Extern { .. } => Vec::new(),
-                    })
-                    .collect();
-                out.push(Planned::Kernel { kernel, outs });
-            }
-            None => out.extend(run),
         }
     }
     out

@@ -334,11 +334,11 @@ pub(crate) fn loops(out: &mut String, vars: &[(usize, usize)], threads: Threads)
 /// A kernel's loops before they become a function: the outer (dim, extent) loops that OpenMP
 /// may share, the text inside them, the iterations of the whole nest, and whether the nest can
 /// be work-shared inside another function's parallel region (`Member`).
-struct Nest {
-    outer: Vec<(usize, usize)>,
-    inner: String,
-    elements: usize,
-    shareable: bool,
+pub(super) struct Nest {
+    pub(super) outer: Vec<(usize, usize)>,
+    pub(super) inner: String,
+    pub(super) elements: usize,
+    pub(super) shareable: bool,
 }
 
 fn finish(b: Builder<'_>, root: NodeId, nest: Nest, parallel: bool) -> Kernel {
@@ -347,7 +347,7 @@ fn finish(b: Builder<'_>, root: NodeId, nest: Nest, parallel: bool) -> Kernel {
 
 /// The C function: the input buffers, then one pointer per output (`outputs`: node, name), the
 /// values computed once, then the loops (their outer ones in a parallel region when `parallel`).
-fn finish_outputs(
+pub(super) fn finish_outputs(
     b: Builder<'_>,
     outputs: &[(NodeId, String)],
     nest: Nest,
@@ -672,7 +672,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
 /// to `end` (C expressions): `body` computes `value` at `i{d} = c + l`, added to lane `l`. The
 /// lanes are independent, so the loop over a full group of lanes is vectorized as it stands (no
 /// reassociation); the group's body is written twice, for full groups then the tail.
-fn lane_loops(
+pub(super) fn lane_loops(
     text: &mut String,
     (d, body, value): (usize, &str, &str),
     step: fn(&str, &str) -> String,
@@ -691,7 +691,7 @@ fn lane_loops(
 }
 
 /// The lanes folded in halves into `acc[0]`.
-fn fold_lanes(text: &mut String, step: fn(&str, &str) -> String) {
+pub(super) fn fold_lanes(text: &mut String, step: fn(&str, &str) -> String) {
     let fold = step("acc[l]", "acc[l + h]");
     let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", SUM_LANES / 2);
     let _ = writeln!(text, "    for (int64_t l = 0; l < h; l++) acc[l] = {fold};");

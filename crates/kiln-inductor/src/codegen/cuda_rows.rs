@@ -7,9 +7,9 @@
 //! a butterfly of shuffles) where the later members read it. Member `k` writes `out<k>`: a
 //! reduction one value per row (lane 0), a full-shape value at every element of the row.
 //!
-//! A row of up to `MAX_COLS` elements: 32 lanes take its elements a warp apart. Members read
-//! one another only through those registers, at their own row: a group where a member would
-//! read another from memory is not made.
+//! A row of up to `rows::MAX_COLS` elements: 32 lanes take its elements a warp apart. Members
+//! read one another only through those registers, at their own row: a group where a member
+//! would read another from memory is not made. The run of kernels is `rows.rs`'s.
 
 use std::fmt::Write;
 
@@ -20,40 +20,8 @@ use super::c::{ty, Builder};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
 use crate::ir::index::Ix;
 use crate::ir::lower::{linear, reduce_c, Kind};
+use crate::rows::{joins_rows, row_domain};
 use crate::schedule::Schedule;
-
-/// Longest row a warp walks (layer norm over BERT-large's 1024 features, softmax over 4096
-/// positions: 32 to 128 elements a lane).
-pub(crate) const MAX_COLS: usize = 4096;
-
-/// The shape and trailing reduced dims a row kernel walks, when `root` is a reduction that can
-/// open one: a `Reduce` over the last dims of its operand, rows of 2..=`MAX_COLS` elements.
-pub(crate) fn row_domain(g: &Graph, root: NodeId) -> Option<(Vec<usize>, usize)> {
-    let node = &g.nodes[root];
-    let Op::Prim(Prim::Reduce { dims, .. }) = &node.op else {
-        return None;
-    };
-    let shape = g.nodes[node.args[0]].shape.clone();
-    let (rank, d) = (shape.len(), dims.len());
-    let trailing = d > 0 && *dims == ((rank - d)..rank).collect::<Vec<_>>();
-    let cols: usize = shape[rank.saturating_sub(d)..].iter().product();
-    (trailing && (2..=MAX_COLS).contains(&cols)).then_some((shape, d))
-}
-
-/// Whether `root` can be a later member of a row kernel over `(shape, d)`: a reduction over the
-/// same dims of an operand of that shape, or a generated value of that shape.
-pub(crate) fn joins_rows(
-    g: &Graph,
-    sched: &Schedule,
-    root: NodeId,
-    domain: &(Vec<usize>, usize),
-) -> bool {
-    match sched.kinds[root] {
-        Kind::Reduction => row_domain(g, root).as_ref() == Some(domain),
-        Kind::Pointwise | Kind::Movement => g.nodes[root].shape == domain.0,
-        _ => false,
-    }
-}
 
 /// The row kernel of `roots` (the first a reduction opening the domain, every later one
 /// joining it, in an order where each reads only earlier ones), or `None` when they do not

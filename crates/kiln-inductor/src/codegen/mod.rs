@@ -1,5 +1,6 @@
 //! Source generation from the schedule. `c`: C with OpenMP for the CPU (and the expression
-//! builder both targets share; `c_horizontal`: independent C kernels in one parallel region);
+//! builder both targets share; `c_horizontal`: independent C kernels in one parallel region;
+//! `c_rows`: row kernels, a loop over the rows with each member's pass inside);
 //! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_reduce`: its reduction kernels; `cuda_rows`: reductions over a row and the
 //! values that read them, a warp per row; `cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
@@ -8,6 +9,7 @@
 
 pub mod c;
 pub(crate) mod c_horizontal;
+pub(crate) mod c_rows;
 pub mod cuda;
 mod cuda_reduce;
 pub(crate) mod cuda_rows;

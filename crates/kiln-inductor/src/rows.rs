@@ -1,0 +1,118 @@
+//! Row kernels, planned alike for both targets: a reduction over the trailing dims of an operand
+//! and the kernels after it that walk the same rows (values of that operand's shape, reductions
+//! over the same dims) reading it, as one kernel that takes a row at a time through every member
+//! (`Target::rows`: `codegen/cuda_rows.rs` a warp per row, `codegen/c_rows.rs` a row per loop
+//! iteration). Layer norm's mean, variance and normalization; softmax's max, sum and division.
+
+use kiln_compile::graph::{Graph, NodeId, Op};
+use kiln_core::prim::Prim;
+
+use crate::backend::{Planned, Target};
+use crate::ir::lower::Kind;
+use crate::runtime::plan::Alloc;
+use crate::schedule::Schedule;
+
+/// Longest row a row kernel walks (layer norm over BERT-large's 1024 features, softmax over
+/// 4096 positions: on a GPU 32 to 128 elements a lane).
+pub(crate) const MAX_COLS: usize = 4096;
+
+/// The shape and trailing reduced dims a row kernel walks, when `root` is a reduction that can
+/// open one: a `Reduce` over the last dims of its operand, rows of 2..=`MAX_COLS` elements.
+pub(crate) fn row_domain(g: &Graph, root: NodeId) -> Option<(Vec<usize>, usize)> {
+    let node = &g.nodes[root];
+    let Op::Prim(Prim::Reduce { dims, .. }) = &node.op else {
+        return None;
+    };
+    let shape = g.nodes[node.args[0]].shape.clone();
+    let (rank, d) = (shape.len(), dims.len());
+    let trailing = d > 0 && *dims == ((rank - d)..rank).collect::<Vec<_>>();
+    let cols: usize = shape[rank.saturating_sub(d)..].iter().product();
+    (trailing && (2..=MAX_COLS).contains(&cols)).then_some((shape, d))
+}
+
+/// Whether `root` can be a later member of a row kernel over `(shape, d)`: a reduction over the
+/// same dims of an operand of that shape, or a generated value of that shape.
+pub(crate) fn joins_rows(
+    g: &Graph,
+    sched: &Schedule,
+    root: NodeId,
+    domain: &(Vec<usize>, usize),
+) -> bool {
+    match sched.kinds[root] {
+        Kind::Reduction => row_domain(g, root).as_ref() == Some(domain),
+        Kind::Pointwise | Kind::Movement => g.nodes[root].shape == domain.0,
+        _ => false,
+    }
+}
+
+/// Most kernels one row kernel runs.
+const MAX_ROW_MEMBERS: usize = 6;
+
+/// Runs of consecutive kernels that walk the same rows, as one row kernel where the target
+/// makes them (`Target::rows`): a reduction over the trailing dims of an operand opens a run,
+/// which takes the following single-value kernels of that operand's shape (values, or
+/// reductions over the same dims) while some of them read an earlier member. Layer norm's
+/// mean, variance and normalization, softmax's max, sum and division: one pass over memory
+/// where three kernels made three.
+pub(crate) fn group_rows<T: Target>(
+    t: &T,
+    graph: &Graph,
+    sched: &Schedule,
+    planned: Vec<Planned<T::Kernel>>,
+) -> Vec<Planned<T::Kernel>> {
+    let single = |p: &Planned<T::Kernel>| match p {
+        Planned::Kernel { outs, .. } if outs.len() == 1 => match outs[0].1 {
+            Alloc::InPlace(_) => None,
+            _ => Some(outs[0].0),
+        },
+        _ => None,
+    };
+    let mut out: Vec<Planned<T::Kernel>> = Vec::with_capacity(planned.len());
+    let mut rest = planned.into_iter().peekable();
+    while let Some(p) = rest.next() {
+        let opener = single(&p)
+            .filter(|&r| sched.kinds[r] == Kind::Reduction)
+            .and_then(|r| row_domain(graph, r).map(|d| (r, d)));
+        let Some((first, domain)) = opener else {
+            out.push(p);
+            continue;
+        };
+        let mut run = vec![p];
+        let mut roots: Vec<NodeId> = vec![first];
+        while run.len() < MAX_ROW_MEMBERS {
+            let Some(next) = rest.peek() else { break };
+            let Some(root) = single(next) else { break };
+            if !joins_rows(graph, sched, root, &domain) {
+                break;
+            }
+            let reads_run = match next {
+                Planned::Kernel { kernel, .. } => {
+                    t.inputs(kernel).iter().any(|i| roots.contains(i))
+                }
+                Planned::Extern { .. } => false,
+            };
+            if !reads_run {
+                break;
+            }
+            roots.push(root);
+            run.extend(rest.next());
+        }
+        let fused = (run.len() > 1)
+            .then(|| t.rows(graph, sched, &roots))
+            .flatten();
+        match fused {
+            Some(kernel) => {
+                let outs = run
+                    .iter()
+                    .flat_map(|p| match p {
+                        Planned::Kernel { outs, .. } => outs.clone(),
+                        Planned::Extern { .. } => Vec::new(),
+                    })
+                    .collect();
+                out.push(Planned::Kernel { kernel, outs });
+            }
+            None => out.extend(run),
+        }
+    }
+    out
+}
