@@ -5,10 +5,13 @@
 //! iteration). Layer norm's mean, variance and normalization; softmax's max, sum and division.
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::Prim;
+use kiln_core::prim::{Prim, ReduceOp};
+use kiln_core::DType;
 
 use crate::backend::{Planned, Target};
-use crate::ir::lower::Kind;
+use crate::codegen::c::Builder;
+use crate::ir::index::Ix;
+use crate::ir::lower::{linear, Kind};
 use crate::runtime::plan::Alloc;
 use crate::schedule::Schedule;
 
@@ -115,4 +118,117 @@ pub(crate) fn group_rows<T: Target>(
         }
     }
     out
+}
+
+/// The loops of a row kernel: its shape's kept dims (one row per index) and reduced dims (the
+/// row's elements), as (loop variable, extent).
+pub(crate) struct RowLoops {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) kept: Vec<(usize, usize)>,
+    pub(crate) reduced: Vec<(usize, usize)>,
+}
+
+impl RowLoops {
+    /// The loops of `roots` when they make a row kernel (the first opening the domain, every
+    /// later one joining it).
+    pub(crate) fn of(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<RowLoops> {
+        let domain = row_domain(g, *roots.first()?)?;
+        if !roots[1..].iter().all(|&r| joins_rows(g, sched, r, &domain)) {
+            return None;
+        }
+        let (shape, d) = domain;
+        let rank = shape.len();
+        Some(RowLoops {
+            kept: (0..rank - d).map(|v| (v, shape[v])).collect(),
+            reduced: (rank - d..rank).map(|v| (v, shape[v])).collect(),
+            shape,
+        })
+    }
+
+    pub(crate) fn rows(&self) -> usize {
+        self.kept.iter().map(|k| k.1).product()
+    }
+
+    pub(crate) fn cols(&self) -> usize {
+        self.reduced.iter().map(|k| k.1).product()
+    }
+}
+
+/// One member's pass over a row, for a target to wrap in its loops: the loop body's lines
+/// (`body`), the value they compute (`value`), and the output offset (`off`) it is stored at —
+/// one value per row for a reduction, every element for a value.
+pub(crate) struct Pass {
+    /// The member's index: it writes `out<k>`, a reduction holds its result in `r<k>`.
+    pub(crate) k: usize,
+    pub(crate) body: String,
+    pub(crate) value: String,
+    pub(crate) off: String,
+    /// A reduction's op and operand dtype (`None` for a value).
+    pub(crate) reduce: Option<(ReduceOp, DType)>,
+    /// The member's dtype.
+    pub(crate) dtype: DType,
+}
+
+/// Builds each member's pass in order with `b` (a builder over `loops.shape`), handing each to
+/// `emit`; a reduction's later readers read it from `r<k>` at the row. `None` when a member
+/// would read another from memory (at another row or element: another warp's or thread's
+/// work, not written yet).
+pub(crate) fn passes(
+    b: &mut Builder<'_>,
+    g: &Graph,
+    sched: &Schedule,
+    roots: &[NodeId],
+    loops: &RowLoops,
+    mut emit: impl FnMut(&Pass),
+) -> Option<()> {
+    let rank = loops.shape.len();
+    let idx: Vec<Ix> = (0..rank).map(Ix::var).collect();
+    let row: Vec<Ix> = (0..rank)
+        .map(|v| match loops.kept.iter().any(|k| k.0 == v) {
+            true => Ix::var(v),
+            false => Ix::constant(0),
+        })
+        .collect();
+    for (k, &root) in roots.iter().enumerate() {
+        let node = &g.nodes[root];
+        let pass = match &node.op {
+            Op::Prim(Prim::Reduce { op, .. }) if sched.kinds[root] == Kind::Reduction => {
+                let src = node.args[0];
+                let value = b.value(src, &idx, false);
+                Pass {
+                    k,
+                    body: b.new_body(),
+                    value,
+                    off: linear(&row, &node.shape).to_c("i"),
+                    reduce: Some((*op, g.nodes[src].dtype)),
+                    dtype: node.dtype,
+                }
+            }
+            _ => {
+                let value = b.value(root, &idx, true);
+                Pass {
+                    k,
+                    body: b.new_body(),
+                    value,
+                    off: linear(&idx, &loops.shape).to_c("i"),
+                    reduce: None,
+                    dtype: node.dtype,
+                }
+            }
+        };
+        emit(&pass);
+        if pass.reduce.is_some() {
+            b.registers.insert((root, row.clone()), format!("r{k}"));
+        }
+    }
+    (!roots.iter().any(|r| b.params.contains(r))).then_some(())
+}
+
+/// The outputs of a row kernel: member `k` writes `out<k>`.
+pub(crate) fn outputs(roots: &[NodeId]) -> Vec<(NodeId, String)> {
+    roots
+        .iter()
+        .enumerate()
+        .map(|(k, &r)| (r, format!("out{k}")))
+        .collect()
 }

@@ -10,7 +10,7 @@
 //! outputs together, each a distinct buffer: none is reused while the step runs); a member
 //! reading a value produced inside the step gets that value's output buffer as its argument
 //! (`Arg::Out`), so the composed kernel's inputs are only what the graph had before it.
-//! Planning here is target-neutral; the CUDA text is `codegen/cuda.rs`.
+//! Planning here is target-neutral; the CUDA text is `codegen/cuda_sequential.rs`.
 
 use kiln_compile::graph::{Graph, NodeId};
 use kiln_core::DType;

@@ -2,7 +2,7 @@
 //! builder both targets share; `c_horizontal`: independent C kernels in one parallel region;
 //! `c_rows`: row kernels, a loop over the rows with each member's pass inside);
 //! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_reduce`: its reduction kernels; `cuda_rows`: reductions over a row and the
-//! values that read them, a warp per row; `cuda_units`: a
+//! values that read them, a warp per row; `cuda_sequential`: a whole small graph in one block; `cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
 //! graph's size-generic kernels in units of their own); `template`: size-generic kernels of both
 //! targets.
@@ -13,6 +13,7 @@ pub(crate) mod c_rows;
 pub mod cuda;
 mod cuda_reduce;
 pub(crate) mod cuda_rows;
+mod cuda_sequential;
 mod cuda_sizes;
 mod cuda_tune;
 mod cuda_units;
