@@ -63,17 +63,21 @@ pub(crate) fn group_rows<T: Target>(
     sched: &Schedule,
     planned: Vec<Planned<T::Kernel>>,
 ) -> Vec<Planned<T::Kernel>> {
-    let single = |p: &Planned<T::Kernel>| match p {
-        Planned::Kernel { outs, .. } if outs.len() == 1 => match outs[0].1 {
-            Alloc::InPlace(_) => None,
-            _ => Some(outs[0].0),
-        },
-        _ => None,
-    };
+    // A kernel writing one fresh value: that value and the kernel. Only these join a row run.
+    fn single<K>(p: &Planned<K>) -> Option<(&(NodeId, Alloc), &K)> {
+        match p {
+            Planned::Kernel { kernel, outs } if outs.len() == 1 => match outs[0].1 {
+                Alloc::InPlace(_) => None,
+                _ => Some((&outs[0], kernel)),
+            },
+            _ => None,
+        }
+    }
     let mut out: Vec<Planned<T::Kernel>> = Vec::with_capacity(planned.len());
     let mut rest = planned.into_iter().peekable();
     while let Some(p) = rest.next() {
         let opener = single(&p)
+            .map(|(out, _)| out.0)
             .filter(|&r| sched.kinds[r] == Kind::Reduction)
             .and_then(|r| row_domain(graph, r).map(|d| (r, d)));
         let Some((first, domain)) = opener else {
@@ -84,17 +88,11 @@ pub(crate) fn group_rows<T: Target>(
         let mut roots: Vec<NodeId> = vec![first];
         while run.len() < MAX_ROW_MEMBERS {
             let Some(next) = rest.peek() else { break };
-            let Some(root) = single(next) else { break };
-            if !joins_rows(graph, sched, root, &domain) {
+            let Some((&(root, _), kernel)) = single(next) else {
                 break;
-            }
-            let reads_run = match next {
-                Planned::Kernel { kernel, .. } => {
-                    t.inputs(kernel).iter().any(|i| roots.contains(i))
-                }
-                Planned::Extern { .. } => false,
             };
-            if !reads_run {
+            let reads_run = t.inputs(kernel).iter().any(|i| roots.contains(i));
+            if !reads_run || !joins_rows(graph, sched, root, &domain) {
                 break;
             }
             roots.push(root);
@@ -105,13 +103,8 @@ pub(crate) fn group_rows<T: Target>(
             .flatten();
         match fused {
             Some(kernel) => {
-                let outs = run
-                    .iter()
-                    .flat_map(|p| match p {
-                        Planned::Kernel { outs, .. } => outs.clone(),
-                        Planned::Extern { .. } => Vec::new(),
-                    })
-                    .collect();
+                let outs = run.iter().filter_map(single).map(|(out, _)| out.clone());
+                let outs = outs.collect();
                 out.push(Planned::Kernel { kernel, outs });
             }
             None => out.extend(run),
