@@ -108,7 +108,8 @@ impl kiln_compile::Backend for Capture {
     }
 }
 
-/// The graph `f` traces to on `args`, without autograd.
+/// The one graph `f` traces to on `args`, without autograd; an error when it traced to more
+/// (a graph break) or none.
 pub(crate) fn traced(
     f: impl Fn(&[kiln_core::Tensor]) -> kiln_core::Result<Vec<kiln_core::Tensor>>
         + Send
@@ -122,11 +123,14 @@ pub(crate) fn traced(
         kiln_compile::CompileOptions::default().custom_backend(capture.clone()),
     )?;
     kiln_core::no_grad(|| compiled.call(args))?;
-    let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    graphs
-        .into_iter()
-        .next()
-        .ok_or_else(|| kiln_core::Error::arg("traced", "the function compiled no graph"))
+    let mut graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    match graphs.len() {
+        1 => Ok(graphs.remove(0)),
+        n => Err(kiln_core::Error::arg(
+            "traced",
+            format!("the function compiled {n} graphs, expected one"),
+        )),
+    }
 }
 
 /// The kernels `t` plans for the graph `f` traces to on `args` (broadcast chains sunk first, as
