@@ -149,9 +149,10 @@ pub struct Cuda {
     /// Small matmuls as generated reductions (`Target::inline_matmul`).
     pub inline_matmul: bool,
     /// Whether kernels may share a launch: side by side (`horizontal.rs`), in sequence
-    /// (`sequential.rs`) or row by row (`codegen/cuda_rows.rs`). Not for a symbolic graph: the dispatcher of such a launch bakes each
-    /// member's block count and sizes into its text, which then differs at every size (and its
-    /// members are device functions that `codegen/template.rs` does not make size-generic).
+    /// (`sequential.rs`) or row by row (`codegen/cuda_rows.rs`). Not for a symbolic graph:
+    /// the dispatcher of such a launch bakes each member's block count and sizes into its
+    /// text, which then differs at every size (and its members are device functions that
+    /// `codegen/template.rs` does not make size-generic).
     pub horizontal: bool,
     /// The launch shape (max-autotune varies it).
     pub cfg: TuneConfig,
@@ -821,9 +822,6 @@ pub(crate) mod tests {
         );
     }
 
-    /// The candidates are valid, distinct, the default first, and each one changes the
-    /// generated launches of the sample (a candidate that changed nothing would be timed for
-    /// nothing).
     /// Index variables are 32-bit where every buffer and loop of a kernel is under 2^27
     /// elements (the kernel header's block index and the pointer alignment tests keep their
     /// 64-bit types), 64-bit from there on, and 64-bit wherever `int_index` is off.
@@ -870,6 +868,9 @@ pub(crate) mod tests {
         assert_eq!(index_types(&wide, 2000), (false, true));
     }
 
+    /// The candidates are valid, distinct, the default first, and each one changes the
+    /// generated launches of the sample (a candidate that changed nothing would be timed for
+    /// nothing).
     #[test]
     fn candidates_are_valid_and_each_changes_the_kernels() {
         let cs = TuneConfig::candidates();

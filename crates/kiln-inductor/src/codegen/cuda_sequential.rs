@@ -17,9 +17,9 @@ use crate::sequential::{Arg, InputInfo, Sequence};
 /// The inputs no member writes are first copied into dynamic shared memory, all at once,
 /// and the members read them there (`stage_inputs`): each member waits at its barrier and
 /// then for its loads, so a chain of layers pays an L2 round trip per layer for its weights
-/// unless they sit in shared memory (the 64 × 10x10 Linear model on an H100: 110 µs per
-/// launch with weights read from L2, 72 µs staged; staging the members' outputs as well
-/// measured slower, 80 µs).
+/// unless they sit in shared memory (the 64 × 10x10 Linear model on an H100, the launch's
+/// text timed alone: 110 µs with weights read from L2, 59 µs staged in batches of loads;
+/// staging the members' outputs as well measured slower).
 pub(super) fn sequential(t: &Cuda, seq: &Sequence<'_, CudaKernel>) -> Option<CudaKernel> {
     if !t.horizontal {
         return None;
