@@ -348,6 +348,15 @@ impl Prim {
         )
     }
 
+    /// True for prims whose every output element is a function of the operands' elements at
+    /// the same (broadcast) index: they commute with broadcasts and layout permutations.
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Prim::Unary(_) | Prim::Binary(_) | Prim::Where | Prim::Cast(_)
+        )
+    }
+
     /// Checks operands and computes the output shape and dtype. Eager and traced execution share this,
     /// so a shape error reads the same whether or not the code is compiled.
     pub fn infer(&self, shapes: &[&[usize]], dtypes: &[DType]) -> Result<OutMeta> {

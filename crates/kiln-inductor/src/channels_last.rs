@@ -65,9 +65,7 @@ fn nhwc_prim(g: &Graph, node: &Node) -> Option<Prim> {
         return None;
     }
     Some(match p {
-        Prim::Unary(_) | Prim::Binary(_) | Prim::Where | Prim::Cast(_) | Prim::Contiguous => {
-            p.clone()
-        }
+        p if p.is_elementwise() || *p == Prim::Contiguous => p.clone(),
         Prim::Expand(shape) => Prim::Expand(to_nhwc(shape)),
         Prim::Reduce { op, dims } => {
             let mut dims: Vec<usize> = dims.iter().map(|&d| FROM[d]).collect();

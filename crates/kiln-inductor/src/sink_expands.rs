@@ -15,13 +15,6 @@
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::Prim;
 
-fn is_pointwise(p: &Prim) -> bool {
-    matches!(
-        p,
-        Prim::Unary(_) | Prim::Binary(_) | Prim::Where | Prim::Cast(_)
-    )
-}
-
 /// The shape every operand of `args` is broadcast from, when each is an `Expand` (or a constant)
 /// on `node`'s device and together they leave at least one broadcast dim: the operands' source
 /// shapes combined dim by dim. `None` when the node is not such an op.
@@ -64,7 +57,7 @@ pub fn sink_expands(g: &Graph) -> Option<Graph> {
     for (id, node) in g.nodes.iter().enumerate() {
         let args: Vec<NodeId> = node.args.iter().map(|&a| map[a]).collect();
         let small = match &node.op {
-            Op::Prim(p) if is_pointwise(p) && !is_output[id] => common_source(&out, node, &args),
+            Op::Prim(p) if p.is_elementwise() && !is_output[id] => common_source(&out, node, &args),
             _ => None,
         };
         let Some(small) = small else {
@@ -194,7 +187,7 @@ mod tests {
         let small_ops = s
             .nodes
             .iter()
-            .filter(|n| matches!(&n.op, Op::Prim(p) if is_pointwise(p)) && n.shape == [1, 3, 1])
+            .filter(|n| matches!(&n.op, Op::Prim(p) if p.is_elementwise()) && n.shape == [1, 3, 1])
             .count();
         assert_eq!(small_ops, 2, "mul and add on [1, 3, 1]");
         // `e` is an output: computed at the full shape, as eager hands it back
