@@ -166,9 +166,7 @@ impl Rewrite {
         self.twin[id] = Some(t);
         t
     }
-}
 
-impl Rewrite {
     /// Old node `id`'s twin as a convolution operand: cuDNN reads packed NHWC memory, so a twin
     /// that is only a permute of the NCHW value (a weight, the input image) is copied by a
     /// `Contiguous` of its own, made once: a generated kernel, which runs beside the others of

@@ -198,7 +198,9 @@ impl Cuda {
         if !self.int_index || largest >= INT_INDEX_BELOW {
             return text;
         }
-        // pointer alignment tests cast to `unsigned long long`: those stay
+        // only index variables are spelled `long long` in a kernel's text: values of 64-bit
+        // dtypes are `int64_t` (`ty`, the prelude's define) and stay 64-bit; pointer alignment
+        // tests cast to `unsigned long long`, which stays too
         text.replace("unsigned long long", "\u{0}")
             .replace("long long", "int")
             .replace('\u{0}', "unsigned long long")

@@ -100,7 +100,7 @@ const STAGE_BATCH: usize = 32;
 /// kernel, H100).
 fn stage_text(text: &mut String, staged: &[Option<u32>], inputs: &[InputInfo], block: u32) {
     let block = block.max(1) as usize;
-    // (input, element offset of this thread's round, elements in the input)
+    // (input, its byte offset in shared memory, the round's first element, the input's elements)
     let mut copies: Vec<(usize, u32, usize, usize)> = Vec::new();
     for (i, (off, info)) in staged.iter().zip(inputs).enumerate() {
         if let Some(off) = off {
