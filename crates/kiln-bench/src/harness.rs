@@ -78,9 +78,7 @@ impl Ctx {
         }
         Ok(())
     }
-}
 
-impl Ctx {
     /// With `KILN_BENCH_CUDA_RANGE` set, on a GPU: runs `f` once between `cuProfilerStart` and
     /// `cuProfilerStop`, the device synchronized on both sides, so `ncu --profile-from-start off
     /// kiln-bench ...` measures exactly one steady-state call kernel by kernel (cuDNN's and
