@@ -103,7 +103,7 @@ pub(crate) fn group_rows<T: Target>(
             .flatten();
         match fused {
             Some(kernel) => {
-                let outs = run.iter().filter_map(single).map(|(out, _)| out.clone());
+                let outs = run.iter().filter_map(single).map(|(&out, _)| out);
                 let outs = outs.collect();
                 out.push(Planned::Kernel { kernel, outs });
             }
