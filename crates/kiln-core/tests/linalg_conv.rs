@@ -101,7 +101,6 @@ fn ref_conv(
     (out, vec![n, o, oh, ow])
 }
 
-/// Reference pooling; `avg` None means max.
 /// The in-plane offsets (row-major in an `hw` plane) of the input elements under output
 /// `o`'s window, row by row, padding left out.
 fn window_taps(
@@ -121,6 +120,7 @@ fn window_taps(
     })
 }
 
+/// Reference pooling; `avg` None means max.
 fn ref_pool(
     x: &[f64],
     xs: &[usize],
