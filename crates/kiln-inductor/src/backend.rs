@@ -319,6 +319,22 @@ fn group<T: Target>(
     out
 }
 
+/// `graph` rewritten as the code generators take it. NHWC values for cuDNN on a device (a
+/// joint graph was rewritten before its partition: `channels_last::wanted` finds nothing left
+/// to rewrite); one size of a symbolic graph too: the rewrite follows the graph's structure, so
+/// every size is rewritten alike and its kernels still fit the size-generic templates. Then
+/// per-channel and per-row arithmetic on broadcast values runs on the small shape.
+pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
+    let mut g = std::borrow::Cow::Borrowed(graph);
+    if let Some(nhwc) = crate::channels_last::channels_last(&g) {
+        g = std::borrow::Cow::Owned(nhwc);
+    }
+    if let Some(sunk) = crate::sink_expands::sink_expands(&g) {
+        g = std::borrow::Cow::Owned(sunk);
+    }
+    g
+}
+
 impl Backend for CpuCodegen {
     fn name(&self) -> &str {
         "kiln_cpu"
@@ -329,15 +345,8 @@ impl Backend for CpuCodegen {
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
-        // NHWC values for cuDNN on a device (a joint graph was rewritten before its partition:
-        // `wanted` finds nothing left to rewrite). One size of a symbolic graph too: the rewrite
-        // follows the graph's structure, so every size is rewritten alike and its kernels still
-        // fit the size-generic templates
-        let nhwc = crate::channels_last::channels_last(graph);
-        let graph = nhwc.as_ref().unwrap_or(graph);
-        // per-channel and per-row arithmetic on broadcast values runs on the small shape
-        let sunk = crate::sink_expands::sink_expands(graph);
-        let graph = sunk.as_ref().unwrap_or(graph);
+        let prepared = prepare(graph);
+        let graph: &Graph = &prepared;
         if graph.device() != kiln_core::Device::Cpu {
             // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs; both
             // max-autotune modes time launch shapes of the generated kernels

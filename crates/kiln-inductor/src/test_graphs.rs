@@ -133,8 +133,8 @@ pub(crate) fn traced(
     }
 }
 
-/// The kernels `t` plans for the graph `f` traces to on `args` (broadcast chains sunk first, as
-/// the backend does), each with the number of values it writes.
+/// The kernels `t` plans for the graph `f` traces to on `args`, rewritten as the backend
+/// rewrites it (`backend::prepare`), each with the number of values it writes.
 pub(crate) fn planned_kernels<T: crate::backend::Target>(
     t: &T,
     f: impl Fn(&[kiln_core::Tensor]) -> kiln_core::Result<Vec<kiln_core::Tensor>>
@@ -144,8 +144,7 @@ pub(crate) fn planned_kernels<T: crate::backend::Target>(
     args: &[kiln_core::Tensor],
 ) -> kiln_core::Result<Vec<(T::Kernel, usize)>> {
     let g = traced(f, args)?;
-    let g = crate::sink_expands::sink_expands(&g).unwrap_or(g);
-    Ok(crate::backend::plan_graph(t, &g)
+    Ok(crate::backend::plan_graph(t, &crate::backend::prepare(&g))
         .into_iter()
         .filter_map(|p| match p {
             crate::backend::Planned::Kernel { kernel, outs } => Some((kernel, outs.len())),
