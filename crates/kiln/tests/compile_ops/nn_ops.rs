@@ -197,15 +197,8 @@ fn embedding_and_index_select() {
     for &s in idx_shapes {
         for lay in [Lay::C, Lay::T] {
             // repeated indices: their gradients accumulate
-            // on a GPU the repeated indices' gradients are summed by atomic adds, in whatever
-            // order the threads arrive (eager and compiled alike, as PyTorch's CUDA embedding
-            // backward outside deterministic mode): equal to a few ulps, not to the bit
-            let tol = match common::test_device() {
-                kiln::Device::Cuda(_) => 1e-5,
-                _ => 0.0,
-            };
             Case::new(format!("embedding weight {lay:?} indices {s:?}"))
-                .grad_tol(tol)
+                .atomic_sums()
                 .run(
                     &mut rng,
                     |a| one(a[0].embedding(&a[1])),
@@ -227,19 +220,21 @@ fn embedding_and_index_select() {
         (&[0, 3], Lay::C, 1, 2),
     ];
     for &(shape, lay, dim, n) in cases {
-        Case::new(format!("index_select {shape:?} {lay:?} dim {dim} n {n}")).run(
-            &mut rng,
-            move |a| one(a[0].index_select(dim, &a[1])),
-            move |r| {
-                let size = shape[dim.rem_euclid(shape.len() as isize) as usize] as i64;
-                vec![
-                    r.arg(Gen::Normal, shape, lay, true),
-                    In::val(r.ints(&[n], 0, size)),
-                ]
-            },
-        );
+        Case::new(format!("index_select {shape:?} {lay:?} dim {dim} n {n}"))
+            .atomic_sums()
+            .run(
+                &mut rng,
+                move |a| one(a[0].index_select(dim, &a[1])),
+                move |r| {
+                    let size = shape[dim.rem_euclid(shape.len() as isize) as usize] as i64;
+                    vec![
+                        r.arg(Gen::Normal, shape, lay, true),
+                        In::val(r.ints(&[n], 0, size)),
+                    ]
+                },
+            );
     }
-    Case::new("index_select i32 index").run(
+    Case::new("index_select i32 index").atomic_sums().run(
         &mut rng,
         |a| one(a[0].index_select(0, &a[1].to_dtype(DType::I32)?)),
         |r| vec![In::grad(r.randn(&[4, 2])), In::val(r.ints(&[5], 0, 4))],
@@ -262,6 +257,7 @@ fn gather_and_scatter_add() {
         Case::new(format!(
             "gather {shape:?} {lay:?} dim {dim} index {ishape:?}"
         ))
+        .atomic_sums()
         .run(
             &mut rng,
             move |a| one(a[0].gather(dim, &a[1])),
@@ -276,6 +272,7 @@ fn gather_and_scatter_add() {
         Case::new(format!(
             "scatter_add {shape:?} {lay:?} dim {dim} index {ishape:?}"
         ))
+        .atomic_sums()
         .run(
             &mut rng,
             move |a| one(a[0].scatter_add(dim, &a[1], &a[2])),
@@ -288,16 +285,21 @@ fn gather_and_scatter_add() {
             },
         );
     }
-    Case::new("scatter_add into zeros, f64 src").run(
-        &mut rng,
-        |a| one(Tensor::zeros_on(&[4, 3], DType::F32, a[1].device())?.scatter_add(0, &a[0], &a[1])),
-        |r| {
-            vec![
-                In::val(r.ints(&[6, 3], 0, 4)),
-                In::grad(r.randn(&[6, 3]).to_dtype(DType::F64).unwrap()),
-            ]
-        },
-    );
+    Case::new("scatter_add into zeros, f64 src")
+        .atomic_sums()
+        .run(
+            &mut rng,
+            |a| {
+                one(Tensor::zeros_on(&[4, 3], DType::F32, a[1].device())?
+                    .scatter_add(0, &a[0], &a[1]))
+            },
+            |r| {
+                vec![
+                    In::val(r.ints(&[6, 3], 0, 4)),
+                    In::grad(r.randn(&[6, 3]).to_dtype(DType::F64).unwrap()),
+                ]
+            },
+        );
 }
 
 #[test]
