@@ -11,6 +11,8 @@
 # Steps: gpu_compile gpu_ops cuda_memory compile_ops (the op suite with KILN_TEST_DEVICE=cuda)
 #        cuda_test:NAME (any test binary in carry/gpu with KILN_TEST_DEVICE=cuda, 240 s at most)
 #        bench:WORKLOAD[:MODE] (kiln-bench on cuda; MODE default, reduce-overhead, eager, ...)
+#        before:WORKLOAD[:MODE] (the same with carry/gpu/kiln-bench-before: a build of an earlier
+#        commit, for a before/after pair from one call)
 #        torch:W1,W2,... (torch_baseline.py) jax:W1,W2,... (jax_baseline.py) bert_minilm
 #        bench_all:W1,W2,... (tools/bench_all.sh: kiln, torch and JAX rows into $OUT/bench.jsonl)
 #        py:SCRIPT (a python script carried in carry/)
@@ -38,6 +40,9 @@ run_step() {
     bench:*)
       IFS=: read -r _ w m <<<"$step"
       "$bin/kiln-bench" "$w" --device cuda --mode "${m:-default}" >"$log" 2>&1 ;;
+    before:*)
+      IFS=: read -r _ w m <<<"$step"
+      "$bin/kiln-bench-before" "$w" --device cuda --mode "${m:-default}" >"$log" 2>&1 ;;
     torch:*) timeout 400 python3 carry/torch_baseline.py $(echo "${step#torch:}" | tr , ' ') \
       2>&1 | grep -v -i warning >"$log" ;;
     jax:*) timeout 300 python3 carry/jax_baseline.py $(echo "${step#jax:}" | tr , ' ') \
@@ -48,7 +53,7 @@ run_step() {
   esac
   echo "== $step: exit $?, $((SECONDS - t0)) s"
   case $step in
-    bench:* | torch:* | jax:*) grep '^{' "$log" | cut -c1-200 ;;
+    bench:* | before:* | torch:* | jax:*) grep '^{' "$log" | cut -c1-200 ;;
     bench_all:* | py:*) tail -n 40 "$log" ;;
     *) tail -n 25 "$log" ;;
   esac

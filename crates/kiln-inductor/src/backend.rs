@@ -41,6 +41,17 @@ pub trait Target {
     fn rows(&self, _g: &Graph, _sched: &Schedule, _roots: &[NodeId]) -> Option<Self::Kernel> {
         None
     }
+    /// One kernel computing the sibling reductions `roots` (`sibling_reductions.rs`: same
+    /// operand shape, reduced dims and output shape, none reading another) in one walk over
+    /// their operands. `None` where the target has no such kernels.
+    fn sibling_reductions(
+        &self,
+        _g: &Graph,
+        _sched: &Schedule,
+        _roots: &[NodeId],
+    ) -> Option<Self::Kernel> {
+        None
+    }
     /// Whether a matmul of these sizes is generated as a reduction over k (fused with its
     /// operands' producers and its readers) instead of running as an extern call.
     fn inline_matmul(&self, _dims: MatmulDims) -> bool {
@@ -260,6 +271,7 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
     }
     let planned = group(t, graph, &sched, planned);
     let planned = crate::rows::group_rows(t, graph, &sched, planned);
+    let planned = crate::sibling_reductions::group(t, graph, &sched, &roots, planned);
     // a small graph in one launch; else independent kernels side by side
     let planned = crate::sequential::compose(t, graph, &roots, planned);
     crate::horizontal::fuse(t, graph, &roots, planned)

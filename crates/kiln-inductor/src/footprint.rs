@@ -2,7 +2,8 @@
 //! reads and the storage it overwrites in place — and the one ordering rule on it: a step must
 //! stay after an earlier one when it reads a value the earlier one produces, or either overwrites
 //! storage the other reads. Horizontal fusion (`horizontal.rs`: which kernels may share a
-//! launch) and sequential composition (`sequential.rs`: where a barrier goes) both ask it.
+//! launch), sibling reductions (`sibling_reductions.rs`: how far up a reduction may move) and
+//! sequential composition (`sequential.rs`: where a barrier goes) ask it.
 
 use kiln_compile::graph::{Graph, NodeId};
 

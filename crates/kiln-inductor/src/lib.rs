@@ -15,10 +15,12 @@ mod rows;
 pub mod runtime;
 pub mod schedule;
 mod sequential;
+mod sibling_reductions;
 pub mod sink_expands;
 mod split_reduction;
 #[cfg(test)]
 mod test_graphs;
+pub mod traffic;
 
 use std::sync::{Arc, Once};
 

@@ -27,6 +27,28 @@ pub enum Step {
 const MAX_RECOMPUTE_OPS: usize = 4;
 /// Most readers a shared pointwise chain is inlined into.
 const MAX_RECOMPUTE_USERS: usize = 3;
+/// Longest chain recomputed by its readers when it reads at most `LEAN_LEAVES` large buffers
+/// (see `Leaves`): each reader then loads no more than it would load from the chain's buffer,
+/// so recomputing saves the buffer's write and read whatever the chain's length, up to what
+/// the arithmetic costs (batch norm's backward: the ReLU mask, scale and shift recomputed from
+/// the convolution's output in each of its three passes, where it wrote four full tensors).
+const MAX_LEAN_RECOMPUTE_OPS: usize = 16;
+/// Most ops on small (per-channel) values a lean chain's readers recompute per element with it
+/// (a variance's `1/sqrt(v + eps)`: 4).
+const MAX_LEAN_SMALL_OPS: usize = 8;
+/// Most readers a chain over one large buffer is recomputed in (each loads that buffer where it
+/// would load the chain's).
+const MAX_LEAN_USERS_ONE: usize = 8;
+/// Most readers a chain over two large buffers is recomputed in: 2 loads per reader against a
+/// write, 2 loads and 1 load per reader realized, even at 3.
+const MAX_LEAN_USERS_TWO: usize = 3;
+/// A buffer counts as large for a value reading it when it has at least this fraction
+/// (1/`LARGE_FRACTION`) of the value's elements: a per-channel statistic broadcast over an
+/// activation stays in cache and costs its readers nothing.
+const LARGE_FRACTION: usize = 8;
+/// Large buffers a value's computation loads, up to `MAX_LEAVES` (then `None`: many).
+type Leaves = Option<Vec<NodeId>>;
+const MAX_LEAVES: usize = 4;
 /// Longest chain a padded value read only through windows is recomputed with (training's batch
 /// norm and ReLU before a max-pool: subtract, scale, shift, compare, select).
 const MAX_WINDOW_RECOMPUTE_OPS: usize = 8;
@@ -83,6 +105,53 @@ fn realize_below_views(g: &Graph, kinds: &[Kind], realized: &mut [bool], mut id:
     realized[id] = true;
 }
 
+/// The large buffers node `id` loads when a reader inlines it: its realized operands holding at
+/// least 1/`LARGE_FRACTION` of its elements, and what its inlined operands load.
+fn leaves_of(g: &Graph, realized: &[bool], leaves: &[Leaves], id: NodeId) -> Leaves {
+    let numel = |i: NodeId| g.nodes[i].shape.iter().product::<usize>();
+    let mut out: Vec<NodeId> = Vec::new();
+    for &a in &g.nodes[id].args {
+        if realized[a] {
+            if numel(a) * LARGE_FRACTION >= numel(id) && !out.contains(&a) {
+                out.push(a);
+            }
+            continue;
+        }
+        for &l in leaves[a].as_ref()? {
+            if numel(l) * LARGE_FRACTION >= numel(id) && !out.contains(&l) {
+                out.push(l);
+            }
+        }
+    }
+    (out.len() <= MAX_LEAVES).then_some(out)
+}
+
+/// The pointwise ops a reader of `id` computes per element when it inlines `id` (each once, as
+/// the generated code computes a shared subexpression once), and of those the ones on values of
+/// `id`'s size (not per-channel values). Counting stops past what a lean chain may hold.
+fn inlined_ops(g: &Graph, kinds: &[Kind], realized: &[bool], id: NodeId) -> (usize, usize) {
+    let numel = |i: NodeId| g.nodes[i].shape.iter().product::<usize>();
+    let mut seen = vec![id];
+    let mut stack = vec![id];
+    let (mut all, mut large) = (0, 0);
+    while let Some(v) = stack.pop() {
+        if kinds[v] == Kind::Pointwise {
+            all += 1;
+            large += usize::from(numel(v) * LARGE_FRACTION >= numel(id));
+            if all > MAX_LEAN_RECOMPUTE_OPS + MAX_LEAN_SMALL_OPS {
+                break;
+            }
+        }
+        for &a in &g.nodes[v].args {
+            if !realized[a] && !seen.contains(&a) {
+                seen.push(a);
+                stack.push(a);
+            }
+        }
+    }
+    (all, large)
+}
+
 /// The schedule of `g`, with small matmuls generated as `mm` says.
 pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
     let n = g.nodes.len();
@@ -115,6 +184,8 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
     let mut cheap = vec![false; n];
     // pointwise ops a reader recomputes when it inlines the value
     let mut cost = vec![0usize; n];
+    // large buffers a reader loads when it inlines the value
+    let mut leaves: Vec<Leaves> = vec![Some(Vec::new()); n];
     for (id, node) in g.nodes.iter().enumerate() {
         realized[id] = match kinds[id] {
             Kind::Input | Kind::Extern | Kind::Reduction => true,
@@ -138,6 +209,21 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
                         .filter(|&&a| !realized[a])
                         .map(|&a| cost[a])
                         .sum::<usize>();
+                leaves[id] = leaves_of(g, &realized, &leaves, id);
+                let lean = |most_users: usize| {
+                    users[id] <= most_users && {
+                        let (all, large) = inlined_ops(g, &kinds, &realized, id);
+                        // a chain of per-channel ops alone is better realized (a small
+                        // buffer) than recomputed at every element of its readers
+                        (1..=MAX_LEAN_RECOMPUTE_OPS).contains(&large)
+                            && all - large <= MAX_LEAN_SMALL_OPS
+                    }
+                };
+                let lean = match leaves[id].as_ref().map(Vec::len) {
+                    Some(0 | 1) => lean(MAX_LEAN_USERS_ONE),
+                    Some(2) => lean(MAX_LEAN_USERS_TWO),
+                    _ => false,
+                };
                 // a short chain read by a few kernels is recomputed in each (softmax's exp is
                 // computed by the sum and by the division: no buffer written and read back)
                 let shared = users[id] >= 2 && !view_of_buffer;
@@ -148,7 +234,9 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
                 let windows = only_windows[id] && matches!(node.op, Op::Prim(Prim::Pad { .. }));
                 let recompute = match windows {
                     true => cost[id] <= MAX_WINDOW_RECOMPUTE_OPS,
-                    false => cost[id] <= MAX_RECOMPUTE_OPS && users[id] <= MAX_RECOMPUTE_USERS,
+                    false => {
+                        lean || (cost[id] <= MAX_RECOMPUTE_OPS && users[id] <= MAX_RECOMPUTE_USERS)
+                    }
                 };
                 if shared && !recompute && matches!(node.op, Op::Prim(Prim::Expand(_))) {
                     // a broadcast read by several kernels: what it broadcasts is realized (a
@@ -316,6 +404,67 @@ mod tests {
             cuda.steps
         );
     }
+    /// `x - c`, `* c`, `+ c`, `max(.., x)`, `* y` over [4096, 64] (`c` a broadcast [1, 64],
+    /// `y` another large input or `x`), read by `readers` sums over dim 0 and kept as an output
+    /// plus one: (graph, the chain's last value).
+    fn chain_read_by_sums(second_large: bool, readers: usize) -> (Graph, NodeId) {
+        let mut g = Graph::default();
+        let shape = [4096, 64];
+        let x = input(&mut g, &shape);
+        let y = match second_large {
+            true => input(&mut g, &shape),
+            false => x,
+        };
+        let c = input(&mut g, &[1, 64]);
+        let e = push(
+            &mut g,
+            Op::Prim(Prim::Expand(shape.to_vec())),
+            vec![c],
+            &shape,
+        );
+        let mut v = x;
+        for (op, other) in [
+            (BinaryOp::Sub, e),
+            (BinaryOp::Mul, e),
+            (BinaryOp::Add, e),
+            (BinaryOp::Max, x),
+            (BinaryOp::Mul, y),
+        ] {
+            v = push(&mut g, Op::Prim(Prim::Binary(op)), vec![v, other], &shape);
+        }
+        for _ in 0..readers {
+            let s = push(
+                &mut g,
+                Op::Prim(Prim::Reduce {
+                    op: kiln_core::prim::ReduceOp::Sum,
+                    dims: vec![0],
+                }),
+                vec![v],
+                &[1, 64],
+            );
+            g.outputs.push(s);
+        }
+        (g, v)
+    }
+
+    /// A chain of five ops over one large buffer (and a per-channel one) is recomputed by each
+    /// of its four readers: each loads that buffer where it would load the chain's, so a
+    /// buffer would cost a write and a read for nothing (batch norm's backward recomputes its
+    /// ReLU mask this way in all three of its passes). Over two large buffers it is recomputed
+    /// by up to three readers; by more, it is realized (two loads per reader would pass one).
+    #[test]
+    fn a_chain_over_few_large_buffers_is_recomputed_by_its_readers() {
+        let realized = |second_large, readers| {
+            let (g, v) = chain_read_by_sums(second_large, readers);
+            schedule(&g, &MatmulFusion::NONE).realized[v]
+        };
+        assert!(!realized(false, 4));
+        assert!(!realized(false, 8));
+        assert!(realized(false, 9));
+        assert!(!realized(true, 3));
+        assert!(realized(true, 4));
+    }
+
     /// A per-channel chain too long to recompute, broadcast and read by two reductions: the
     /// [1, 8] chain is realized and the [1024, 8] broadcast stays a view (not 8192 copies of 8
     /// values written and read back).

@@ -256,6 +256,39 @@ fn split_reductions_few_long_rows() -> Outcome {
     )
 }
 
+/// Sibling reductions (`sibling_reductions.rs`): several reductions over the same dims of the
+/// same operands in one kernel, an accumulator each (sums and a max), in every strategy: a
+/// thread, a warp and a block per output element, and an outer reduction split into chunks
+/// (channels-last batch norm's backward sums over N, H, W of a [32, 32, 32, 64] gradient and
+/// activation). Terms are positive, so the split's f32 partials move only the last bits.
+fn sibling_reductions_every_strategy() -> Outcome {
+    differential(
+        "sibling_reductions",
+        &[
+            &[1000, 7],
+            &[300, 200],
+            &[3, 20000],
+            &[32, 32, 32, 64],
+            &[32, 32, 32, 64],
+        ],
+        1e-5,
+        |x| {
+            let mut out = Vec::new();
+            for t in &x[..3] {
+                out.push(t.exp()?.sum(&[1], false)?);
+                out.push(t.square()?.sum(&[1], false)?);
+                out.push(t.abs()?.max(&[1], false)?);
+            }
+            let (act, grad) = (&x[3], x[4].exp()?);
+            let dims = [0, 1, 2];
+            out.push(grad.sum(&dims, false)?);
+            out.push(grad.mul(&act.square()?)?.sum(&dims, false)?);
+            out.push(act.abs()?.max(&dims, false)?);
+            Ok(out)
+        },
+    )
+}
+
 fn softmax_layer_norm_gelu() -> Outcome {
     differential(
         "softmax_layer_norm_gelu",
@@ -767,7 +800,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 18] = [
+    let tests: [(&str, Check); 19] = [
         (
             "max_autotune_tunes_once_and_persists",
             autotune::max_autotune_tunes_once_and_persists,
@@ -794,6 +827,10 @@ fn main() {
         (
             "split_reductions_few_long_rows",
             split_reductions_few_long_rows,
+        ),
+        (
+            "sibling_reductions_every_strategy",
+            sibling_reductions_every_strategy,
         ),
         ("softmax_layer_norm_gelu", softmax_layer_norm_gelu),
         ("linear_relu_matmul_extern", linear_relu_matmul_extern),

@@ -552,6 +552,39 @@ pub(crate) fn reduction_parts<'a>(
     }
 }
 
+/// One more accumulator of a kernel computing sibling reductions (`sibling_reductions.rs`:
+/// the same operand shape, reduced dims and output shape as the one `b` was built for): its
+/// operand's expression at every input index, from the same builder (so what the siblings share,
+/// their loads first, is computed once), with its accumulator type, initial value and step.
+pub(crate) fn sibling_accumulator(
+    b: &mut Builder<'_>,
+    g: &Graph,
+    root: NodeId,
+) -> SiblingAccumulator {
+    let node = &g.nodes[root];
+    let Op::Prim(Prim::Reduce { op, .. }) = &node.op else {
+        unreachable!("sibling reductions are Reduce prims (`sibling_reductions.rs` picks them)")
+    };
+    let src = node.args[0];
+    let idx: Vec<Ix> = (0..g.nodes[src].shape.len()).map(Ix::var).collect();
+    let value = b.value(src, &idx, false);
+    let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
+    SiblingAccumulator {
+        value,
+        acc_t,
+        init,
+        step,
+    }
+}
+
+/// A sibling reduction's operand expression, accumulator type, initial value and step.
+pub(crate) struct SiblingAccumulator {
+    pub(crate) value: String,
+    pub(crate) acc_t: &'static str,
+    pub(crate) init: String,
+    pub(crate) step: fn(&str, &str) -> String,
+}
+
 /// A small matmul `[B,M,K] x [B,K,N]` as a sum over the loop space `[B,M,N,K]` (variables
 /// `i0..i3`, k reduced) of `a[i0,i1,i3] * b[i0,i3,i2]`: each operand read through its index
 /// expression, so its views and pointwise producers are evaluated in the load, never

@@ -439,7 +439,18 @@ impl Target for Cuda {
     }
 
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
-        super::cuda_reduce::reduction(self, g, sched, root)
+        super::cuda_reduce::reduction(self, g, sched, &[root])
+    }
+
+    /// Not for a symbolic graph (`horizontal` off), as `rows`.
+    fn sibling_reductions(
+        &self,
+        g: &Graph,
+        sched: &Schedule,
+        roots: &[NodeId],
+    ) -> Option<CudaKernel> {
+        self.horizontal
+            .then(|| super::cuda_reduce::reduction(self, g, sched, roots))
     }
 
     /// Not for a symbolic graph (`horizontal` off): its kernels stay the ones

@@ -8,7 +8,9 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{reduction_parts, split_index, ty, ReductionParts};
+use super::c::{
+    reduction_parts, sibling_accumulator, split_index, ty, ReductionParts, SiblingAccumulator,
+};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
 use crate::schedule::Schedule;
 use crate::split_reduction::is_outer;
@@ -20,10 +22,34 @@ const BLOCK_FROM: usize = 4096;
 /// this many rows per multiprocessor.
 const OUTER_ROWS_PER_SM: usize = 128;
 
-pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> CudaKernel {
+/// One accumulator of a reduction kernel: the operand's expression, the accumulator's C type,
+/// initial value and step, the output's C type, and the names of its register and output.
+struct Acc {
+    value: String,
+    acc_t: &'static str,
+    init: String,
+    step: fn(&str, &str) -> String,
+    out_t: &'static str,
+    reg: String,
+    out: String,
+}
+
+/// `if (cond)` over `lines` (each indented and ending in a newline): on one line when there is
+/// one (the text a single reduction has always had), in braces otherwise.
+fn guarded(indent: &str, cond: &str, lines: &str) -> String {
+    match lines.lines().count() {
+        1 => format!("{indent}if ({cond}) {}\n", lines.trim()),
+        _ => format!("{indent}if ({cond}) {{\n{lines}{indent}}}\n"),
+    }
+}
+
+/// The kernel computing the reductions `roots`: one, or siblings (`sibling_reductions.rs`: the
+/// same operand shape, reduced dims and output shape) that share one walk over the operands, an
+/// accumulator each.
+pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId]) -> CudaKernel {
     let ReductionParts {
-        b,
-        value: v,
+        mut b,
+        value,
         acc_t,
         init,
         step,
@@ -31,14 +57,62 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> 
         kept,
         reduced,
         ..
-    } = reduction_parts(g, sched, root);
-    let node = &g.nodes[root];
+    } = reduction_parts(g, sched, roots[0]);
+    // one root keeps the names a single reduction has always had (its kernel's hash)
+    let names = |k: usize| match roots.len() {
+        1 => ("acc".to_string(), "out".to_string()),
+        _ => (format!("acc{k}"), format!("out{k}")),
+    };
+    let mut accs = vec![SiblingAccumulator {
+        value,
+        acc_t,
+        init,
+        step,
+    }];
+    for &r in &roots[1..] {
+        accs.push(sibling_accumulator(&mut b, g, r));
+    }
+    let accs: Vec<Acc> = accs
+        .into_iter()
+        .zip(roots)
+        .enumerate()
+        .map(|(k, (a, &root))| {
+            let (reg, out) = names(k);
+            Acc {
+                value: a.value,
+                acc_t: a.acc_t,
+                init: a.init,
+                step: a.step,
+                out_t: ty(g.nodes[root].dtype),
+                reg,
+                out,
+            }
+        })
+        .collect();
     let rows: usize = kept.iter().map(|k| k.1).product();
     let red: usize = reduced.iter().map(|k| k.1).product();
-    let out_t = ty(node.dtype);
-    let store = format!("out[{off}] = ({out_t})acc;");
-    let accumulate = format!("{}      acc = {};\n", b.body, step("acc", &v));
-    let combine = step("acc", "other");
+    let each = |f: &dyn Fn(&Acc) -> String| accs.iter().map(f).collect::<String>();
+    let declare =
+        |indent: &str| each(&|a| format!("{indent}{} {} = {};\n", a.acc_t, a.reg, a.init));
+    let store =
+        |indent: &str| each(&|a| format!("{indent}{}[{off}] = ({}){};\n", a.out, a.out_t, a.reg));
+    let accumulate = format!(
+        "{}{}",
+        b.body,
+        each(&|a| format!("      {} = {};\n", a.reg, (a.step)(&a.reg, &a.value)))
+    );
+    // each accumulator's warp partials combined by shuffles
+    let shuffle = |indent: &str| {
+        each(&|a| {
+            format!(
+                "{indent}for (int s = 16; s > 0; s >>= 1) {{ {} other = \
+                 __shfl_down_sync(0xffffffffu, {r}, s); {r} = {}; }}\n",
+                a.acc_t,
+                (a.step)(&a.reg, "other"),
+                r = a.reg
+            )
+        })
+    };
     let mut text = b.pre.clone();
     // an outer reduction (its reduced dims lie outside a run of kept ones: channels-last
     // batch norm's per-channel sums): consecutive threads own consecutive kept elements, so
@@ -54,11 +128,11 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> 
              row += knblk * blockDim.x) {{"
         );
         split_index(&mut text, "row", &kept, "    ", "rem");
-        let _ = writeln!(text, "    {acc_t} acc = {init};");
+        text.push_str(&declare("    "));
         for &(v, n) in &reduced {
             let _ = writeln!(text, "    for (long long i{v} = 0; i{v} < {n}; i{v}++)");
         }
-        let _ = writeln!(text, "    {{\n{accumulate}    }}\n    {store}\n  }}");
+        let _ = write!(text, "    {{\n{accumulate}    }}\n{}  }}\n", store("    "));
         (t.blocks(rows, t.cfg.block as usize), t.cfg.block)
     } else {
         // a warp (or a block) per output element: strided partial sums, then shuffles
@@ -77,8 +151,15 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> 
         } else {
             ("kbid".to_string(), "threadIdx.x")
         };
+        let warps = row_block / 32;
+        let partial = |a: &Acc| match roots.len() {
+            1 => "partial".to_string(),
+            _ => format!("partial_{}", a.reg),
+        };
         if !per_block {
-            let _ = writeln!(text, "  __shared__ {acc_t} partial[{}];", row_block / 32);
+            text.push_str(&each(&|a| {
+                format!("  __shared__ {} {}[{warps}];\n", a.acc_t, partial(a))
+            }));
         }
         let _ = writeln!(
             text,
@@ -86,37 +167,48 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, root: NodeId) -> 
              row += knblk * {rows_per_block}) {{"
         );
         split_index(&mut text, "row", &kept, "    ", "rem_row");
-        let _ = writeln!(text, "    {acc_t} acc = {init};");
+        text.push_str(&declare("    "));
         let _ = writeln!(
             text,
             "    for (long long r = {lane}; r < {red}; r += {lanes}) {{"
         );
         split_index(&mut text, "r", &reduced, "      ", "rem");
         let _ = writeln!(text, "{accumulate}    }}");
-        let _ = writeln!(
-            text,
-            "    for (int s = 16; s > 0; s >>= 1) {{ {acc_t} other = \
-             __shfl_down_sync(0xffffffffu, acc, s); acc = {combine}; }}"
-        );
+        text.push_str(&shuffle("    "));
         if per_block {
-            let _ = writeln!(text, "    if ({lane} == 0) {store}");
+            text.push_str(&guarded("    ", &format!("{lane} == 0"), &store("      ")));
         } else {
-            let _ = writeln!(
-                text,
-                "    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = acc;\n    \
-                 __syncthreads();\n    if (threadIdx.x < 32) {{\n      acc = threadIdx.x < \
-                 {w} ? partial[threadIdx.x] : ({acc_t})({init});\n      for (int s = 16; s > \
-                 0; s >>= 1) {{ {acc_t} other = __shfl_down_sync(0xffffffffu, acc, s); acc = \
-                 {combine}; }}\n      if (threadIdx.x == 0) {store}\n    }}\n    \
-                 __syncthreads();",
-                w = row_block / 32
-            );
+            let publish =
+                each(&|a| format!("      {}[threadIdx.x / 32] = {};\n", partial(a), a.reg));
+            text.push_str(&guarded("    ", "threadIdx.x % 32 == 0", &publish));
+            let _ = writeln!(text, "    __syncthreads();\n    if (threadIdx.x < 32) {{");
+            text.push_str(&each(&|a| {
+                format!(
+                    "      {} = threadIdx.x < {warps} ? {}[threadIdx.x] : ({})({});\n",
+                    a.reg,
+                    partial(a),
+                    a.acc_t,
+                    a.init
+                )
+            }));
+            text.push_str(&shuffle("      "));
+            text.push_str(&guarded("      ", "threadIdx.x == 0", &store("        ")));
+            let _ = writeln!(text, "    }}\n    __syncthreads();");
         }
         let _ = writeln!(text, "  }}");
         (t.blocks(rows, rows_per_block), block)
     };
-    let outputs = [(root, "out".to_string())];
-    let text = t.narrow_index(g, b.params.iter().copied().chain([root]), rows * red, text);
+    let outputs: Vec<(NodeId, String)> = accs
+        .iter()
+        .zip(roots)
+        .map(|(a, &r)| (r, a.out.clone()))
+        .collect();
+    let text = t.narrow_index(
+        g,
+        b.params.iter().copied().chain(roots.iter().copied()),
+        rows * red,
+        text,
+    );
     let params = parameters(&b, g, &outputs);
     finish(b.params, params, text, grid, block)
 }

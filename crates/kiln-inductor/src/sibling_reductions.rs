@@ -1,0 +1,205 @@
+//! Sibling reductions: reductions over the same iteration space — one operand shape, the same
+//! reduced dims, one output shape — computed by one kernel with an accumulator each, so the
+//! operands they share are loaded once (Inductor fuses such reductions too). Batch norm's
+//! backward is the case that matters: the sums of the gradient, of the gradient times the
+//! normalized input and of the gradient times the centered input all walk the same activation
+//! and read the same two tensors; as separate kernels each reads both.
+//!
+//! A single-output reduction kernel moves up to join the earliest sibling group it may run
+//! with, by `footprint.rs`'s rule (as `horizontal.rs` moves kernels): nothing it reads is
+//! produced at or after that point, and no storage it reads or the steps between read is
+//! overwritten in between. Only kernels move, and only earlier.
+
+use kiln_compile::graph::{Graph, NodeId, Op};
+use kiln_core::prim::Prim;
+
+use crate::backend::{Planned, Target};
+use crate::footprint::Footprint;
+use crate::ir::lower::Kind;
+use crate::runtime::plan::Alloc;
+use crate::schedule::Schedule;
+
+/// How many steps back a reduction looks for its siblings (bounds planning time).
+const LOOKBACK: usize = 64;
+/// Most reductions one kernel computes (registers: an f64 accumulator each).
+const MAX_SIBLINGS: usize = 8;
+
+/// What siblings share: the operand's shape, the reduced dims and the output's shape.
+type Space = (Vec<usize>, Vec<usize>, Vec<usize>);
+
+/// The iteration space of the reduction a planned kernel computes, when it computes exactly one
+/// `Reduce` (not a matmul) into a buffer of its own.
+fn space_of<K>(g: &Graph, sched: &Schedule, p: &Planned<K>) -> Option<Space> {
+    let Planned::Kernel { outs, .. } = p else {
+        return None;
+    };
+    let [(node, Alloc::Pooled | Alloc::Output)] = outs[..] else {
+        return None;
+    };
+    if sched.kinds[node] != Kind::Reduction {
+        return None;
+    }
+    let n = &g.nodes[node];
+    let Op::Prim(Prim::Reduce { dims, .. }) = &n.op else {
+        return None;
+    };
+    Some((
+        g.nodes[n.args[0]].shape.clone(),
+        dims.clone(),
+        n.shape.clone(),
+    ))
+}
+
+struct Entry<K> {
+    planned: Planned<K>,
+    touches: Footprint,
+    /// For a reduction: its space and the roots the kernel computes.
+    siblings: Option<(Space, Vec<NodeId>)>,
+}
+
+/// The planned steps with sibling reductions joined into one kernel each (unchanged for a
+/// target without such kernels). `roots`: each node's storage (`plan::alias_roots`).
+pub fn group<T: Target>(
+    t: &T,
+    g: &Graph,
+    sched: &Schedule,
+    roots: &[NodeId],
+    planned: Vec<Planned<T::Kernel>>,
+) -> Vec<Planned<T::Kernel>> {
+    let mut entries: Vec<Entry<T::Kernel>> = Vec::with_capacity(planned.len());
+    for p in planned {
+        let touches = match &p {
+            Planned::Kernel { kernel, outs } => Footprint::of_kernel(t.inputs(kernel), outs, roots),
+            Planned::Extern { node } => Footprint::of_extern(g, *node, roots),
+        };
+        let space = space_of(g, sched, &p);
+        let mut joined = false;
+        if let (Some(space), Planned::Kernel { outs, .. }) = (&space, &p) {
+            let mut at = None;
+            for j in (0..entries.len()).rev().take(LOOKBACK) {
+                if touches.must_follow(&entries[j].touches) {
+                    break;
+                }
+                if let Some((s, members)) = &entries[j].siblings {
+                    if s == space && members.len() < MAX_SIBLINGS {
+                        at = Some(j);
+                    }
+                }
+            }
+            if let Some(j) = at {
+                let e = &mut entries[j];
+                let (_, members) = e.siblings.as_ref().expect("a sibling group");
+                let mut members = members.clone();
+                members.push(outs[0].0);
+                if let (Some(kernel), Planned::Kernel { outs: have, .. }) =
+                    (t.sibling_reductions(g, sched, &members), &e.planned)
+                {
+                    let mut all = have.clone();
+                    all.push(outs[0]);
+                    e.touches.extend(touches.clone());
+                    e.planned = Planned::Kernel { kernel, outs: all };
+                    e.siblings = Some((space.clone(), members));
+                    joined = true;
+                }
+            }
+        }
+        if !joined {
+            let siblings = match &p {
+                Planned::Kernel { outs, .. } => space.map(|s| (s, vec![outs[0].0])),
+                Planned::Extern { .. } => None,
+            };
+            entries.push(Entry {
+                planned: p,
+                touches,
+                siblings,
+            });
+        }
+    }
+    entries.into_iter().map(|e| e.planned).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_core::prim::{BinaryOp, ReduceOp};
+
+    use super::*;
+    use crate::backend::plan_graph;
+    use crate::codegen::cuda::Cuda;
+    use crate::test_graphs::{binary, input, push};
+
+    fn sum(g: &mut Graph, a: NodeId, dim: usize) -> NodeId {
+        let mut shape = g.nodes[a].shape.clone();
+        shape[dim] = 1;
+        push(
+            g,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: vec![dim],
+            }),
+            vec![a],
+            &shape,
+        )
+    }
+
+    /// Values each planned kernel of `g` computes (the graphs here are too large for one
+    /// block: `sequential.rs` leaves them alone).
+    fn kernels(g: &Graph) -> Vec<usize> {
+        plan_graph(&Cuda::new(2), g)
+            .iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { outs, .. } => Some(outs.len()),
+                Planned::Extern { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Batch norm's backward sums over one activation: the gradient, the gradient times the
+    /// input, the gradient times the input squared. One kernel with three outputs, whose loads
+    /// of the two tensors are shared.
+    #[test]
+    fn sums_over_one_space_share_a_kernel() {
+        let mut g = Graph::default();
+        let x = input(&mut g, &[4096, 64]);
+        let grad = input(&mut g, &[4096, 64]);
+        let gx = binary(&mut g, BinaryOp::Mul, grad, x);
+        let gxx = binary(&mut g, BinaryOp::Mul, gx, x);
+        g.outputs = vec![
+            sum(&mut g, grad, 0),
+            sum(&mut g, gx, 0),
+            sum(&mut g, gxx, 0),
+        ];
+        assert_eq!(kernels(&g), vec![3]);
+        let planned = plan_graph(&Cuda::new(2), &g);
+        let Some(Planned::Kernel { kernel, .. }) = planned.first() else {
+            panic!("no kernel planned");
+        };
+        assert_eq!(kernel.inputs.len(), 2, "each tensor is one argument");
+        // each operand loaded once per element, for all three accumulators
+        assert_eq!(kernel.source.matches("b0[").count(), 1, "{}", kernel.source);
+        assert_eq!(kernel.source.matches("b1[").count(), 1, "{}", kernel.source);
+        assert!(kernel.source.contains("out2["));
+    }
+
+    /// A sum reading another's result (batch norm's second pass) runs after it, in a kernel
+    /// of its own; sums over other dims are not siblings.
+    #[test]
+    fn dependent_or_differently_shaped_reductions_stay_apart() {
+        let mut g = Graph::default();
+        let x = input(&mut g, &[4096, 64]);
+        let grad = input(&mut g, &[4096, 64]);
+        let first = sum(&mut g, grad, 0);
+        let wide = push(
+            &mut g,
+            Op::Prim(Prim::Expand(vec![4096, 64])),
+            vec![first],
+            &[4096, 64],
+        );
+        let scaled = binary(&mut g, BinaryOp::Mul, x, wide);
+        let second = sum(&mut g, scaled, 0);
+        let rows = sum(&mut g, grad, 1);
+        g.outputs = vec![first, second, rows];
+        let k = kernels(&g);
+        assert_eq!(k.iter().sum::<usize>(), 3);
+        assert!(k.iter().all(|&n| n == 1), "{k:?}");
+    }
+}

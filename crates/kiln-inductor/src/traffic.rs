@@ -1,0 +1,76 @@
+//! What the steps planned for a device graph move through memory: per launch, the bytes of the
+//! buffers it reads (each once) and writes. A generated kernel on a large tensor is bound by
+//! these bytes, so their sum is what fusion decisions are judged by, on any machine (the plan is
+//! the one a GPU of `sm_count` multiprocessors gets; no device is needed). Views the core makes
+//! move nothing; an extern call (cuBLAS, cuDNN) is counted by its operands and result.
+
+use kiln_compile::graph::{Graph, NodeId, Op};
+use kiln_core::device::ReduceSplit;
+use kiln_core::prim::Prim;
+
+use crate::backend::{plan_graph, prepare, Planned};
+use crate::codegen::cuda::Cuda;
+use crate::split_reduction::split_reductions;
+
+/// One planned launch and what it moves.
+#[derive(Clone, Debug)]
+pub struct StepTraffic {
+    /// The generated kernel's name, or the extern prim's.
+    pub name: String,
+    /// A generated kernel (else an extern call).
+    pub generated: bool,
+    pub read: usize,
+    pub written: usize,
+    /// The shapes it writes.
+    pub writes: Vec<Vec<usize>>,
+}
+
+fn bytes(g: &Graph, id: NodeId) -> usize {
+    let n = &g.nodes[id];
+    n.shape.iter().product::<usize>() * n.dtype.size_in_bytes()
+}
+
+/// The launches the CUDA target plans for `graph` (rewritten and split as a compile for a
+/// device of `sm_count` multiprocessors rewrites it), in order, with their traffic.
+pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
+    let prepared = prepare(graph);
+    let split = split_reductions(&prepared, ReduceSplit::for_gpu(sm_count));
+    let g = split.as_ref().unwrap_or(&prepared);
+    let target = Cuda::new(sm_count);
+    plan_graph(&target, g)
+        .into_iter()
+        .filter_map(|p| match p {
+            Planned::Kernel { kernel, outs } => {
+                // a launch of several members side by side lists each member's inputs: each
+                // member loads its own
+                let inputs = kernel.inputs;
+                Some(StepTraffic {
+                    name: kernel.name,
+                    generated: true,
+                    read: inputs.iter().map(|&i| bytes(g, i)).sum(),
+                    written: outs.iter().map(|&(o, _)| bytes(g, o)).sum(),
+                    writes: outs
+                        .iter()
+                        .map(|&(o, _)| g.nodes[o].shape.clone())
+                        .collect(),
+                })
+            }
+            Planned::Extern { node } => {
+                let n = &g.nodes[node];
+                let Op::Prim(prim) = &n.op else { return None };
+                // views the core makes move nothing (a reshape of a realized, contiguous buffer
+                // is one)
+                if prim.is_view() || matches!(prim, Prim::Reshape(_)) {
+                    return None;
+                }
+                Some(StepTraffic {
+                    name: prim.name().to_string(),
+                    generated: false,
+                    read: n.args.iter().map(|&a| bytes(g, a)).sum(),
+                    written: bytes(g, node),
+                    writes: vec![n.shape.clone()],
+                })
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,112 @@
+//! What the generated kernels of a training step move through memory, as planned for an H100
+//! (`kiln::inductor::traffic`), on the mock device: no GPU needed, and the plan is exactly the
+//! one a GPU gets. Batch norm's backward is the case: a fusion decision that writes one more
+//! activation-sized buffer shows here as bytes, deterministically, long before a benchmark.
+
+#[path = "../../kiln-core/tests/support/mock_device.rs"]
+mod mock_device;
+
+use std::sync::{Arc, Mutex};
+
+use kiln::compiler::graph::Graph;
+use kiln::compiler::{Backend, BackendContext, CompiledGraph};
+use kiln::nn::{BatchNorm2d, Conv2d, Conv2dConfig, Module, ReLU, Sequential};
+use kiln::prelude::*;
+use mock_device::{setup, DEV};
+
+/// Records the graphs AOT autograd hands it (rewritten channels-last as the `kiln` backend
+/// rewrites a device's joint graph) and runs them on the interpreter.
+struct Capture(Mutex<Vec<Graph>>);
+
+impl Backend for Capture {
+    fn name(&self) -> &str {
+        "capture"
+    }
+    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
+        kiln::inductor::channels_last::channels_last(joint)
+    }
+    fn compile(&self, graph: &Graph, _ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(graph.clone());
+        Ok(Arc::new(kiln::compiler::backends::Interpreter::new(
+            graph.clone(),
+        )))
+    }
+}
+
+/// An H100's multiprocessors: the split reductions' chunk counts depend on them.
+const SMS: u32 = 132;
+
+/// Bytes the generated kernels of `g` read and write, and their table (for a failure message).
+fn generated_bytes(g: &Graph) -> (usize, String) {
+    let mut total = 0;
+    let mut table = String::new();
+    for s in kiln::inductor::traffic::cuda_traffic(g, SMS) {
+        if s.generated {
+            total += s.read + s.written;
+        }
+        table += &format!(
+            "  {:>6} {:24} read {:>10} written {:>10} {:?}\n",
+            if s.generated { "kernel" } else { "extern" },
+            &s.name[..s.name.len().min(24)],
+            s.read,
+            s.written,
+            s.writes
+        );
+    }
+    (total, table)
+}
+
+/// conv → batch norm → ReLU → conv in training, on a [16, 64, 32, 32] activation (large enough
+/// for batch norm's sums to be split as on a GPU). The backward's generated kernels move at
+/// most 13.5 activations: batch norm's three passes read the convolution's output and the
+/// gradient (2 + 1 + 2, the first pass's four sums in one kernel) and write the input's
+/// gradient (1); the ReLU output the second convolution's weight gradient reads is recomputed
+/// (2); the output gradient, handed in NCHW, and the input are made NHWC (2 + 2); weights and
+/// partial sums make up the rest (12.84 in all). Before sibling reductions and lean recomputes
+/// (commit 2ef8e10) the sums were separate kernels and the ReLU mask and scales were written
+/// out: 20 activations at [64, 64, 56, 56].
+#[test]
+fn batch_norm_backward_moves_few_activations() -> Result<()> {
+    setup();
+    let conv = || {
+        Conv2d::new(
+            64,
+            64,
+            [3, 3],
+            Conv2dConfig {
+                padding: [1, 1],
+                bias: false,
+                ..Default::default()
+            },
+        )
+    };
+    let mut m = Sequential::new()
+        .add(conv()?)
+        .add(BatchNorm2d::new(64)?)
+        .add(ReLU::new())
+        .add(conv()?);
+    m.train(true);
+    m.to(DEV)?;
+    let capture = Arc::new(Capture(Mutex::new(Vec::new())));
+    let aot = Arc::new(kiln::compiler::aot::AotBackend::new(
+        "capture",
+        capture.clone(),
+    ));
+    let compiled = kiln::compile(&m, CompileOptions::default().custom_backend(aot))?;
+    let shape = [16, 64, 32, 32];
+    let x = Tensor::randn(&shape, DType::F32)?.to(DEV)?;
+    compiled.forward(&x)?.sum(&[], false)?.backward()?;
+    let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    assert_eq!(graphs.len(), 2, "a forward and a backward graph");
+    let activation = shape.iter().product::<usize>() * 4;
+    let (bytes, table) = generated_bytes(&graphs[1]);
+    let moved = bytes as f64 / activation as f64;
+    assert!(
+        moved <= 13.5,
+        "the backward's kernels move {moved:.2} activations:\n{table}"
+    );
+    Ok(())
+}
