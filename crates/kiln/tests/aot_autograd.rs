@@ -357,3 +357,51 @@ fn min_cut_saves_the_input_and_recomputes_a_cheap_elementwise_chain() -> Result<
     assert!(saved_bytes(&[eager_out]).activations >= 4 * 256 * 4);
     Ok(())
 }
+
+/// A forward value a backward extern reads (`tanh(x)`, which the weight gradient
+/// `tanh(x)ᵀ @ g` multiplies) is saved, not recomputed from `x`: the backward would have to
+/// write it whole before the matmul could read it, where the forward computed it anyway
+/// (functorch's partitioner bans that recompute too). Without the rule the backward recomputed
+/// it (the cut is the same size either way).
+#[test]
+fn a_value_a_backward_matmul_reads_is_saved_not_recomputed() -> Result<()> {
+    let inner = Arc::new(Recording(Mutex::new(Vec::new())));
+    let aot = Arc::new(AotBackend::new("aot_recording3", inner.clone()));
+    let f = compile_fn(
+        |a: &[Tensor]| Ok(vec![a[0].tanh()?.matmul(&a[1])?]),
+        CompileOptions::default().custom_backend(aot),
+    )?;
+    let x = Tensor::randn(&[32, 16], DType::F32)?.with_grad()?;
+    let w = Tensor::randn(&[16, 8], DType::F32)?.with_grad()?;
+    f.call(&[x.clone(), w.clone()])?
+        .remove(0)
+        .sum_all()?
+        .backward()?;
+    let compiled = w.grad().expect("grad");
+    w.set_grad(None);
+    x.tanh()?.matmul(&w)?.sum_all()?.backward()?;
+    assert_close(&compiled, &w.grad().expect("grad"), 1e-5, "weight grad");
+    let graphs = inner.0.lock().unwrap_or_else(|e| e.into_inner());
+    let (fwd, bwd) = (&graphs[0], &graphs[1]);
+    let tanh = |g: &Graph| {
+        g.nodes
+            .iter()
+            .filter(|n| {
+                matches!(
+                    n.op,
+                    kiln::compiler::Op::Prim(kiln::core::prim::Prim::Unary(
+                        kiln::core::prim::UnaryOp::Tanh
+                    ))
+                )
+            })
+            .count()
+    };
+    assert_eq!(tanh(bwd), 0, "the backward does not recompute tanh(x)");
+    assert!(
+        fwd.outputs[1..]
+            .iter()
+            .any(|&o| fwd.nodes[o].shape == [32, 16] && tanh(fwd) == 1),
+        "the forward saves tanh(x)"
+    );
+    Ok(())
+}

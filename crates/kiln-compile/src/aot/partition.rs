@@ -47,6 +47,38 @@ fn bytes(n: &Node) -> u64 {
     (n.shape.iter().product::<usize>() * n.dtype.size_in_bytes()) as u64
 }
 
+/// The forward values a backward call (a convolution's or a matmul's gradient) reads, directly
+/// or through views: the backward must hold them in memory, so recomputing one there costs a
+/// write and a read of the whole value, where saving it costs only memory (functorch bans
+/// recomputing them for the same reason). ResNet's ReLU outputs: each convolution's weight
+/// gradient reads its input, which the backward otherwise rebuilt from the batch norm's input
+/// in one pass over every layer's activation.
+fn materialized_backwards(g: &Graph, tangent_dep: &[bool]) -> Vec<bool> {
+    let mut out = vec![false; g.nodes.len()];
+    for (id, node) in g.nodes.iter().enumerate() {
+        let Op::Prim(p) = &node.op else { continue };
+        if !tangent_dep[id] || !banned_from_recompute(p) {
+            continue;
+        }
+        for &a in &node.args {
+            let mut v = a;
+            // a view of a value reads the value's memory
+            while !tangent_dep[v] {
+                match &g.nodes[v].op {
+                    Op::Prim(q) if q.is_view() || matches!(q, Prim::Reshape(_)) => {
+                        v = g.nodes[v].args[0];
+                    }
+                    _ => break,
+                }
+            }
+            if !tangent_dep[v] {
+                out[v] = true;
+            }
+        }
+    }
+    out
+}
+
 /// Chooses the saved values; returns them in node order.
 fn min_cut_saved(j: &Joint) -> Result<Vec<NodeId>> {
     let g = &j.graph;
@@ -75,6 +107,7 @@ fn min_cut_saved(j: &Joint) -> Result<Vec<NodeId>> {
             Op::Prim(_) => node.args.iter().any(|&a| tangent_dep[a]),
         };
     }
+    let materialized = materialized_backwards(g, &tangent_dep);
     let (source, sink) = (2 * n, 2 * n + 1);
     let mut net = FlowNet::new(2 * n + 2);
     for (id, node) in g.nodes.iter().enumerate() {
@@ -89,7 +122,7 @@ fn min_cut_saved(j: &Joint) -> Result<Vec<NodeId>> {
             net.add_edge(vin, vout, bytes(node));
             let from_source = match &node.op {
                 Op::Input(_) => true,
-                Op::Prim(p) => banned_from_recompute(p),
+                Op::Prim(p) => banned_from_recompute(p) || materialized[id],
             };
             if from_source {
                 net.add_edge(source, vin, INF);

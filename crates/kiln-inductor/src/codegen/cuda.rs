@@ -822,7 +822,8 @@ pub(crate) mod tests {
             .chain([first.source.as_str()])
             .collect();
         assert!(
-            text.contains("row < 65536"),
+            // 64 x 56 chunks of 2 x 112 rows: 229376 threads, about 1700 per multiprocessor
+            text.contains("row < 229376"),
             "a thread per (chunk, channel):\n{text}"
         );
         let load = text
