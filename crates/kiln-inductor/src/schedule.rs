@@ -49,8 +49,10 @@ const LARGE_FRACTION: usize = 8;
 /// Large buffers a value's computation loads, up to `MAX_LEAVES` (then `None`: many).
 type Leaves = Option<Vec<NodeId>>;
 const MAX_LEAVES: usize = 4;
-/// Longest chain a padded value read only through windows is recomputed with (training's batch
-/// norm and ReLU before a max-pool: subtract, scale, shift, compare, select).
+/// Longest chain a padded value read only through windows is recomputed with, counting ops at
+/// its size (training's batch norm and ReLU before a max-pool: subtract, scale, shift, compare,
+/// select), besides at most `MAX_LEAN_SMALL_OPS` per-channel ones (the variance's
+/// `1/sqrt(v + eps)`).
 const MAX_WINDOW_RECOMPUTE_OPS: usize = 8;
 /// How a target generates small matmuls (`Target::inline_matmul`, `Target::matmul_operand_ops`).
 pub struct MatmulFusion<'a> {
@@ -233,7 +235,10 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
                 // costs a write and a read of the padded tensor (ResNet-18's stem: 53 MB)
                 let windows = only_windows[id] && matches!(node.op, Op::Prim(Prim::Pad { .. }));
                 let recompute = match windows {
-                    true => cost[id] <= MAX_WINDOW_RECOMPUTE_OPS,
+                    true => {
+                        let (all, large) = inlined_ops(g, &kinds, &realized, id);
+                        large <= MAX_WINDOW_RECOMPUTE_OPS && all - large <= MAX_LEAN_SMALL_OPS
+                    }
                     false => {
                         lean || (cost[id] <= MAX_RECOMPUTE_OPS && users[id] <= MAX_RECOMPUTE_USERS)
                     }
