@@ -68,32 +68,6 @@ pub(crate) struct Builder<'a> {
     /// Values already in a register at one index (a row kernel's reductions, at the row:
     /// `codegen/cuda_rows.rs`); a read at another index loads the buffer.
     pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String>,
-    /// Loads inside a pad's operand are predicated on the pad's in-bounds condition (CUDA: a
-    /// predicated load skips its memory access, and a max-pool's backward reads only the one to
-    /// four of its nine window taps that hold the element). Off for C, whose loads stay
-    /// unconditional (invariant 7).
-    pub(crate) predicated_loads: bool,
-    /// The in-bounds conditions of the pads whose operand is being evaluated.
-    guards: Vec<String>,
-    /// Temporaries holding a predicated load or computed from one: valid only under the guard
-    /// they were made in, so never reused outside it.
-    guarded: HashSet<String>,
-}
-
-/// The temporaries (`t<n>`) an expression names.
-fn temps_in(expr: &str) -> impl Iterator<Item = &str> {
-    let bytes = expr.as_bytes();
-    (0..bytes.len()).filter_map(move |i| {
-        let starts = bytes[i] == b't'
-            && (i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'));
-        if !starts {
-            return None;
-        }
-        let end = (i + 1..bytes.len())
-            .find(|&j| !bytes[j].is_ascii_digit())
-            .unwrap_or(bytes.len());
-        (end > i + 1).then(|| &expr[i..end])
-    })
 }
 
 /// The C type of a value of `d` (what the builder declares its temporaries as).
@@ -119,9 +93,6 @@ impl<'a> Builder<'a> {
             lanes_at: None,
             vector_reads: Vec::new(),
             registers: HashMap::new(),
-            predicated_loads: false,
-            guards: Vec::new(),
-            guarded: HashSet::new(),
         }
     }
 
@@ -141,9 +112,6 @@ impl<'a> Builder<'a> {
     fn temp_where(&mut self, d: DType, expr: String, invariant: bool) -> String {
         let name = format!("t{}", self.temps);
         self.temps += 1;
-        if !self.guarded.is_empty() && temps_in(&expr).any(|t| self.guarded.contains(t)) {
-            self.guarded.insert(name.clone());
-        }
         let lines = if invariant {
             self.invariant.insert(name.clone());
             &mut self.pre
@@ -152,14 +120,6 @@ impl<'a> Builder<'a> {
         };
         let _ = writeln!(lines, "    const {} {name} = {expr};", ty(d));
         name
-    }
-
-    /// Whether buffer `id` holds at least 1/8 of the kernel's elements (not a per-channel or
-    /// per-row value broadcast over them).
-    fn large(&self, id: NodeId) -> bool {
-        let elements: i64 = self.ext.iter().product();
-        let numel = self.g.nodes[id].shape.iter().product::<usize>() as i64;
-        numel * 8 >= elements
     }
 
     fn invariant(&self, values: &[&String]) -> bool {
@@ -207,19 +167,6 @@ impl<'a> Builder<'a> {
                 self.vector_reads.push((buf.clone(), dtype));
             }
             self.temp(dtype, format!("{buf}_v.v[k]"))
-        } else if !invariant && !self.guards.is_empty() && self.large(id) {
-            // inside a pad's operand: read only where the pad keeps it (the index is held in
-            // bounds either way). A small buffer (per-channel statistics) is read unguarded:
-            // it stays in cache, and its value is then shared by every pad
-            let load = format!(
-                "({}) ? {buf}[{}] : ({})0",
-                self.guards.join(" && "),
-                off.to_c("i"),
-                ty(dtype)
-            );
-            let v = self.temp(dtype, load);
-            self.guarded.insert(v.clone());
-            v
         } else {
             self.temp_where(dtype, format!("{buf}[{}]", off.to_c("i")), invariant)
         };
@@ -312,18 +259,8 @@ impl<'a> Builder<'a> {
                     in_idx.push(j);
                 }
                 // the operand's expression (fused, or a load of its buffer): the fill replaces it
-                // outside. Under predicated loads its loads happen only inside, and what it
-                // computes there is not reused outside the pad (the memo is restored)
-                let guarded = self.predicated_loads && !conds.is_empty();
-                if guarded {
-                    self.guards.push(conds.join(" && "));
-                }
+                // outside
                 let load = self.value_held(src, &in_idx);
-                if guarded {
-                    self.guards.pop();
-                    let guarded = &self.guarded;
-                    self.memo.retain(|_, v| !guarded.contains(v));
-                }
                 let fill = float_literal(*value, node.dtype);
                 if conds.is_empty() {
                     load
@@ -481,7 +418,6 @@ pub(crate) struct PointwiseBody<'a> {
 }
 
 ///
-/// With `predicated_loads`, loads inside a pad's operand are predicated (`Builder`'s field).
 /// With `lanes`, the body is one lane `k` of a vector of four consecutive elements: loads at the
 /// written offset read `<buffer>_v.v[k]` and the stores write `<output>_s.v[k]` (the CUDA target
 /// loads and stores those vectors around the lanes).
@@ -490,12 +426,10 @@ pub(crate) fn pointwise_body<'a>(
     sched: &'a Schedule,
     roots: &[(NodeId, Option<NodeId>)],
     lanes: bool,
-    predicated_loads: bool,
 ) -> PointwiseBody<'a> {
     let shape = &g.nodes[roots[0].0].shape;
     let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
     let mut b = Builder::new(g, sched, ext);
-    b.predicated_loads = predicated_loads;
     let idx: Vec<Ix> = (0..shape.len()).map(Ix::var).collect();
     let written = linear(&idx, shape);
     // one output keeps the name `out`, so its text (and cached kernel) is what it always was
@@ -544,7 +478,7 @@ fn build_pointwise(
         stores,
         outputs,
         ok,
-    } = pointwise_body(g, sched, roots, false, false);
+    } = pointwise_body(g, sched, roots, false);
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
     let nest = Nest {
@@ -574,18 +508,14 @@ pub(crate) struct ReductionParts<'a> {
     pub(crate) lanes: bool,
 }
 
-/// The parts of reduction `root`'s kernel; with `predicated_loads`, loads inside a pad's operand
-/// are predicated (`Builder`'s field).
 pub(crate) fn reduction_parts<'a>(
     g: &'a Graph,
     sched: &'a Schedule,
     root: NodeId,
-    predicated_loads: bool,
 ) -> ReductionParts<'a> {
     let node = &g.nodes[root];
     debug_assert_eq!(sched.kinds[root], Kind::Reduction);
     if let Op::Prim(Prim::Matmul) = node.op {
-        // a generated matmul keeps unconditional loads
         return matmul_parts(g, sched, root);
     }
     let Op::Prim(Prim::Reduce { op, dims }) = &node.op else {
@@ -595,7 +525,6 @@ pub(crate) fn reduction_parts<'a>(
     let in_shape = g.nodes[src].shape.clone();
     let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
     let mut b = Builder::new(g, sched, ext);
-    b.predicated_loads = predicated_loads;
     let idx: Vec<Ix> = (0..in_shape.len()).map(Ix::var).collect();
     let value = b.value(src, &idx, false);
     let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
@@ -705,7 +634,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         kept,
         reduced,
         lanes,
-    } = reduction_parts(g, sched, root, false);
+    } = reduction_parts(g, sched, root);
     let node = &g.nodes[root];
     let numel: usize = kept.iter().chain(&reduced).map(|d| d.1).product();
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;

@@ -57,7 +57,7 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
         kept,
         reduced,
         ..
-    } = reduction_parts(g, sched, roots[0], true);
+    } = reduction_parts(g, sched, roots[0]);
     // one root keeps the names a single reduction has always had (its kernel's hash)
     let names = |k: usize| match roots.len() {
         1 => ("acc".to_string(), "out".to_string()),

@@ -28,7 +28,6 @@ pub(super) fn row_kernel(
     let loops = RowLoops::of(g, sched, roots)?;
     let (rows, cols) = (loops.rows(), loops.cols());
     let mut b = Builder::new(g, sched, loops.shape.iter().map(|&s| s as i64).collect());
-    b.predicated_loads = true;
     let mut members = String::new();
     passes(&mut b, g, sched, roots, &loops, |p| {
         if p.k > 0 {
