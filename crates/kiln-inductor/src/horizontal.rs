@@ -141,13 +141,7 @@ mod tests {
     /// (kernel launches, values each computes) of a graph planned for a GPU. The graphs here
     /// have a value too large for the whole graph to run in one block (`sequential.rs`).
     fn launches(g: &Graph) -> Vec<usize> {
-        plan_graph(&Cuda::new(2), g)
-            .iter()
-            .filter_map(|p| match p {
-                Planned::Kernel { outs, .. } => Some(outs.len()),
-                Planned::Extern { .. } => None,
-            })
-            .collect()
+        crate::test_graphs::cuda_kernel_outputs(g)
     }
 
     /// An optimizer-like step: each parameter of its own shape updated in place from its

@@ -144,13 +144,7 @@ mod tests {
     /// Values each planned kernel of `g` computes (the graphs here are too large for one
     /// block: `sequential.rs` leaves them alone).
     fn kernels(g: &Graph) -> Vec<usize> {
-        plan_graph(&Cuda::new(2), g)
-            .iter()
-            .filter_map(|p| match p {
-                Planned::Kernel { outs, .. } => Some(outs.len()),
-                Planned::Extern { .. } => None,
-            })
-            .collect()
+        crate::test_graphs::cuda_kernel_outputs(g)
     }
 
     /// Batch norm's backward sums over one activation: the gradient, the gradient times the

@@ -73,6 +73,18 @@ pub(crate) fn counted_updates(g: &mut Graph, device: Device, shapes: &[&[usize]]
     }
 }
 
+/// The values each kernel planned for a GPU (2 multiprocessors) computes, in launch order.
+pub(crate) fn cuda_kernel_outputs(g: &Graph) -> Vec<usize> {
+    use crate::backend::{plan_graph, Planned};
+    plan_graph(&crate::codegen::cuda::Cuda::new(2), g)
+        .iter()
+        .filter_map(|p| match p {
+            Planned::Kernel { outs, .. } => Some(outs.len()),
+            Planned::Extern { .. } => None,
+        })
+        .collect()
+}
+
 /// The same builders on the CPU.
 pub(crate) mod cpu {
     use super::*;
