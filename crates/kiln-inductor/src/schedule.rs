@@ -1,8 +1,12 @@
 //! The scheduler: decides which values become buffers (are *realized*) and which are inlined into
 //! the kernels that read them — that choice is the fusion. A pointwise or view value read once is
 //! computed inside its reader's loop (vertical fusion, and elementwise producers fused into
-//! reductions); values read by several kernels, graph outputs, reductions and the operands of extern
-//! ops are realized. Every realized value becomes one step: a generated kernel or an extern call.
+//! reductions); graph outputs, reductions and the operands of extern ops are realized. A value
+//! read by several kernels is realized unless recomputing it in each costs less than its buffer:
+//! a short chain (softmax's exp), a chain whose loads are one or two large buffers its readers
+//! would load anyway ("lean": batch norm's backward, judged by `leaves_of` and `inlined_ops`), or
+//! a pad read only through a pooling's windows. Every realized value becomes one step: a generated
+//! kernel or an extern call.
 //!
 //! A small matmul the target generates (`Target::inline_matmul`) is a reduction like any other:
 //! its operands' pointwise producers are computed inside its loads (an operand element is read
