@@ -491,15 +491,12 @@ fn build_pointwise(
 }
 
 /// What a reduction kernel is made of, whatever loops walk it: the builder holding the operand's
-/// expression `value` at every input index (loop variable `i<d>` per input dim), the
-/// accumulator's C type, initial value and combine step, the output offset (in the kept dims'
+/// expression at every input index (loop variable `i<d>` per input dim) and the accumulator
+/// (`Accumulator`), the output offset (in the kept dims'
 /// variables), and the kept and reduced (dim, extent) lists.
 pub(crate) struct ReductionParts<'a> {
     pub(crate) b: Builder<'a>,
-    pub(crate) value: String,
-    pub(crate) acc_t: &'static str,
-    pub(crate) init: String,
-    pub(crate) step: fn(&str, &str) -> String,
+    pub(crate) acc: Accumulator,
     pub(crate) out_offset: String,
     pub(crate) kept: Vec<(usize, usize)>,
     pub(crate) reduced: Vec<(usize, usize)>,
@@ -525,9 +522,7 @@ pub(crate) fn reduction_parts<'a>(
     let in_shape = g.nodes[src].shape.clone();
     let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
     let mut b = Builder::new(g, sched, ext);
-    let idx: Vec<Ix> = (0..in_shape.len()).map(Ix::var).collect();
-    let value = b.value(src, &idx, false);
-    let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
+    let acc = reduce_accumulator(&mut b, g, root);
     let out_idx: Vec<Ix> = (0..in_shape.len())
         .map(|d| match dims.contains(&d) {
             true => Ix::constant(0),
@@ -536,10 +531,7 @@ pub(crate) fn reduction_parts<'a>(
         .collect();
     ReductionParts {
         b,
-        value,
-        acc_t,
-        init,
-        step,
+        acc,
         out_offset: linear(&out_idx, &node.shape).to_c("i"),
         kept: (0..in_shape.len())
             .filter(|d| !dims.contains(d))
@@ -552,24 +544,23 @@ pub(crate) fn reduction_parts<'a>(
     }
 }
 
-/// One more accumulator of a kernel computing sibling reductions (`sibling_reductions.rs`:
-/// the same operand shape, reduced dims and output shape as the one `b` was built for): its
-/// operand's expression at every input index, from the same builder (so what the siblings share,
-/// their loads first, is computed once), with its accumulator type, initial value and step.
-pub(crate) fn sibling_accumulator(
-    b: &mut Builder<'_>,
-    g: &Graph,
-    root: NodeId,
-) -> SiblingAccumulator {
+/// A `Reduce`'s accumulator, built with `b` (whose loop variables `i<d>` walk the operand):
+/// the operand's expression at every input index, the accumulator's C type, initial value and
+/// step. A kernel computing sibling reductions (`sibling_reductions.rs`) builds each sibling's
+/// from the same builder, so what they share, their loads first, is computed once.
+pub(crate) fn reduce_accumulator(b: &mut Builder<'_>, g: &Graph, root: NodeId) -> Accumulator {
     let node = &g.nodes[root];
     let Op::Prim(Prim::Reduce { op, .. }) = &node.op else {
-        unreachable!("sibling reductions are Reduce prims (`sibling_reductions.rs` picks them)")
+        unreachable!(
+            "a Reduce's accumulator for a {:?} (the scheduler classifies it)",
+            node.op
+        )
     };
     let src = node.args[0];
     let idx: Vec<Ix> = (0..g.nodes[src].shape.len()).map(Ix::var).collect();
     let value = b.value(src, &idx, false);
     let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
-    SiblingAccumulator {
+    Accumulator {
         value,
         acc_t,
         init,
@@ -577,8 +568,9 @@ pub(crate) fn sibling_accumulator(
     }
 }
 
-/// A sibling reduction's operand expression, accumulator type, initial value and step.
-pub(crate) struct SiblingAccumulator {
+/// What a reduction accumulates: the operand's expression `value`, the accumulator's C type,
+/// initial value and combine step `acc = step(acc, v)`.
+pub(crate) struct Accumulator {
     pub(crate) value: String,
     pub(crate) acc_t: &'static str,
     pub(crate) init: String,
@@ -609,10 +601,12 @@ fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> Reductio
     let out_idx = [Ix::var(0), Ix::var(1), Ix::var(2)];
     ReductionParts {
         b,
-        value,
-        acc_t,
-        init,
-        step,
+        acc: Accumulator {
+            value,
+            acc_t,
+            init,
+            step,
+        },
         out_offset: linear(&out_idx, &node.shape).to_c("i"),
         kept: vec![(0, bs), (1, m), (2, n)],
         reduced: vec![(3, k)],
@@ -626,10 +620,13 @@ fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> Reductio
 pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let ReductionParts {
         b,
-        value: v,
-        acc_t,
-        init,
-        step,
+        acc:
+            Accumulator {
+                value: v,
+                acc_t,
+                init,
+                step,
+            },
         out_offset: off,
         kept,
         reduced,

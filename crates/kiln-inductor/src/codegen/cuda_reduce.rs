@@ -8,9 +8,7 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{
-    reduction_parts, sibling_accumulator, split_index, ty, ReductionParts, SiblingAccumulator,
-};
+use super::c::{reduce_accumulator, reduction_parts, split_index, ty, Accumulator, ReductionParts};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
 use crate::schedule::Schedule;
 use crate::split_reduction::is_outer;
@@ -22,13 +20,10 @@ const BLOCK_FROM: usize = 4096;
 /// this many rows per multiprocessor.
 const OUTER_ROWS_PER_SM: usize = 128;
 
-/// One accumulator of a reduction kernel: the operand's expression, the accumulator's C type,
-/// initial value and step, the output's C type, and the names of its register and output.
+/// One accumulator of a reduction kernel, with its output's C type and the names of its
+/// register and output.
 struct Acc {
-    value: String,
-    acc_t: &'static str,
-    init: String,
-    step: fn(&str, &str) -> String,
+    a: Accumulator,
     out_t: &'static str,
     reg: String,
     out: String,
@@ -49,40 +44,28 @@ fn guarded(indent: &str, cond: &str, lines: &str) -> String {
 pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId]) -> CudaKernel {
     let ReductionParts {
         mut b,
-        value,
-        acc_t,
-        init,
-        step,
+        acc: first,
         out_offset: off,
         kept,
         reduced,
         ..
     } = reduction_parts(g, sched, roots[0]);
-    // one root keeps the names a single reduction has always had (its kernel's hash)
-    let names = |k: usize| match roots.len() {
-        1 => ("acc".to_string(), "out".to_string()),
-        _ => (format!("acc{k}"), format!("out{k}")),
-    };
-    let mut accs = vec![SiblingAccumulator {
-        value,
-        acc_t,
-        init,
-        step,
-    }];
+    let mut accs = vec![first];
     for &r in &roots[1..] {
-        accs.push(sibling_accumulator(&mut b, g, r));
+        accs.push(reduce_accumulator(&mut b, g, r));
     }
     let accs: Vec<Acc> = accs
         .into_iter()
         .zip(roots)
         .enumerate()
         .map(|(k, (a, &root))| {
-            let (reg, out) = names(k);
+            // one root keeps the names a single reduction has always had (its kernel's hash)
+            let (reg, out) = match roots.len() {
+                1 => ("acc".to_string(), "out".to_string()),
+                _ => (format!("acc{k}"), format!("out{k}")),
+            };
             Acc {
-                value: a.value,
-                acc_t: a.acc_t,
-                init: a.init,
-                step: a.step,
+                a,
                 out_t: ty(g.nodes[root].dtype),
                 reg,
                 out,
@@ -93,13 +76,13 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
     let red: usize = reduced.iter().map(|k| k.1).product();
     let each = |f: &dyn Fn(&Acc) -> String| accs.iter().map(f).collect::<String>();
     let declare =
-        |indent: &str| each(&|a| format!("{indent}{} {} = {};\n", a.acc_t, a.reg, a.init));
+        |indent: &str| each(&|a| format!("{indent}{} {} = {};\n", a.a.acc_t, a.reg, a.a.init));
     let store =
         |indent: &str| each(&|a| format!("{indent}{}[{off}] = ({}){};\n", a.out, a.out_t, a.reg));
     let accumulate = format!(
         "{}{}",
         b.body,
-        each(&|a| format!("      {} = {};\n", a.reg, (a.step)(&a.reg, &a.value)))
+        each(&|a| format!("      {} = {};\n", a.reg, (a.a.step)(&a.reg, &a.a.value)))
     );
     // each accumulator's warp partials combined by shuffles
     let shuffle = |indent: &str| {
@@ -107,8 +90,8 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
             format!(
                 "{indent}for (int s = 16; s > 0; s >>= 1) {{ {} other = \
                  __shfl_down_sync(0xffffffffu, {r}, s); {r} = {}; }}\n",
-                a.acc_t,
-                (a.step)(&a.reg, "other"),
+                a.a.acc_t,
+                (a.a.step)(&a.reg, "other"),
                 r = a.reg
             )
         })
@@ -158,7 +141,7 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
         };
         if !per_block {
             text.push_str(&each(&|a| {
-                format!("  __shared__ {} {}[{warps}];\n", a.acc_t, partial(a))
+                format!("  __shared__ {} {}[{warps}];\n", a.a.acc_t, partial(a))
             }));
         }
         let _ = writeln!(
@@ -187,8 +170,8 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
                     "      {} = threadIdx.x < {warps} ? {}[threadIdx.x] : ({})({});\n",
                     a.reg,
                     partial(a),
-                    a.acc_t,
-                    a.init
+                    a.a.acc_t,
+                    a.a.init
                 )
             }));
             text.push_str(&shuffle("      "));
