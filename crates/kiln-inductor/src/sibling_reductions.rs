@@ -53,8 +53,8 @@ fn space_of<K>(g: &Graph, sched: &Schedule, p: &Planned<K>) -> Option<Space> {
 struct Entry<K> {
     planned: Planned<K>,
     touches: Footprint,
-    /// For a reduction: its space and the roots the kernel computes.
-    siblings: Option<(Space, Vec<NodeId>)>,
+    /// For a reduction kernel: its iteration space (its roots are its outputs).
+    space: Option<Space>,
 }
 
 /// The planned steps with sibling reductions joined into one kernel each (unchanged for a
@@ -73,49 +73,61 @@ pub fn group<T: Target>(
             Planned::Extern { node } => Footprint::of_extern(g, *node, roots),
         };
         let space = space_of(g, sched, &p);
-        let mut joined = false;
-        if let (Some(space), Planned::Kernel { outs, .. }) = (&space, &p) {
-            let mut at = None;
-            for j in (0..entries.len()).rev().take(LOOKBACK) {
-                if touches.must_follow(&entries[j].touches) {
-                    break;
-                }
-                if let Some((s, members)) = &entries[j].siblings {
-                    if s == space && members.len() < MAX_SIBLINGS {
-                        at = Some(j);
-                    }
-                }
-            }
-            if let Some(j) = at {
-                let e = &mut entries[j];
-                let (_, members) = e.siblings.as_ref().expect("a sibling group");
-                let mut members = members.clone();
-                members.push(outs[0].0);
-                if let (Some(kernel), Planned::Kernel { outs: have, .. }) =
-                    (t.sibling_reductions(g, sched, &members), &e.planned)
-                {
-                    let mut all = have.clone();
-                    all.push(outs[0]);
-                    e.touches.extend(touches.clone());
-                    e.planned = Planned::Kernel { kernel, outs: all };
-                    e.siblings = Some((space.clone(), members));
-                    joined = true;
-                }
+        let e = Entry {
+            planned: p,
+            touches,
+            space,
+        };
+        if let Some(j) = sibling_group(&entries, &e) {
+            if let Some(joined) = join(t, g, sched, &entries[j], &e) {
+                entries[j].planned = joined;
+                entries[j].touches.extend(e.touches);
+                continue;
             }
         }
-        if !joined {
-            let siblings = match &p {
-                Planned::Kernel { outs, .. } => space.map(|s| (s, vec![outs[0].0])),
-                Planned::Extern { .. } => None,
-            };
-            entries.push(Entry {
-                planned: p,
-                touches,
-                siblings,
-            });
-        }
+        entries.push(e);
     }
     entries.into_iter().map(|e| e.planned).collect()
+}
+
+/// The earliest entry `e` can join: a group of its space with room, with nothing between it
+/// and `e` that `e` must follow (`footprint.rs`).
+fn sibling_group<K>(entries: &[Entry<K>], e: &Entry<K>) -> Option<usize> {
+    let space = e.space.as_ref()?;
+    let mut at = None;
+    for (j, earlier) in entries.iter().enumerate().rev().take(LOOKBACK) {
+        if e.touches.must_follow(&earlier.touches) {
+            break;
+        }
+        let room = match &earlier.planned {
+            Planned::Kernel { outs, .. } => outs.len() < MAX_SIBLINGS,
+            Planned::Extern { .. } => false,
+        };
+        if earlier.space.as_ref() == Some(space) && room {
+            at = Some(j);
+        }
+    }
+    at
+}
+
+/// The kernel computing `group`'s reductions and `e`'s, with their outputs; `None` where the
+/// target has no such kernel.
+fn join<T: Target>(
+    t: &T,
+    g: &Graph,
+    sched: &Schedule,
+    group: &Entry<T::Kernel>,
+    e: &Entry<T::Kernel>,
+) -> Option<Planned<T::Kernel>> {
+    let (Planned::Kernel { outs: have, .. }, Planned::Kernel { outs: more, .. }) =
+        (&group.planned, &e.planned)
+    else {
+        return None;
+    };
+    let outs: Vec<(NodeId, Alloc)> = have.iter().chain(more).copied().collect();
+    let members: Vec<NodeId> = outs.iter().map(|o| o.0).collect();
+    let kernel = t.sibling_reductions(g, sched, &members)?;
+    Some(Planned::Kernel { kernel, outs })
 }
 
 #[cfg(test)]
