@@ -5,12 +5,10 @@
 //! move nothing; an extern call (cuBLAS, cuDNN) is counted by its operands and result.
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::device::ReduceSplit;
 use kiln_core::prim::Prim;
 
-use crate::backend::{plan_graph, prepare, Planned};
+use crate::backend::{prepare, Planned};
 use crate::codegen::cuda::Cuda;
-use crate::split_reduction::split_reductions;
 
 /// One planned launch and what it moves.
 #[derive(Clone, Debug)]
@@ -31,13 +29,13 @@ fn bytes(g: &Graph, id: NodeId) -> usize {
 }
 
 /// The launches the CUDA target plans for `graph` (rewritten and split as a compile for a
-/// device of `sm_count` multiprocessors rewrites it), in order, with their traffic.
+/// device of `sm_count` multiprocessors rewrites it: `codegen::cuda::plan`, the default launch
+/// shape, 48 KiB of shared memory per block), in order, with their traffic.
 pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
     let prepared = prepare(graph);
-    let split = split_reductions(&prepared, ReduceSplit::for_gpu(sm_count));
-    let g = split.as_ref().unwrap_or(&prepared);
-    let target = Cuda::new(sm_count);
-    plan_graph(&target, g)
+    let (g, planned) = crate::codegen::cuda::plan(&prepared, &Cuda::new(sm_count), false);
+    let g: &Graph = &g;
+    planned
         .into_iter()
         .filter_map(|p| match p {
             Planned::Kernel { kernel, outs } => {

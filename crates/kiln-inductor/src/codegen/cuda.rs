@@ -531,6 +531,24 @@ impl Target for Cuda {
     }
 }
 
+/// What `target` runs for `graph` (as the backend prepared it): the graph with its long
+/// reductions split (`split_reduction.rs`; not for a symbolic graph, whose kernels serve every
+/// size: the chunk count, a divisor of a size, would tie them to this one) and its planned
+/// steps. `compile` builds these; `traffic.rs` counts their bytes.
+pub(crate) fn plan<'g>(
+    graph: &'g Graph,
+    target: &Cuda,
+    symbolic: bool,
+) -> (std::borrow::Cow<'g, Graph>, Vec<Planned<CudaKernel>>) {
+    let split = match symbolic {
+        false => split_reductions(graph, ReduceSplit::for_gpu(target.sm_count)),
+        true => None,
+    };
+    let graph = split.map_or(std::borrow::Cow::Borrowed(graph), std::borrow::Cow::Owned);
+    let planned = plan_graph(target, &graph);
+    (graph, planned)
+}
+
 /// Compiles a graph whose prims run on a CUDA device: its kernels in a few translation units,
 /// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
 /// device's eager kernels. One size of a symbolic graph (a size context is current) runs
@@ -561,14 +579,8 @@ pub fn compile(
         int_index: sizes.is_none(),
         ..Cuda::new(sm_count)
     };
-    // a symbolic graph's kernels serve every size: the chunk count, a divisor of a size, would
-    // tie them to this one
-    let split = match sizes {
-        None => split_reductions(graph, ReduceSplit::for_gpu(sm_count)),
-        Some(_) => None,
-    };
-    let graph = split.as_ref().unwrap_or(graph);
-    let planned = plan_graph(&target, graph);
+    let (graph, planned) = plan(graph, &target, sizes.is_some());
+    let graph: &Graph = &graph;
     let resolved = cuda_sizes::resolve(graph, &planned, sizes.as_ref());
     let device_key = rt.device_key(device);
     let choices = match autotune && sizes.is_none() {
