@@ -31,8 +31,8 @@ pub enum Step {
 const MAX_RECOMPUTE_OPS: usize = 4;
 /// Most readers a shared pointwise chain is inlined into.
 const MAX_RECOMPUTE_USERS: usize = 3;
-/// Longest chain recomputed by its readers when it reads at most `LEAN_LEAVES` large buffers
-/// (see `Leaves`): each reader then loads no more than it would load from the chain's buffer,
+/// Most ops at its size a chain over one or two large buffers (`leaves_of`) is recomputed with
+/// by its readers: each reader then loads no more than it would load from the chain's buffer,
 /// so recomputing saves the buffer's write and read whatever the chain's length, up to what
 /// the arithmetic costs (batch norm's backward: the ReLU mask, scale and shift recomputed from
 /// the convolution's output in each of its three passes, where it wrote four full tensors).
@@ -158,6 +158,53 @@ fn inlined_ops(g: &Graph, kinds: &[Kind], realized: &[bool], id: NodeId) -> (usi
     (all, large)
 }
 
+/// What decides whether a value read by several kernels is recomputed by each: its readers
+/// (`users`), the ops a reader recomputes counted as a tree (`cost`), the large buffers it
+/// loads (`leaves_of`; `None`: many), and whether it is a pad read only through windows.
+struct SharedReads {
+    users: usize,
+    cost: usize,
+    large_buffers: Option<usize>,
+    windows: bool,
+}
+
+/// Whether the shared value `id` is recomputed by each of its readers instead of realized:
+/// - a pad read only through windows (a pooling's), up to `MAX_WINDOW_RECOMPUTE_OPS` ops at its
+///   size: its readers are one kernel's loads of overlapping windows, which the cache serves,
+///   where a realized pad costs a write and a read of the padded tensor (ResNet-18's stem: 53
+///   MB);
+/// - a short chain read by a few kernels (softmax's exp is computed by the sum and by the
+///   division: no buffer written and read back);
+/// - a lean chain: over one or two large buffers, whose readers load no more than they would
+///   load from its buffer. A chain of per-channel ops alone (no op at its size) is better
+///   realized, a small buffer, than recomputed at every element of its readers.
+///
+/// Either of the last two with at most `MAX_LEAN_SMALL_OPS` per-channel ops.
+fn recomputed_by_readers(
+    g: &Graph,
+    kinds: &[Kind],
+    realized: &[bool],
+    id: NodeId,
+    r: SharedReads,
+) -> bool {
+    let ops_within = |large_ops: std::ops::RangeInclusive<usize>| {
+        let (all, large) = inlined_ops(g, kinds, realized, id);
+        large_ops.contains(&large) && all - large <= MAX_LEAN_SMALL_OPS
+    };
+    if r.windows {
+        return ops_within(0..=MAX_WINDOW_RECOMPUTE_OPS);
+    }
+    if r.cost <= MAX_RECOMPUTE_OPS && r.users <= MAX_RECOMPUTE_USERS {
+        return true;
+    }
+    let most_users = match r.large_buffers {
+        Some(0 | 1) => MAX_LEAN_USERS_ONE,
+        Some(2) => MAX_LEAN_USERS_TWO,
+        _ => return false,
+    };
+    r.users <= most_users && ops_within(1..=MAX_LEAN_RECOMPUTE_OPS)
+}
+
 /// The schedule of `g`, with small matmuls generated as `mm` says.
 pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
     let n = g.nodes.len();
@@ -216,36 +263,16 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
                         .map(|&a| cost[a])
                         .sum::<usize>();
                 leaves[id] = leaves_of(g, &realized, &leaves, id);
-                let lean = |most_users: usize| {
-                    users[id] <= most_users && {
-                        let (all, large) = inlined_ops(g, &kinds, &realized, id);
-                        // a chain of per-channel ops alone is better realized (a small
-                        // buffer) than recomputed at every element of its readers
-                        (1..=MAX_LEAN_RECOMPUTE_OPS).contains(&large)
-                            && all - large <= MAX_LEAN_SMALL_OPS
-                    }
-                };
-                let lean = match leaves[id].as_ref().map(Vec::len) {
-                    Some(0 | 1) => lean(MAX_LEAN_USERS_ONE),
-                    Some(2) => lean(MAX_LEAN_USERS_TWO),
-                    _ => false,
-                };
-                // a short chain read by a few kernels is recomputed in each (softmax's exp is
-                // computed by the sum and by the division: no buffer written and read back)
                 let shared = users[id] >= 2 && !view_of_buffer;
-                // a padded value read only through windows (max-pool's nine) is recomputed in
-                // the window's reader whatever their number: its readers are one kernel's
-                // loads of overlapping windows, which the cache serves, where a realized pad
-                // costs a write and a read of the padded tensor (ResNet-18's stem: 53 MB)
-                let windows = only_windows[id] && matches!(node.op, Op::Prim(Prim::Pad { .. }));
-                let recompute = match windows {
-                    true => {
-                        let (all, large) = inlined_ops(g, &kinds, &realized, id);
-                        large <= MAX_WINDOW_RECOMPUTE_OPS && all - large <= MAX_LEAN_SMALL_OPS
-                    }
-                    false => {
-                        lean || (cost[id] <= MAX_RECOMPUTE_OPS && users[id] <= MAX_RECOMPUTE_USERS)
-                    }
+                let recompute = shared && {
+                    let reads = SharedReads {
+                        users: users[id],
+                        cost: cost[id],
+                        large_buffers: leaves[id].as_ref().map(Vec::len),
+                        // a padded value read only through windows (max-pool's nine)
+                        windows: only_windows[id] && matches!(node.op, Op::Prim(Prim::Pad { .. })),
+                    };
+                    recomputed_by_readers(g, &kinds, &realized, id, reads)
                 };
                 if shared && !recompute && matches!(node.op, Op::Prim(Prim::Expand(_))) {
                     // a broadcast read by several kernels: what it broadcasts is realized (a
