@@ -5,7 +5,7 @@
 //! move nothing; an extern call (cuBLAS, cuDNN) is counted by its operands and result.
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::Prim;
+use kiln_core::shape::Layout;
 
 use crate::backend::{prepare, Planned};
 use crate::codegen::cuda::Cuda;
@@ -56,9 +56,10 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
             Planned::Extern { node } => {
                 let n = &g.nodes[node];
                 let Op::Prim(prim) = &n.op else { return None };
-                // views the core makes move nothing (a reshape of a realized, contiguous buffer
-                // is one)
-                if prim.is_view() || matches!(prim, Prim::Reshape(_)) {
+                // views the core makes move nothing (its own rule, over the realized,
+                // contiguous operand)
+                let operand = n.args.first().map(|&a| &g.nodes[a].shape);
+                if operand.is_some_and(|s| prim.view_layout(&Layout::contiguous(s)).is_some()) {
                     return None;
                 }
                 Some(StepTraffic {

@@ -12,6 +12,7 @@
 //! iota, random with the forward's seed and offset) are recomputed for free.
 
 use kiln_core::prim::Prim;
+use kiln_core::shape::Layout;
 use kiln_core::{Error, Result};
 
 use super::joint::Joint;
@@ -62,13 +63,14 @@ fn materialized_backwards(g: &Graph, tangent_dep: &[bool]) -> Vec<bool> {
         }
         for &a in &node.args {
             let mut v = a;
-            // a view of a value reads the value's memory
+            // a view of a value reads the value's memory (traced values are contiguous, so
+            // the core's rule makes a reshape of one a view too)
             while !tangent_dep[v] {
-                match &g.nodes[v].op {
-                    Op::Prim(q) if q.is_view() || matches!(q, Prim::Reshape(_)) => {
-                        v = g.nodes[v].args[0];
-                    }
-                    _ => break,
+                let Op::Prim(q) = &g.nodes[v].op else { break };
+                let operand = g.nodes[v].args.first().map(|&o| &g.nodes[o].shape);
+                match operand.and_then(|shape| q.view_layout(&Layout::contiguous(shape))) {
+                    Some(_) => v = g.nodes[v].args[0],
+                    None => break,
                 }
             }
             if !tangent_dep[v] {
