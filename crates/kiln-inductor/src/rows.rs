@@ -5,11 +5,11 @@
 //! iteration). Layer norm's mean, variance and normalization; softmax's max, sum and division.
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::{Prim, ReduceOp};
+use kiln_core::prim::Prim;
 use kiln_core::DType;
 
 use crate::backend::{Planned, Target};
-use crate::codegen::c::Builder;
+use crate::codegen::c::{reduce_accumulator, Accumulator, Builder};
 use crate::ir::index::Ix;
 use crate::ir::lower::{linear, Kind};
 use crate::runtime::plan::Alloc;
@@ -148,18 +148,23 @@ impl RowLoops {
 }
 
 /// One member's pass over a row, for a target to wrap in its loops: the loop body's lines
-/// (`body`), the value they compute (`value`), and the output offset (`off`) it is stored at —
-/// one value per row for a reduction, every element for a value.
+/// (`body`), what they compute, and the output offset (`off`) it is stored at — one value per
+/// row for a reduction, every element for a value.
 pub(crate) struct Pass {
     /// The member's index: it writes `out<k>`, a reduction holds its result in `r<k>`.
     pub(crate) k: usize,
     pub(crate) body: String,
-    pub(crate) value: String,
+    pub(crate) computes: Computes,
     pub(crate) off: String,
-    /// A reduction's op and operand dtype (`None` for a value).
-    pub(crate) reduce: Option<(ReduceOp, DType)>,
     /// The member's dtype.
     pub(crate) dtype: DType,
+}
+
+/// What a member computes at each element of the row: a value to store there, or a reduction's
+/// accumulation.
+pub(crate) enum Computes {
+    Value(String),
+    Reduction(Accumulator),
 }
 
 /// Builds each member's pass in order with `b` (a builder over `loops.shape`), handing each to
@@ -185,15 +190,13 @@ pub(crate) fn passes(
     for (k, &root) in roots.iter().enumerate() {
         let node = &g.nodes[root];
         let pass = match &node.op {
-            Op::Prim(Prim::Reduce { op, .. }) if sched.kinds[root] == Kind::Reduction => {
-                let src = node.args[0];
-                let value = b.value(src, &idx, false);
+            Op::Prim(Prim::Reduce { .. }) if sched.kinds[root] == Kind::Reduction => {
+                let acc = reduce_accumulator(b, g, root);
                 Pass {
                     k,
                     body: b.new_body(),
-                    value,
+                    computes: Computes::Reduction(acc),
                     off: linear(&row, &node.shape).to_c("i"),
-                    reduce: Some((*op, g.nodes[src].dtype)),
                     dtype: node.dtype,
                 }
             }
@@ -202,15 +205,14 @@ pub(crate) fn passes(
                 Pass {
                     k,
                     body: b.new_body(),
-                    value,
+                    computes: Computes::Value(value),
                     off: linear(&idx, &loops.shape).to_c("i"),
-                    reduce: None,
                     dtype: node.dtype,
                 }
             }
         };
         emit(&pass);
-        if pass.reduce.is_some() {
+        if matches!(pass.computes, Computes::Reduction(_)) {
             b.registers.insert((root, row.clone()), format!("r{k}"));
         }
     }

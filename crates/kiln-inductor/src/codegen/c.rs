@@ -500,9 +500,6 @@ pub(crate) struct ReductionParts<'a> {
     pub(crate) out_offset: String,
     pub(crate) kept: Vec<(usize, usize)>,
     pub(crate) reduced: Vec<(usize, usize)>,
-    /// A float sum: on the CPU it follows `prim::SUM_LANES`'s summation order (the eager
-    /// kernel's), not one sequential accumulator.
-    pub(crate) lanes: bool,
 }
 
 pub(crate) fn reduction_parts<'a>(
@@ -515,7 +512,7 @@ pub(crate) fn reduction_parts<'a>(
     if let Op::Prim(Prim::Matmul) = node.op {
         return matmul_parts(g, sched, root);
     }
-    let Op::Prim(Prim::Reduce { op, dims }) = &node.op else {
+    let Op::Prim(Prim::Reduce { dims, .. }) = &node.op else {
         unreachable!("a reduction kernel for a non-reduction (the scheduler classifies it)")
     };
     let src = node.args[0];
@@ -538,9 +535,6 @@ pub(crate) fn reduction_parts<'a>(
             .map(|d| (d, in_shape[d]))
             .collect(),
         reduced: dims.iter().map(|&d| (d, in_shape[d])).collect(),
-        lanes: *op == ReduceOp::Sum
-            && matches!(g.nodes[src].dtype, DType::F32 | DType::F64)
-            && !dims.is_empty(),
     }
 }
 
@@ -550,21 +544,23 @@ pub(crate) fn reduction_parts<'a>(
 /// from the same builder, so what they share, their loads first, is computed once.
 pub(crate) fn reduce_accumulator(b: &mut Builder<'_>, g: &Graph, root: NodeId) -> Accumulator {
     let node = &g.nodes[root];
-    let Op::Prim(Prim::Reduce { op, .. }) = &node.op else {
+    let Op::Prim(Prim::Reduce { op, dims }) = &node.op else {
         unreachable!(
             "a Reduce's accumulator for a {:?} (the scheduler classifies it)",
             node.op
         )
     };
     let src = node.args[0];
+    let dtype = g.nodes[src].dtype;
     let idx: Vec<Ix> = (0..g.nodes[src].shape.len()).map(Ix::var).collect();
     let value = b.value(src, &idx, false);
-    let (acc_t, init, step) = reduce_c(*op, g.nodes[src].dtype);
+    let (acc_t, init, step) = reduce_c(*op, dtype);
     Accumulator {
         value,
         acc_t,
         init,
         step,
+        lanes: *op == ReduceOp::Sum && matches!(dtype, DType::F32 | DType::F64) && !dims.is_empty(),
     }
 }
 
@@ -575,6 +571,9 @@ pub(crate) struct Accumulator {
     pub(crate) acc_t: &'static str,
     pub(crate) init: String,
     pub(crate) step: fn(&str, &str) -> String,
+    /// A float sum: on the CPU it follows `prim::SUM_LANES`'s summation order (the eager
+    /// kernel's), not one sequential accumulator.
+    pub(crate) lanes: bool,
 }
 
 /// A small matmul `[B,M,K] x [B,K,N]` as a sum over the loop space `[B,M,N,K]` (variables
@@ -606,12 +605,12 @@ fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> Reductio
             acc_t,
             init,
             step,
+            // the extern gemm's order: one sequential accumulator per output
+            lanes: false,
         },
         out_offset: linear(&out_idx, &node.shape).to_c("i"),
         kept: vec![(0, bs), (1, m), (2, n)],
         reduced: vec![(3, k)],
-        // the extern gemm's order: one sequential accumulator per output
-        lanes: false,
     }
 }
 
@@ -626,11 +625,11 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
                 acc_t,
                 init,
                 step,
+                lanes,
             },
         out_offset: off,
         kept,
         reduced,
-        lanes,
     } = reduction_parts(g, sched, root);
     let node = &g.nodes[root];
     let numel: usize = kept.iter().chain(&reduced).map(|d| d.1).product();

@@ -8,15 +8,12 @@
 use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
-use kiln_core::prim::ReduceOp;
-use kiln_core::DType;
 
 use super::c::{
     finish_outputs, fold_lanes, lane_loops, loops, ty, Builder, Kernel, Nest, PARALLEL_THRESHOLD,
 };
 use super::c_horizontal::Threads;
-use crate::ir::lower::reduce_c;
-use crate::rows::{outputs, passes, RowLoops};
+use crate::rows::{outputs, passes, Computes, RowLoops};
 use crate::schedule::Schedule;
 
 /// The row kernel of `roots`, or `None` when they do not make one (`rows::passes`).
@@ -31,21 +28,23 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
     let mut text = String::new();
     passes(&mut b, g, sched, roots, &row_loops, |p| {
         let (k, out) = (p.k, format!("out{}", p.k));
-        let Some((op, src_dtype)) = p.reduce else {
-            loops(&mut text, reduced, Threads::One);
-            let _ = writeln!(
-                text,
-                "  {{\n{}    {out}[{}] = {};\n  }}",
-                p.body, p.off, p.value
-            );
-            return;
+        let acc = match &p.computes {
+            Computes::Value(value) => {
+                loops(&mut text, reduced, Threads::One);
+                let _ = writeln!(
+                    text,
+                    "  {{\n{}    {out}[{}] = {value};\n  }}",
+                    p.body, p.off
+                );
+                return;
+            }
+            Computes::Reduction(acc) => acc,
         };
-        let (acc_t, init, step) = reduce_c(op, src_dtype);
+        let (acc_t, init, step) = (acc.acc_t, &acc.init, acc.step);
         let out_t = ty(p.dtype);
         let _ = writeln!(text, "  {out_t} r{k};");
         // the order of `codegen/c.rs`'s reduction kernel, which eager's sum shares
-        let lanes = op == ReduceOp::Sum && matches!(src_dtype, DType::F32 | DType::F64);
-        match (lanes, reduced.split_last()) {
+        match (acc.lanes, reduced.split_last()) {
             (true, Some((&(last, n), outer))) => {
                 let l = kiln_core::prim::SUM_LANES;
                 let _ = writeln!(text, "  {{\n  {acc_t} acc[{l}];");
@@ -54,7 +53,7 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
                 let _ = writeln!(text, "  {{");
                 lane_loops(
                     &mut text,
-                    (last, &p.body, &p.value),
+                    (last, &p.body, &acc.value),
                     step,
                     "0",
                     &n.to_string(),
@@ -70,7 +69,7 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
                     text,
                     "  {{\n{}    acc = {};\n  }}\n  r{k} = ({out_t})acc;\n  }}",
                     p.body,
-                    step("acc", &p.value)
+                    step("acc", &acc.value)
                 );
             }
         }

@@ -14,8 +14,7 @@ use kiln_compile::graph::{Graph, NodeId};
 
 use super::c::{split_index, ty, Builder};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
-use crate::ir::lower::reduce_c;
-use crate::rows::{outputs, passes, RowLoops};
+use crate::rows::{outputs, passes, Computes, RowLoops};
 use crate::schedule::Schedule;
 
 /// The row kernel of `roots`, or `None` when they do not make one (`rows::passes`).
@@ -34,17 +33,20 @@ pub(super) fn row_kernel(
             members.push_str("    __syncwarp();\n");
         }
         let (k, out) = (p.k, format!("out{}", p.k));
-        let Some((op, src_dtype)) = p.reduce else {
-            let _ = writeln!(members, "    for (int c = lane; c < {cols}; c += 32) {{");
-            split_index(&mut members, "c", &loops.reduced, "      ", "rem");
-            let _ = writeln!(
-                members,
-                "{}      {out}[{}] = {};\n    }}",
-                p.body, p.off, p.value
-            );
-            return;
+        let a = match &p.computes {
+            Computes::Value(value) => {
+                let _ = writeln!(members, "    for (int c = lane; c < {cols}; c += 32) {{");
+                split_index(&mut members, "c", &loops.reduced, "      ", "rem");
+                let _ = writeln!(
+                    members,
+                    "{}      {out}[{}] = {value};\n    }}",
+                    p.body, p.off
+                );
+                return;
+            }
+            Computes::Reduction(a) => a,
         };
-        let (acc_t, init, step) = reduce_c(op, src_dtype);
+        let (acc_t, init, step) = (a.acc_t, &a.init, a.step);
         let acc = format!("acc{k}");
         let _ = writeln!(members, "    {acc_t} {acc} = {init};");
         let _ = writeln!(members, "    for (int c = lane; c < {cols}; c += 32) {{");
@@ -53,7 +55,7 @@ pub(super) fn row_kernel(
             members,
             "{}      {acc} = {};\n    }}",
             p.body,
-            step(&acc, &p.value)
+            step(&acc, &a.value)
         );
         // a butterfly: every lane ends with the whole row's value
         let _ = writeln!(
