@@ -268,7 +268,7 @@ mod tests {
     use kiln_core::{DType, Tensor};
 
     use super::*;
-    use crate::test_graphs::{input, push};
+    use crate::test_graphs::{input, push, sum, unary};
 
     /// conv → per-channel sum (keepdim) → subtract → relu → pad → slice → max-pool-like
     /// reduction → reshape: the ops a ResNet block is made of, on the graph of a device.
@@ -284,15 +284,7 @@ mod tests {
             channels_last: false,
         };
         let c = push(&mut g, Op::Prim(Prim::Conv2d(p)), vec![x, w], &[2, 4, 6, 5]);
-        let s = push(
-            &mut g,
-            Op::Prim(Prim::Reduce {
-                op: ReduceOp::Sum,
-                dims: vec![0, 2, 3],
-            }),
-            vec![c],
-            &[1, 4, 1, 1],
-        );
+        let s = sum(&mut g, c, &[0, 2, 3]);
         let e = push(
             &mut g,
             Op::Prim(Prim::Expand(vec![2, 4, 6, 5])),
@@ -305,12 +297,7 @@ mod tests {
             vec![c, e],
             &[2, 4, 6, 5],
         );
-        let a = push(
-            &mut g,
-            Op::Prim(Prim::Unary(UnaryOp::Tanh)),
-            vec![d],
-            &[2, 4, 6, 5],
-        );
+        let a = unary(&mut g, UnaryOp::Tanh, d);
         let pd = push(
             &mut g,
             Op::Prim(Prim::Pad {
@@ -463,12 +450,7 @@ mod tests {
         assert!(channels_last(&on_cpu(&block())).is_none(), "a CPU graph");
         let mut g = Graph::default();
         let x = input(&mut g, &[2, 3, 4, 4]);
-        let y = push(
-            &mut g,
-            Op::Prim(Prim::Unary(UnaryOp::Exp)),
-            vec![x],
-            &[2, 3, 4, 4],
-        );
+        let y = unary(&mut g, UnaryOp::Exp, x);
         g.outputs = vec![y];
         assert!(channels_last(&g).is_none(), "no convolution");
     }

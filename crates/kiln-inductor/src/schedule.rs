@@ -336,6 +336,7 @@ mod tests {
     use crate::backend::{schedule_for, C};
     use crate::codegen::cuda::Cuda;
     use crate::test_graphs::cpu::{input, push};
+    use crate::test_graphs::{sum, unary};
 
     /// `tanh` applied `ops` times to x [1,m,k], @ w [1,n,k] transposed, + bias: (graph, the
     /// chain's last node, the matmul).
@@ -343,12 +344,7 @@ mod tests {
         let mut g = Graph::default();
         let mut x = input(&mut g, &[1, m, k]);
         for _ in 0..ops {
-            x = push(
-                &mut g,
-                Op::Prim(Prim::Unary(UnaryOp::Tanh)),
-                vec![x],
-                &[1, m, k],
-            );
+            x = unary(&mut g, UnaryOp::Tanh, x);
         }
         let w = input(&mut g, &[1, n, k]);
         let wt = push(
@@ -469,15 +465,7 @@ mod tests {
             v = push(&mut g, Op::Prim(Prim::Binary(op)), vec![v, other], &shape);
         }
         for _ in 0..readers {
-            let s = push(
-                &mut g,
-                Op::Prim(Prim::Reduce {
-                    op: kiln_core::prim::ReduceOp::Sum,
-                    dims: vec![0],
-                }),
-                vec![v],
-                &[1, 64],
-            );
+            let s = sum(&mut g, v, &[0]);
             g.outputs.push(s);
         }
         (g, v)
@@ -510,12 +498,7 @@ mod tests {
         let x = input(&mut g, &[1024, 8]);
         let mut c = input(&mut g, &[1, 8]);
         for _ in 0..6 {
-            c = push(
-                &mut g,
-                Op::Prim(Prim::Unary(UnaryOp::Tanh)),
-                vec![c],
-                &[1, 8],
-            );
+            c = unary(&mut g, UnaryOp::Tanh, c);
         }
         let e = push(
             &mut g,
@@ -525,15 +508,7 @@ mod tests {
         );
         let reduce = |g: &mut Graph, a: NodeId, op| {
             let m = push(g, Op::Prim(Prim::Binary(op)), vec![x, a], &[1024, 8]);
-            push(
-                g,
-                Op::Prim(Prim::Reduce {
-                    op: kiln_core::prim::ReduceOp::Sum,
-                    dims: vec![0],
-                }),
-                vec![m],
-                &[1, 8],
-            )
+            sum(g, m, &[0])
         };
         let s1 = reduce(&mut g, e, BinaryOp::Mul);
         let s2 = reduce(&mut g, e, BinaryOp::Add);
@@ -554,12 +529,7 @@ mod tests {
         let x = input(&mut g, &[1, 4, 8, 8]);
         let mut c = input(&mut g, &[1, 4, 1, 1]);
         for _ in 0..small_ops {
-            c = push(
-                &mut g,
-                Op::Prim(Prim::Unary(UnaryOp::Tanh)),
-                vec![c],
-                &[1, 4, 1, 1],
-            );
+            c = unary(&mut g, UnaryOp::Tanh, c);
         }
         let wide = push(
             &mut g,
@@ -574,12 +544,7 @@ mod tests {
             &[1, 4, 8, 8],
         );
         for _ in 1..large_ops {
-            s = push(
-                &mut g,
-                Op::Prim(Prim::Unary(UnaryOp::Tanh)),
-                vec![s],
-                &[1, 4, 8, 8],
-            );
+            s = unary(&mut g, UnaryOp::Tanh, s);
         }
         let p = push(
             &mut g,

@@ -132,26 +132,12 @@ fn join<T: Target>(
 
 #[cfg(test)]
 mod tests {
-    use kiln_core::prim::{BinaryOp, ReduceOp};
+    use kiln_core::prim::BinaryOp;
 
     use super::*;
     use crate::backend::plan_graph;
     use crate::codegen::cuda::Cuda;
-    use crate::test_graphs::{binary, input, push};
-
-    fn sum(g: &mut Graph, a: NodeId, dim: usize) -> NodeId {
-        let mut shape = g.nodes[a].shape.clone();
-        shape[dim] = 1;
-        push(
-            g,
-            Op::Prim(Prim::Reduce {
-                op: ReduceOp::Sum,
-                dims: vec![dim],
-            }),
-            vec![a],
-            &shape,
-        )
-    }
+    use crate::test_graphs::{binary, input, push, sum};
 
     /// Values each planned kernel of `g` computes (the graphs here are too large for one
     /// block: `sequential.rs` leaves them alone).
@@ -170,9 +156,9 @@ mod tests {
         let gx = binary(&mut g, BinaryOp::Mul, grad, x);
         let gxx = binary(&mut g, BinaryOp::Mul, gx, x);
         g.outputs = vec![
-            sum(&mut g, grad, 0),
-            sum(&mut g, gx, 0),
-            sum(&mut g, gxx, 0),
+            sum(&mut g, grad, &[0]),
+            sum(&mut g, gx, &[0]),
+            sum(&mut g, gxx, &[0]),
         ];
         assert_eq!(kernels(&g), vec![3]);
         let planned = plan_graph(&Cuda::new(2), &g);
@@ -193,7 +179,7 @@ mod tests {
         let mut g = Graph::default();
         let x = input(&mut g, &[4096, 64]);
         let grad = input(&mut g, &[4096, 64]);
-        let first = sum(&mut g, grad, 0);
+        let first = sum(&mut g, grad, &[0]);
         let wide = push(
             &mut g,
             Op::Prim(Prim::Expand(vec![4096, 64])),
@@ -201,8 +187,8 @@ mod tests {
             &[4096, 64],
         );
         let scaled = binary(&mut g, BinaryOp::Mul, x, wide);
-        let second = sum(&mut g, scaled, 0);
-        let rows = sum(&mut g, grad, 1);
+        let second = sum(&mut g, scaled, &[0]);
+        let rows = sum(&mut g, grad, &[1]);
         g.outputs = vec![first, second, rows];
         let k = kernels(&g);
         assert_eq!(k.iter().sum::<usize>(), 3);

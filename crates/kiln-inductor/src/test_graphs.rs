@@ -2,7 +2,7 @@
 //! or on the CPU (`cpu::*`), appended to a graph being built by hand.
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
-use kiln_core::prim::{BinaryOp, Prim};
+use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
 use kiln_core::{DType, Device};
 
 /// An f32 node on `device`, appended to `g`.
@@ -44,6 +44,27 @@ pub(crate) fn binary(g: &mut Graph, op: BinaryOp, a: NodeId, b: NodeId) -> NodeI
     let shape = g.nodes[a].shape.clone();
     let device = g.nodes[a].device;
     push_on(g, device, Op::Prim(Prim::Binary(op)), vec![a, b], &shape)
+}
+
+/// `op(a)`, of `a`'s shape and device.
+pub(crate) fn unary(g: &mut Graph, op: UnaryOp, a: NodeId) -> NodeId {
+    let shape = g.nodes[a].shape.clone();
+    let device = g.nodes[a].device;
+    push_on(g, device, Op::Prim(Prim::Unary(op)), vec![a], &shape)
+}
+
+/// The sum of `a` over `dims` (kept, as size 1), on `a`'s device.
+pub(crate) fn sum(g: &mut Graph, a: NodeId, dims: &[usize]) -> NodeId {
+    let mut shape = g.nodes[a].shape.clone();
+    for &d in dims {
+        shape[d] = 1;
+    }
+    let device = g.nodes[a].device;
+    let op = Op::Prim(Prim::Reduce {
+        op: ReduceOp::Sum,
+        dims: dims.to_vec(),
+    });
+    push_on(g, device, op, vec![a], &shape)
 }
 
 /// Adam's shape on `device`: per parameter shape, a step count bumped in place (a scalar kernel),
