@@ -28,7 +28,28 @@ pub use kiln_inductor as inductor;
 /// The CUDA runtime: `kiln::cuda::init()` makes `Device::Cuda(n)` usable (`is_available`,
 /// `memory_stats`, `empty_cache`, `synchronize`, `set_allow_tf32`, `set_cudnn_allow_tf32`).
 /// Without CUDA it is still there, and says why it cannot run.
-pub use kiln_cuda as cuda;
+pub mod cuda {
+    pub use kiln_cuda::*;
+
+    // the entry points that make CUDA usable also register the `kiln` backend: eager code that
+    // compiles a piece of itself (a foreach optimizer's flat update) finds it without a
+    // `kiln::compile` having run first
+
+    /// `kiln_cuda::init`, with the `kiln` backend registered.
+    pub fn init() {
+        kiln_cuda::init();
+        kiln_inductor::register();
+    }
+    /// `kiln_cuda::check`, with the `kiln` backend registered.
+    pub fn check() -> kiln_core::Result<()> {
+        kiln_inductor::register();
+        kiln_cuda::check()
+    }
+    /// `torch.cuda.is_available()`, with the `kiln` backend registered.
+    pub fn is_available() -> bool {
+        check().is_ok()
+    }
+}
 
 /// `use kiln::prelude::*;` brings in what a training script needs.
 pub mod prelude {

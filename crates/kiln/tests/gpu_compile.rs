@@ -426,6 +426,53 @@ fn adam_many_parameters_few_launches() -> Outcome {
     Ok(())
 }
 
+/// An eager foreach Adam on the GPU runs its flat update as one compiled call of at most two
+/// generated launches (`kiln-nn/src/optim/flat_update.rs`) and equals the per-parameter loop,
+/// with amsgrad and without, over parameters of several shapes.
+fn foreach_adam_flat_update() -> Outcome {
+    let shapes: Vec<Vec<usize>> = vec![vec![300, 40], vec![40], vec![7], vec![3, 3, 16, 8]];
+    for amsgrad in [false, true] {
+        let cfg = |foreach| AdamConfig {
+            lr: 0.01,
+            weight_decay: 0.05,
+            amsgrad,
+            foreach,
+            ..AdamConfig::default()
+        };
+        let (looped_ps, foreach_ps) = (
+            params_with_grads(&shapes, 5).map_err(err)?,
+            params_with_grads(&shapes, 5).map_err(err)?,
+        );
+        let mut looped = Adam::new(looped_ps.clone(), cfg(false)).map_err(err)?;
+        let mut foreach = Adam::new(foreach_ps.clone(), cfg(true)).map_err(err)?;
+        for k in 0..3 {
+            looped.step().map_err(err)?;
+            let before = exec_stats();
+            foreach.step().map_err(err)?;
+            let after = exec_stats();
+            let (calls, launches) = (
+                after.calls - before.calls,
+                after.kernel_launches - before.kernel_launches,
+            );
+            if calls != 1 || launches > 2 {
+                return Err(format!(
+                    "amsgrad={amsgrad} step {k}: {calls} compiled calls, {launches} generated \
+                     launches (want 1 call, at most 2 launches)"
+                ));
+            }
+            for (i, (e, c)) in looped_ps.iter().zip(&foreach_ps).enumerate() {
+                same(
+                    &format!("amsgrad={amsgrad} step {k} parameter {i}"),
+                    c,
+                    e,
+                    1e-6,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn plain_sgd_step() -> Outcome {
     optimizer_steps(|ps| {
         SGD::new(
@@ -800,7 +847,8 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 19] = [
+    let tests: [(&str, Check); 20] = [
+        ("foreach_adam_flat_update", foreach_adam_flat_update),
         (
             "max_autotune_tunes_once_and_persists",
             autotune::max_autotune_tunes_once_and_persists,

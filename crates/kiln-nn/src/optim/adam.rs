@@ -14,9 +14,10 @@
 
 use std::collections::BTreeMap;
 
-use kiln_core::{intercept, no_grad, DType, Result, Tensor};
+use kiln_core::{intercept, no_grad, DType, Device, Result, Tensor};
 
 use super::flat::{cat_flat, group_by_dtype, FlatGroup};
+use super::flat_update::FlatUpdate;
 use super::{check_hyper, check_params, grad_of, LrHandle, Optimizer};
 
 macro_rules! adam_config {
@@ -192,6 +193,54 @@ pub(crate) fn update(
     ))
 }
 
+/// `update` over a dtype group's flat tensors, as one compiled function on a device.
+fn flat_update(
+    compiled: &FlatUpdate,
+    device: Device,
+    (p, g): (&Tensor, &Tensor),
+    s: &Moments,
+    step: &Tensor,
+    h: &Hyper,
+    lr: &Tensor,
+) -> Result<(Tensor, Moments)> {
+    let mut inputs = vec![
+        p.clone(),
+        g.clone(),
+        s.exp_avg.clone(),
+        s.exp_avg_sq.clone(),
+    ];
+    inputs.extend(s.max_exp_avg_sq.clone());
+    inputs.extend([step.clone(), lr.clone()]);
+    let h = *h;
+    let rule = move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        let n = xs.len();
+        let state = Moments {
+            exp_avg: xs[2].clone(),
+            exp_avg_sq: xs[3].clone(),
+            max_exp_avg_sq: (n == 7).then(|| xs[4].clone()),
+        };
+        let (new_p, new) = update(&xs[0], &xs[1], &state, &xs[n - 2], &h, &xs[n - 1])?;
+        let mut out = vec![new_p, new.exp_avg, new.exp_avg_sq];
+        out.extend(new.max_exp_avg_sq);
+        Ok(out)
+    };
+    let mut out = compiled.run(&inputs, device, rule)?.into_iter();
+    let mut next = || {
+        out.next()
+            .ok_or_else(|| kiln_core::Error::arg("Adam.step", "the flat update lost an output"))
+    };
+    let new_p = next()?;
+    let moments = Moments {
+        exp_avg: next()?,
+        exp_avg_sq: next()?,
+        max_exp_avg_sq: match s.max_exp_avg_sq {
+            Some(_) => Some(next()?),
+            None => None,
+        },
+    };
+    Ok((new_p, moments))
+}
+
 pub(crate) struct AdamCore {
     params: Vec<Tensor>,
     hyper: Hyper,
@@ -207,6 +256,8 @@ pub(crate) struct AdamCore {
     /// Foreach mode: dtype groups and their flat moments.
     groups: Vec<FlatGroup>,
     flat: Vec<Moments>,
+    /// Foreach mode on a device: the flat update as one compiled function.
+    flat_update: FlatUpdate,
     /// Set by the first step run under a tracer (a compiled step): from then on the state is
     /// updated in place, since a graph holds it as input.
     traced: bool,
@@ -271,6 +322,7 @@ impl AdamCore {
             states,
             groups,
             flat,
+            flat_update: FlatUpdate::new("Adam.flat_update"),
             traced: false,
         })
     }
@@ -326,7 +378,15 @@ impl AdamCore {
                 };
                 // the class shares one step count: its first member's tensor holds it
                 let step = self.steps[group.members[ks[0]]].add(1.0)?;
-                let (new_p, new) = update(&p_cat, &g_cat, &state, &step, &self.hyper, lr)?;
+                let (new_p, new) = flat_update(
+                    &self.flat_update,
+                    group.device,
+                    (&p_cat, &g_cat),
+                    &state,
+                    &step,
+                    &self.hyper,
+                    lr,
+                )?;
                 group.write_params(&self.params, &ks, &new_p)?;
                 let store = |state: &mut Tensor, new: Tensor| match self.traced {
                     true => group.scatter_in_place(state, &ks, new),

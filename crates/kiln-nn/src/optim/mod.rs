@@ -8,6 +8,7 @@
 
 mod adam;
 mod flat;
+mod flat_update;
 mod scheduler;
 mod sgd;
 
