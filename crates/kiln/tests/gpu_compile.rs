@@ -216,6 +216,45 @@ fn vector_loads_any_alignment() -> Outcome {
     Ok(())
 }
 
+/// A vector loop whose lanes share every index but the innermost (`Builder::lane_var`): window
+/// taps of a padded channels-last tensor, a per-channel vector and a transposed operand (read a
+/// lane at a time) in one kernel; an innermost extent that is no multiple of four; and a
+/// per-channel vector one element into its buffer (its vector read unaligned: the scalar loop).
+/// Each equal to eager and to float64.
+fn vector_lanes_share_outer_indices() -> Outcome {
+    differential(
+        "vector_lanes_windows",
+        &[&[4, 12, 12, 16], &[16], &[16, 12, 12, 4]],
+        1e-5,
+        |x| {
+            let p = x[0].pad(&[0, 0, 1, 1, 1, 1], 0.0)?;
+            let tap = |h: usize, w: usize| p.narrow(1, h, 12)?.narrow(2, w, 12);
+            let windows = tap(0, 0)?.add(&tap(2, 1)?)?.add(&tap(1, 2)?)?;
+            let scaled = windows.mul(&x[1])?.add(&x[2].permute(&[3, 1, 2, 0])?)?;
+            Ok(vec![scaled.tanh()?])
+        },
+    )?;
+    differential("vector_lanes_odd_inner", &[&[30, 20, 6], &[6]], 1e-5, |x| {
+        Ok(vec![x[0].mul(&x[1])?.sin()?])
+    })?;
+    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> { Ok(vec![a[0].mul(&a[1])?.exp()?]) };
+    let compiled = kiln::compile_fn(f, CompileOptions::default()).map_err(err)?;
+    let x = randn(&[512, 16], 9).map_err(err)?.to(CUDA).map_err(err)?;
+    let base = randn(&[17], 10).map_err(err)?.to(CUDA).map_err(err)?;
+    for start in [0usize, 1] {
+        let w = base.narrow(0, start, 16).map_err(err)?;
+        let got = compiled.call(&[x.clone(), w.clone()]).map_err(err)?;
+        let want = f(&[x.clone(), w]).map_err(err)?;
+        same(
+            &format!("per-channel offset {start}"),
+            &got[0],
+            &want[0],
+            1e-6,
+        )?;
+    }
+    Ok(())
+}
+
 fn reductions_every_strategy() -> Outcome {
     // short rows (a thread each), medium (a warp each), long (a block each), all dims
     differential(
@@ -847,7 +886,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 20] = [
+    let tests: [(&str, Check); 21] = [
+        (
+            "vector_lanes_share_outer_indices",
+            vector_lanes_share_outer_indices,
+        ),
         ("foreach_adam_flat_update", foreach_adam_flat_update),
         (
             "max_autotune_tunes_once_and_persists",

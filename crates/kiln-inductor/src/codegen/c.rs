@@ -63,11 +63,29 @@ pub(crate) struct Builder<'a> {
     /// exactly that offset reads lane `k` of four consecutive elements loaded as one vector
     /// before the lanes run (`<buffer>_v.v[k]`).
     lanes_at: Option<Ix>,
-    /// The buffers read as vectors in lane mode: (C name, dtype), in first-read order.
-    pub(crate) vector_reads: Vec<(String, DType)>,
+    /// Lane mode where the innermost extent is a multiple of four: the innermost loop variable,
+    /// the only one that differs between a vector's four lanes (lane `k`'s is `i<v>_l0 + k`, the
+    /// others are lane 0's). A load that moves with it at unit stride from a multiple of four
+    /// (`Ix::quad_in`) is then a vector too, read at lane 0's index (`<buffer>_w<n>.v[k]`): a
+    /// window tap of a channels-last tensor, a broadcast row.
+    pub(crate) lane_var: Option<usize>,
+    /// The vectors read in lane mode, in first-read order.
+    pub(crate) vector_reads: Vec<VectorRead>,
     /// Values already in a register at one index (a row kernel's reductions, at the row:
     /// `codegen/cuda_rows.rs`); a read at another index loads the buffer.
     pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String>,
+}
+
+/// A four-element vector a lane-mode kernel loads before its lanes run.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct VectorRead {
+    /// The buffer's C name (`b<param>`, or an in-place output's).
+    pub(crate) buf: String,
+    pub(crate) dtype: DType,
+    /// The vector's C name.
+    pub(crate) name: String,
+    /// Which vector of the buffer, in four-element units, over lane 0's index variables.
+    pub(crate) at: String,
 }
 
 /// The C type of a value of `d` (what the builder declares its temporaries as).
@@ -91,6 +109,7 @@ impl<'a> Builder<'a> {
             inplace: Vec::new(),
             inplace_ok: true,
             lanes_at: None,
+            lane_var: None,
             vector_reads: Vec::new(),
             registers: HashMap::new(),
         }
@@ -162,16 +181,48 @@ impl<'a> Builder<'a> {
         let invariant = off.as_constant().is_some()
             && !self.inplace.iter().any(|(input, _, _)| *input == id)
             && !node.shape.contains(&0);
+        let in_place = self.inplace.iter().any(|(input, _, _)| *input == id);
+        let quad = match self.lane_var {
+            // an in-place input is read only at the index written (`inplace_ok`)
+            Some(v) if !in_place && !invariant => off.quad_in(v).map(|rest| (v, rest)),
+            _ => None,
+        };
         let v = if self.lanes_at.as_ref() == Some(&off) {
-            if !self.vector_reads.iter().any(|(name, _)| *name == buf) {
-                self.vector_reads.push((buf.clone(), dtype));
-            }
-            self.temp(dtype, format!("{buf}_v.v[k]"))
+            let name = format!("{buf}_v");
+            self.vector_read(&buf, dtype, name.clone(), "q".into());
+            self.temp(dtype, format!("{name}.v[k]"))
+        } else if let Some((v, rest)) = quad {
+            let at = match rest.as_constant() {
+                Some(0) => format!("i{v}_l0 / 4"),
+                _ => format!("({} + i{v}_l0) / 4", rest.to_c("i")),
+            };
+            let name = match self
+                .vector_reads
+                .iter()
+                .find(|r| r.buf == buf && r.at == at)
+            {
+                Some(r) => r.name.clone(),
+                None => format!("{buf}_w{}", self.vector_reads.len()),
+            };
+            self.vector_read(&buf, dtype, name.clone(), at);
+            self.temp(dtype, format!("{name}.v[k]"))
         } else {
             self.temp_where(dtype, format!("{buf}[{}]", off.to_c("i")), invariant)
         };
         self.memo.insert(key, v.clone());
         v
+    }
+
+    /// Records a vector the lanes read (once).
+    fn vector_read(&mut self, buf: &str, dtype: DType, name: String, at: String) {
+        if !self.vector_reads.iter().any(|r| r.name == name) {
+            self.vector_reads.push(VectorRead {
+                buf: buf.to_string(),
+                dtype,
+                name,
+                at,
+            });
+        }
     }
 
     /// `id`'s value at `idx` with each index held inside `id`'s shape: what pad and cat read,
@@ -445,6 +496,9 @@ pub(crate) fn pointwise_body<'a>(
     let off = written.to_c("i");
     if lanes {
         b.lanes_at = Some(written);
+        // four lanes from a multiple of four share every index variable but the innermost
+        let last = shape.len().checked_sub(1);
+        b.lane_var = last.filter(|&v| shape[v] % 4 == 0);
     }
     let mut stores = String::new();
     for ((root, _), name) in roots.iter().zip(&names) {
@@ -791,14 +845,27 @@ pub(crate) fn split_index(
     indent: &str,
     rem: &str,
 ) {
+    split_index_as(out, flat, vars, indent, rem, |v| format!("i{v}"))
+}
+
+/// `split_index`, loop variable `v` named `name(v)`.
+pub(crate) fn split_index_as(
+    out: &mut String,
+    flat: &str,
+    vars: &[(usize, usize)],
+    indent: &str,
+    rem: &str,
+    name: impl Fn(usize) -> String,
+) {
     let _ = writeln!(out, "{indent}long long {rem} = {flat};");
     for (k, &(v, n)) in vars.iter().enumerate().rev() {
+        let i = name(v);
         if k == 0 {
-            let _ = writeln!(out, "{indent}const long long i{v} = {rem};");
+            let _ = writeln!(out, "{indent}const long long {i} = {rem};");
         } else {
             let _ = writeln!(
                 out,
-                "{indent}const long long i{v} = {rem} % {n}; {rem} /= {n};"
+                "{indent}const long long {i} = {rem} % {n}; {rem} /= {n};"
             );
         }
     }

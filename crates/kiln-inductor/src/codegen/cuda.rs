@@ -16,7 +16,7 @@ use kiln_core::device::{runtime_for, ReduceSplit};
 use kiln_core::{profiler, DType, Result};
 
 use crate::backend::{plan_graph, Planned, Target};
-use crate::codegen::c::{pointwise_body, split_index, ty, Builder, PointwiseBody};
+use crate::codegen::c::{pointwise_body, split_index, split_index_as, ty, Builder, PointwiseBody};
 use crate::codegen::{cuda_sizes, cuda_tune, cuda_units};
 use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::runtime::autotune::{Candidate, Tuned};
@@ -283,11 +283,17 @@ fn vector_loop(
     vars: &[(usize, usize)],
     numel: usize,
 ) {
-    let mut vectors: Vec<(String, DType)> = lanes.b.vector_reads.clone();
-    for (root, name) in &lanes.outputs {
-        // an in-place output is also read as a vector: one alignment test
+    // every buffer read or written as vectors, once: one alignment test each (an in-place
+    // output is also read as a vector)
+    let mut vectors: Vec<(String, DType)> = Vec::new();
+    let read = lanes.b.vector_reads.iter().map(|r| (&r.buf, r.dtype));
+    let written = lanes
+        .outputs
+        .iter()
+        .map(|(root, n)| (n, g.nodes[*root].dtype));
+    for (name, d) in read.chain(written) {
         if !vectors.iter().any(|(n, _)| n == name) {
-            vectors.push((name.clone(), g.nodes[*root].dtype));
+            vectors.push((name.clone(), d));
         }
     }
     let aligned = vectors
@@ -305,11 +311,20 @@ fn vector_loop(
         text,
         "  if ({aligned}) {{\n    for (long long q = e0; q < {nvec}; q += stride) {{"
     );
-    for (name, d) in &lanes.b.vector_reads {
-        let t = ty(*d);
+    // lane 0's index variables, where the lanes share all but the innermost (`Builder::lane_var`)
+    if let Some(v) = lanes.b.lane_var {
+        let name = |w: usize| match w == v {
+            true => format!("i{w}_l0"),
+            false => format!("i{w}"),
+        };
+        split_index_as(text, "q * 4", vars, "      ", "rem", name);
+    }
+    for r in &lanes.b.vector_reads {
+        let t = ty(r.dtype);
         let _ = writeln!(
             text,
-            "      const kiln_v4<{t}> {name}_v = ((const kiln_v4<{t}> *){name})[q];"
+            "      const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
+            r.name, r.buf, r.at
         );
     }
     for (root, name) in &lanes.outputs {
@@ -324,7 +339,12 @@ fn vector_loop(
         "      #pragma unroll\n      for (int k = 0; k < 4; k++) {{\n      const long long e = \
          q * 4 + k;"
     );
-    split_index(text, "e", vars, "      ", "rem");
+    match lanes.b.lane_var {
+        Some(v) => {
+            let _ = writeln!(text, "      const long long i{v} = i{v}_l0 + k;");
+        }
+        None => split_index(text, "e", vars, "      ", "rem"),
+    }
     text.push_str(&lanes.b.body);
     text.push_str(&lanes.stores);
     let _ = writeln!(text, "      }}");
@@ -778,10 +798,106 @@ pub(crate) mod tests {
         (n, xxhash_rust::xxh3::xxh3_64(all.as_bytes()))
     }
 
+    /// A channels-last window tap (a pad's operand read at a shifted pixel) times a per-channel
+    /// vector, plus a transposed operand: the vector loop splits lane 0's index once, reads the
+    /// tap and the per-channel values as four-element vectors at lane 0's index, and reads the
+    /// transposed operand (its innermost variable at stride 576) a lane at a time.
+    #[test]
+    fn lanes_read_unit_stride_operands_as_vectors() {
+        let mut g = Graph::default();
+        let shape = [4usize, 12, 12, 16];
+        let x = input(&mut g, &shape);
+        let w = input(&mut g, &[1, 1, 1, 16]);
+        let t = input(&mut g, &[16, 12, 12, 4]);
+        let pads = vec![(0, 0), (1, 1), (1, 1), (0, 0)];
+        let padded = push(
+            &mut g,
+            Op::Prim(Prim::Pad { pads, value: 0.0 }),
+            vec![x],
+            &[4, 14, 14, 16],
+        );
+        let rows = push(
+            &mut g,
+            Op::Prim(Prim::Slice {
+                dim: 1,
+                start: 2,
+                end: 14,
+                step: 1,
+            }),
+            vec![padded],
+            &[4, 12, 14, 16],
+        );
+        let tap = push(
+            &mut g,
+            Op::Prim(Prim::Slice {
+                dim: 2,
+                start: 1,
+                end: 13,
+                step: 1,
+            }),
+            vec![rows],
+            &shape,
+        );
+        let wide = push(
+            &mut g,
+            Op::Prim(Prim::Expand(shape.to_vec())),
+            vec![w],
+            &shape,
+        );
+        let scaled = push(
+            &mut g,
+            Op::Prim(Prim::Binary(BinaryOp::Mul)),
+            vec![tap, wide],
+            &shape,
+        );
+        let turned = push(
+            &mut g,
+            Op::Prim(Prim::Permute(vec![3, 1, 2, 0])),
+            vec![t],
+            &shape,
+        );
+        let y = push(
+            &mut g,
+            Op::Prim(Prim::Binary(BinaryOp::Add)),
+            vec![scaled, turned],
+            &shape,
+        );
+        g.outputs.push(y);
+        let kernels: Vec<CudaKernel> = plan_graph(&Cuda::new(132), &g)
+            .into_iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { kernel, .. } => Some(kernel),
+                Planned::Extern { .. } => None,
+            })
+            .collect();
+        assert_eq!(kernels.len(), 1);
+        let src = &kernels[0].source;
+        let vector_loop = &src[..src.find("\n    e0 = ").expect("a vector loop")];
+        assert!(vector_loop.contains("const int i3_l0 = rem % 16"), "{src}");
+        assert!(vector_loop.contains("const int i3 = i3_l0 + k;"), "{src}");
+        // the tap (x, in bounds at h + 1, w) and the per-channel vector, at lane 0's index
+        assert!(
+            vector_loop.contains("((const kiln_v4<float> *)b0)[("),
+            "{src}"
+        );
+        assert!(
+            vector_loop.contains("((const kiln_v4<float> *)b1)[i3_l0 / 4]"),
+            "{src}"
+        );
+        // the transposed operand: a load per lane, stride 576 in i3
+        assert!(
+            vector_loop.contains("b2[") && vector_loop.contains("576*i3"),
+            "{src}"
+        );
+        assert!(!vector_loop.contains("b0["), "{src}");
+    }
+
     /// The default launch shape generates, byte for byte, the kernels kiln generated before
     /// launch shapes could be tuned (the digest was taken from that generator, and taken again
     /// when outer reductions got a thread per output element: the sample's column sums over
-    /// [64, 32768]): default and reduce-overhead modes are unchanged by max-autotune.
+    /// [64, 32768], and when a vector loop's lanes shared lane 0's index variables and read
+    /// unit-stride operands as vectors): default and reduce-overhead modes are unchanged by
+    /// max-autotune.
     #[test]
     fn default_config_kernels_are_unchanged() {
         // the digest predates 32-bit index arithmetic, which every launch shape shares
@@ -790,7 +906,7 @@ pub(crate) mod tests {
             ..Cuda::new(132)
         };
         let d = digest(&t, &sample_graph());
-        assert_eq!(d, (3, 15344924951685175539));
+        assert_eq!(d, (3, 14662312682804458625));
     }
 
     /// Channels-last batch norm's per-channel sum (an outer reduction over N, H, W of

@@ -70,6 +70,39 @@ impl Ix {
         }
     }
 
+    /// Whether loop variable `v` occurs anywhere in the expression.
+    pub fn mentions(&self, v: usize) -> bool {
+        self.terms.iter().any(|(_, a)| a.mentions(v))
+    }
+
+    /// `self - v` when `self` moves one by one with loop variable `v` and four consecutive values
+    /// of `v` starting at a multiple of four give four consecutive values starting at a multiple
+    /// of four: `v` occurs once, with coefficient 1, outside any division, modulo or clamp, and
+    /// the constant and every other coefficient are multiples of four. A read at `self` by four
+    /// lanes whose `v` are `4m..4m+4` is then one aligned four-element vector at `rest + 4m`.
+    pub fn quad_in(&self, v: usize) -> Option<Ix> {
+        let var = Atom::Var(v);
+        let unit = self.terms.iter().any(|(k, a)| *k == 1 && *a == var);
+        let rest_ok = self
+            .terms
+            .iter()
+            .filter(|(_, a)| *a != var)
+            .all(|(k, a)| k % 4 == 0 && !a.mentions(v));
+        if !unit || !rest_ok || self.constant % 4 != 0 {
+            return None;
+        }
+        let terms = self
+            .terms
+            .iter()
+            .filter(|(_, a)| *a != var)
+            .cloned()
+            .collect();
+        Some(Ix {
+            constant: self.constant,
+            terms,
+        })
+    }
+
     /// Smallest and largest value over the loop ranges.
     pub fn bounds(&self, ext: &Extents) -> (i64, i64) {
         let (mut lo, mut hi) = (self.constant, self.constant);
@@ -226,6 +259,13 @@ impl Ix {
 }
 
 impl Atom {
+    fn mentions(&self, v: usize) -> bool {
+        match self {
+            Atom::Var(w) => *w == v,
+            Atom::Div(x, _) | Atom::Mod(x, _) | Atom::Clamp(x, _, _) => x.mentions(v),
+        }
+    }
+
     fn bounds(&self, ext: &Extents) -> (i64, i64) {
         match self {
             Atom::Var(v) => (0, ext[*v] - 1),
@@ -365,6 +405,28 @@ mod tests {
                 assert_eq!(eval(&y.rem(228, &ext), i0, i1), (114 * i0 + 2 * i1) % 228);
             }
         }
+    }
+
+    #[test]
+    fn quad_in_finds_unit_stride_reads_of_the_innermost_variable() {
+        // channels last [n, h, w, c] with c = 64: a window tap at (h + 1) / 2, c
+        let ext = [2, 112, 112, 64];
+        let (h, c) = (Ix::var(1), Ix::var(3));
+        let tap = h.add_const(1).held_in(0, 111, &ext).div(2, &ext);
+        let off = Ix::var(0).mul(200704).add(&tap.mul(3584)).add(&c);
+        let rest = off
+            .quad_in(3)
+            .expect("unit stride in c, the rest a multiple of 4");
+        assert!(!rest.mentions(3) && rest.mentions(1));
+        assert_eq!(rest.add(&c), off);
+        // c at a stride (a transposed read), c inside a division, an odd offset: no vector
+        assert_eq!(c.mul(2).add(&h.mul(128)).quad_in(3), None);
+        assert_eq!(c.div(2, &ext).add(&h.mul(32)).quad_in(3), None);
+        assert_eq!(c.add(&h.mul(64)).add_const(1).quad_in(3), None);
+        assert_eq!(c.add(&h.mul(66)).quad_in(3), None);
+        // c also inside a clamp beside its unit term
+        let clamped = c.add_const(1).held_in(0, 63, &ext);
+        assert_eq!(c.add(&clamped.mul(64)).quad_in(3), None);
     }
 
     #[test]
