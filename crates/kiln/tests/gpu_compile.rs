@@ -273,6 +273,30 @@ fn reductions_every_strategy() -> Outcome {
     )
 }
 
+/// Outer reductions with too few rows for a thread each (`cuda_reduce.rs`'s columns: a block
+/// per four rows, warps over the reduced elements): a per-channel sum and max of [3000, 64],
+/// a sum and a sum of squares side by side (sibling accumulators), and a channels-last
+/// per-channel sum large enough to be split first (its second pass is such a reduction; of
+/// positive terms, as in `split_reductions_few_long_rows`: the first pass's partials are f32,
+/// so a sum that cancels to a small value differs from eager's float64 sum in the sixth digit),
+/// each equal to eager and to float64; rows not a multiple of four (66) leave lanes idle.
+fn column_reductions() -> Outcome {
+    differential(
+        "column_reductions",
+        &[&[3000, 64], &[16, 28, 28, 128], &[1500, 66]],
+        1e-5,
+        |x| {
+            Ok(vec![
+                x[0].sum(&[0], false)?,
+                x[0].max(&[0], false)?,
+                x[0].mul(&x[0])?.sum(&[0], false)?,
+                x[1].abs()?.sum(&[0, 1, 2], false)?,
+                x[2].abs()?.sum(&[0], true)?,
+            ])
+        },
+    )
+}
+
 /// Few long rows are split (`split_reduction.rs`): batch norm's per-channel statistics of a
 /// [64, 3, 40, 40] activation (three rows of 102400) and a full sum of 2^18, each a chunked first
 /// pass over partials and a short second pass, equal to eager (sums of positive terms: the f32
@@ -886,7 +910,8 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 21] = [
+    let tests: [(&str, Check); 22] = [
+        ("column_reductions", column_reductions),
         (
             "vector_lanes_share_outer_indices",
             vector_lanes_share_outer_indices,

@@ -20,6 +20,24 @@ const BLOCK_FROM: usize = 4096;
 /// this many rows per multiprocessor.
 const OUTER_ROWS_PER_SM: usize = 128;
 
+/// Shared memory a column reduction's block may take for its warps' accumulators (static
+/// shared memory stops at 48 KiB).
+const COLUMN_SHARED_BYTES: usize = 32 << 10;
+
+/// Bytes of an accumulator of C type `t`.
+fn acc_size(t: &str) -> usize {
+    match t {
+        "double" | "int64_t" => 8,
+        "uint8_t" => 1,
+        _ => 4,
+    }
+}
+
+/// Rows (kept elements) per block of a column reduction; a warp covers them at `32 /
+/// COLUMN_ROWS` reduced positions (its loads are runs of 16 bytes: half a sector). Few rows per
+/// block make many blocks: 64 channels are 16 of them.
+const COLUMN_ROWS: usize = 4;
+
 /// One accumulator of a reduction kernel, with its output's C type and the names of its
 /// register and output.
 struct Acc {
@@ -103,7 +121,67 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
     // a run's length apart. Given enough rows to fill the device (`split_reduction.rs` cuts
     // the reduced extent into chunks to make them).
     let outer = is_outer(&kept, &reduced) && rows >= t.sm_count as usize * OUTER_ROWS_PER_SM;
-    let (grid, block) = if red < WARP_FROM || outer {
+    // an outer reduction with too few rows for a thread each (the second pass of a split one:
+    // 64 to 512 channels over thousands of partials): a block per `COLUMN_ROWS` consecutive
+    // rows. A warp's lanes cover those rows at four reduced positions (each load four runs of
+    // 32 bytes), its warps further reduced positions; the accumulators meet in shared memory.
+    // A warp per row read its elements a row length apart, from a few blocks.
+    // Its block is the pointwise kernels' (`cfg.block`), so it joins their horizontal launches.
+    let acc_bytes: usize = accs.iter().map(|a| acc_size(a.a.acc_t)).sum();
+    let warps = t.cfg.block as usize / 32;
+    let columns = is_outer(&kept, &reduced)
+        && !outer
+        && red >= WARP_FROM
+        && rows >= COLUMN_ROWS
+        && warps * 32 * acc_bytes <= COLUMN_SHARED_BYTES;
+    let (grid, block) = if columns {
+        let (cols, depth) = (COLUMN_ROWS, 32 / COLUMN_ROWS);
+        for a in &accs {
+            let _ = writeln!(
+                text,
+                "  __shared__ {} col_{}[{warps}][32];",
+                a.a.acc_t, a.reg
+            );
+        }
+        let _ = writeln!(
+            text,
+            "  const int lane = threadIdx.x % 32, w = threadIdx.x / 32;\n  for (long long row0 = \
+             kbid * {cols}; row0 < {rows}; row0 += knblk * {cols}) {{\n    const long long row = \
+             row0 + lane % {cols};"
+        );
+        // the kept variables of a row past the end are computed but never used to load or store
+        split_index(&mut text, "row", &kept, "    ", "rem_row");
+        text.push_str(&declare("    "));
+        let _ = writeln!(
+            text,
+            "    if (row < {rows}) {{\n      for (long long r = w * {depth} + lane / {cols}; r < \
+             {red}; r += {}) {{",
+            warps * depth
+        );
+        split_index(&mut text, "r", &reduced, "        ", "rem");
+        let _ = writeln!(text, "{accumulate}      }}\n    }}");
+        text.push_str(&each(&|a| {
+            format!("    col_{r}[w][lane] = {r};\n", r = a.reg)
+        }));
+        // one thread per row sums the block's partials for it, in a fixed order
+        let _ = writeln!(
+            text,
+            "    __syncthreads();\n    if (w == 0 && lane < {cols} && row < {rows}) {{"
+        );
+        text.push_str(&declare("      "));
+        let _ = writeln!(
+            text,
+            "      for (int k = 0; k < {warps}; k++)\n      for (int j = lane; j < 32; j += {cols}) {{"
+        );
+        text.push_str(&each(&|a| {
+            let other = format!("col_{}[k][j]", a.reg);
+            format!("        {} = {};\n", a.reg, (a.a.step)(&a.reg, &other))
+        }));
+        let _ = writeln!(text, "      }}");
+        text.push_str(&store("      "));
+        let _ = writeln!(text, "    }}\n    __syncthreads();\n  }}");
+        (t.blocks(rows, cols), t.cfg.block)
+    } else if red < WARP_FROM || outer {
         // a thread per output element, its reduced elements in a loop nest
         let _ = writeln!(
             text,
