@@ -701,7 +701,7 @@ pub(crate) mod tests {
     use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
 
     use super::*;
-    use crate::test_graphs::{input, push};
+    use crate::test_graphs::{binary, input, push};
 
     /// Every kind of kernel the generator writes: a vectorized and unrolled pointwise chain,
     /// reductions by a thread, a warp and a block per output element, and in-place updates of
@@ -844,24 +844,14 @@ pub(crate) mod tests {
             vec![w],
             &shape,
         );
-        let scaled = push(
-            &mut g,
-            Op::Prim(Prim::Binary(BinaryOp::Mul)),
-            vec![tap, wide],
-            &shape,
-        );
+        let scaled = binary(&mut g, BinaryOp::Mul, tap, wide);
         let turned = push(
             &mut g,
             Op::Prim(Prim::Permute(vec![3, 1, 2, 0])),
             vec![t],
             &shape,
         );
-        let y = push(
-            &mut g,
-            Op::Prim(Prim::Binary(BinaryOp::Add)),
-            vec![scaled, turned],
-            &shape,
-        );
+        let y = binary(&mut g, BinaryOp::Add, scaled, turned);
         g.outputs.push(y);
         let kernels: Vec<CudaKernel> = plan_graph(&Cuda::new(132), &g)
             .into_iter()
