@@ -42,11 +42,26 @@ fn counters() -> [u64; 4] {
 }
 
 /// Times `f` (a compile and its first call) until `dev` has finished the queued work, with the
-/// kernel builds and disk hits it caused.
+/// kernel builds and disk hits it caused. With `KILN_BENCH_PROFILE=N` set, `f` runs under
+/// `kiln::profile` and its N largest rows go to stderr (where the time of a compile goes; the
+/// parent passes a child's stderr on).
 pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Result<(R, Measured)> {
+    let rows = std::env::var("KILN_BENCH_PROFILE")
+        .ok()
+        .map(|v| v.parse().unwrap_or(40));
     let before = counters();
     let t = Instant::now();
-    let r = std::hint::black_box(f()?);
+    let r = match rows {
+        Some(rows) => {
+            let (r, profile) = kiln::profile(f);
+            eprintln!(
+                "== profile: compile and first call ==\n{}",
+                profile.table(rows)
+            );
+            std::hint::black_box(r?)
+        }
+        None => std::hint::black_box(f()?),
+    };
     kiln::core::device::synchronize(dev)?;
     let secs = t.elapsed().as_secs_f64();
     let after = counters();
@@ -95,6 +110,10 @@ pub fn child_result(
 ) -> BenchResult<serde_json::Value> {
     let out = cmd.output()?;
     pb.finish_and_clear();
+    if std::env::var_os("KILN_BENCH_PROFILE").is_some() {
+        // the child's profile (`measure`)
+        eprintln!("== {label} ==\n{}", String::from_utf8_lossy(&out.stderr));
+    }
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
         return Err(format!(

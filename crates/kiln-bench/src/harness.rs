@@ -64,7 +64,8 @@ impl Ctx {
         let before = kiln::cuda::host_fallbacks();
         let (r, profile) = kiln::profile_synchronized(f);
         r?;
-        kiln::cuda::synchronize(self.dev)?;
+        // the core's synchronize: a no-op on the CPU, where the CUDA runtime's is an error
+        kiln::core::device::synchronize(self.dev)?;
         eprintln!(
             "== profile: {label} ({}) ==\n{}",
             self.device,
