@@ -1,6 +1,7 @@
 //! A foreach Adam on a device computes its flat update through one compiled function
-//! (`kiln-nn/src/optim/flat_update.rs`), compiled at the first step and replayed after, and its
-//! steps equal the per-parameter loop's. The mock device (host memory, CPU kernels) stands in for
+//! (`kiln-nn/src/optim/flat_update.rs`), compiled at the first step and replayed after (each of
+//! the three steps answered by it, none by the eager fallback), and its steps equal the
+//! per-parameter loop's. The mock device (host memory, CPU kernels) stands in for
 //! CUDA, so this checks the plumbing on any machine; `gpu_compile.rs` runs the generated kernel.
 //! One test in this binary: it counts the process's backend compiles.
 
@@ -71,6 +72,8 @@ fn a_device_foreach_adam_compiles_its_flat_update_once() -> Result<()> {
         );
         assert_close(&format!("Adam amsgrad={amsgrad}"), &got, &want);
         assert_eq!(foreach.steps(), vec![3, 3, 3]);
+        assert_eq!(foreach.compiled_flat_updates(), 3, "amsgrad={amsgrad}");
+        assert_eq!(looped.compiled_flat_updates(), 0);
     }
     let cfg = |foreach| AdamWConfig {
         lr: 0.05,
@@ -79,7 +82,10 @@ fn a_device_foreach_adam_compiles_its_flat_update_once() -> Result<()> {
     };
     let (ps, qs) = (params(2)?, params(2)?);
     let want = steps(&mut AdamW::new(qs.clone(), cfg(false))?, &qs)?;
-    let got = steps(&mut AdamW::new(ps.clone(), cfg(true))?, &ps)?;
+    let mut foreach = AdamW::new(ps.clone(), cfg(true))?;
+    let got = steps(&mut foreach, &ps)?;
     assert_close("AdamW", &got, &want);
+    assert_eq!(foreach.compiled_flat_updates(), 3);
+    assert_eq!(foreach.steps(), vec![3, 3, 3]);
     Ok(())
 }

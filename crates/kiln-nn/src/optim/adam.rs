@@ -449,6 +449,11 @@ macro_rules! adam_optimizer {
             pub fn steps(&self) -> Vec<u64> {
                 self.0.step_counts()
             }
+            /// How many flat updates of the foreach mode ran as one compiled function (on a
+            /// device, with the `kiln` backend registered); 0 on the CPU and in for-loop mode.
+            pub fn compiled_flat_updates(&self) -> u64 {
+                self.0.flat_update.compiled_calls()
+            }
         }
         impl Optimizer for $name {
             fn step(&mut self) -> Result<()> {

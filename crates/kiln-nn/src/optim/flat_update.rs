@@ -12,6 +12,7 @@
 //! keeps the eager rule: there each op is already a vectorized loop over memory and the first step
 //! would pay a C compile.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use kiln_compile::{compile_named, CompileOptions, CompiledFn};
@@ -23,6 +24,8 @@ pub(crate) struct FlatUpdate {
     name: &'static str,
     /// `None` until the first device step; `Some(None)` once building or running it failed.
     compiled: Mutex<Option<Option<CompiledFn<'static>>>>,
+    /// Calls the compiled function answered.
+    calls: AtomicU64,
 }
 
 impl FlatUpdate {
@@ -30,7 +33,13 @@ impl FlatUpdate {
         FlatUpdate {
             name,
             compiled: Mutex::new(None),
+            calls: AtomicU64::new(0),
         }
+    }
+
+    /// How many calls the compiled function answered (the others ran the eager rule).
+    pub fn compiled_calls(&self) -> u64 {
+        self.calls.load(Ordering::Relaxed)
     }
 
     /// `rule(inputs)`, through the compiled function where one applies.
@@ -49,7 +58,10 @@ impl FlatUpdate {
             return rule(inputs);
         };
         match f.call(inputs) {
-            Ok(out) => Ok(out),
+            Ok(out) => {
+                self.calls.fetch_add(1, Ordering::Relaxed);
+                Ok(out)
+            }
             Err(e) => {
                 // the compiled function wrote nothing: the eager rule starts from the same state
                 eprintln!(
@@ -65,8 +77,10 @@ impl FlatUpdate {
 
     fn build(&self, rule: Box<Rule>) -> Option<CompiledFn<'static>> {
         // fails without the `kiln` backend, which the facade registers (`kiln::compile`,
-        // `kiln::cuda::init`): kiln-nn alone has none
-        let opts = CompileOptions::default().fullgraph(true);
+        // `kiln::cuda::init`): kiln-nn alone has none. Not `fullgraph`: the rule has no graph
+        // break, and on a device whose kernels cannot be generated the backend then runs the
+        // graph on its interpreter instead of failing every call
+        let opts = CompileOptions::default();
         compile_named(self.name, move |xs: &[Tensor]| rule(xs), opts).ok()
     }
 }
