@@ -5,8 +5,10 @@
 //! read by several kernels is realized unless recomputing it in each costs less than its buffer:
 //! a short chain (softmax's exp), a chain whose loads are one or two large buffers its readers
 //! would load anyway ("lean": batch norm's backward, judged by `leaves_of` and `inlined_ops`), or
-//! a pad read only through a pooling's windows. Every realized value becomes one step: a generated
-//! kernel or an extern call.
+//! a pad read only through a pooling's windows. A large value broadcast to many times its size
+//! is realized past a short chain, read or not by several kernels: inlined, it would be computed
+//! again for every copy (a reduction over an outer product). Every realized value becomes one
+//! step: a generated kernel or an extern call.
 //!
 //! A small matmul the target generates (`Target::inline_matmul`) is a reduction like any other:
 //! its operands' pointwise producers are computed inside its loads (an operand element is read
@@ -58,6 +60,12 @@ const MAX_LEAVES: usize = 4;
 /// select), besides at most `MAX_LEAN_SMALL_OPS` per-channel ones (the variance's
 /// `1/sqrt(v + eps)`).
 const MAX_WINDOW_RECOMPUTE_OPS: usize = 8;
+/// A value of at least `BROADCAST_REALIZE_FROM` elements broadcast to `BROADCAST_REALIZE_FACTOR`
+/// times its size or more is realized when its chain is longer than `MAX_RECOMPUTE_OPS`: inlined,
+/// it would be recomputed at every copy. Per-channel and per-row statistics (batch norm's, layer
+/// norm's: at most a few thousand values) stay inlined into the loops they are broadcast over.
+const BROADCAST_REALIZE_FROM: usize = 1 << 14;
+const BROADCAST_REALIZE_FACTOR: usize = 8;
 /// How a target generates small matmuls (`Target::inline_matmul`, `Target::matmul_operand_ops`).
 pub struct MatmulFusion<'a> {
     /// Which matmuls are generated (the others stay extern calls).
@@ -291,6 +299,22 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
         if kinds[id] == Kind::Constant {
             cheap[id] = true;
         }
+        if let Op::Prim(Prim::Expand(_)) = node.op {
+            // a large value broadcast to many times its size (a reduction over an outer
+            // product: numpy_fn's 640 x 640 per row) is recomputed at every copy when inlined:
+            // past a short chain, compute it once
+            let a = node.args[0];
+            let numel = |i: NodeId| g.nodes[i].shape.iter().product::<usize>();
+            let factor = numel(id) / numel(a).max(1);
+            if !realized[a]
+                && numel(a) >= BROADCAST_REALIZE_FROM
+                && factor >= BROADCAST_REALIZE_FACTOR
+                && cost[a] > MAX_RECOMPUTE_OPS
+            {
+                realize_below_views(g, &kinds, &mut realized, a);
+                cost[id] = 0;
+            }
+        }
         if matches!(node.op, Op::Prim(Prim::Matmul)) && kinds[id] == Kind::Reduction {
             for &a in &node.args {
                 if !realized[a] && cost[a] > mm.operand_ops {
@@ -363,6 +387,70 @@ mod tests {
         );
         g.outputs = vec![y];
         (g, x, mm)
+    }
+
+    /// `ops` tanh applied to a new input of `shape`, then reshaped to `to` and expanded to
+    /// `wide`: (the chain's last node, the expand).
+    fn broadcast_chain(
+        g: &mut Graph,
+        shape: &[usize],
+        ops: usize,
+        to: &[usize],
+        wide: &[usize],
+    ) -> (NodeId, NodeId) {
+        let mut x = input(g, shape);
+        for _ in 0..ops {
+            x = unary(g, UnaryOp::Tanh, x);
+        }
+        let r = push(g, Op::Prim(Prim::Reshape(to.to_vec())), vec![x], to);
+        let e = push(g, Op::Prim(Prim::Expand(wide.to_vec())), vec![r], wide);
+        (x, e)
+    }
+
+    /// numpy_fn's shape: a sum over an outer product of two [rows, 40] values per row. A chain
+    /// longer than `MAX_RECOMPUTE_OPS` broadcast 40-fold is realized (inlined, the reduction
+    /// recomputed it 40 times per element); a short chain, a small (per-channel) one and a
+    /// chain broadcast 4-fold stay inlined.
+    #[test]
+    fn long_chains_broadcast_many_times_are_computed_once() {
+        let rows = 512;
+        let wide = [rows, 40, 40];
+        for (ops, realized) in [(MAX_RECOMPUTE_OPS + 1, true), (MAX_RECOMPUTE_OPS, false)] {
+            let mut g = Graph::default();
+            let (xn, xe) = broadcast_chain(&mut g, &[rows, 40], ops, &[rows, 40, 1], &wide);
+            let (yn, ye) = broadcast_chain(&mut g, &[rows, 40], ops, &[rows, 1, 40], &wide);
+            let prod = push(
+                &mut g,
+                Op::Prim(Prim::Binary(BinaryOp::Mul)),
+                vec![xe, ye],
+                &wide,
+            );
+            g.outputs = vec![sum(&mut g, prod, &[1, 2])];
+            let s = schedule(&g, &MatmulFusion::NONE);
+            assert_eq!(
+                (s.realized[xn], s.realized[yn]),
+                (realized, realized),
+                "{ops} ops"
+            );
+        }
+        // per-channel (64 values over [256, 64]) and 4-fold ([4096, 4] over [4096, 4, 4])
+        for (shape, to, wide) in [
+            (vec![64], vec![1, 64], vec![256, 64]),
+            (vec![1 << 12, 4], vec![1 << 12, 4, 1], vec![1 << 12, 4, 4]),
+        ] {
+            let mut g = Graph::default();
+            let (chain, e) = broadcast_chain(&mut g, &shape, MAX_RECOMPUTE_OPS + 2, &to, &wide);
+            let other = input(&mut g, &wide);
+            let y = push(
+                &mut g,
+                Op::Prim(Prim::Binary(BinaryOp::Mul)),
+                vec![e, other],
+                &wide,
+            );
+            g.outputs = vec![y];
+            let s = schedule(&g, &MatmulFusion::NONE);
+            assert!(!s.realized[chain], "{shape:?} over {wide:?}");
+        }
     }
 
     #[test]
