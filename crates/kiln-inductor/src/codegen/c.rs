@@ -178,10 +178,8 @@ impl<'a> Builder<'a> {
         let node = &self.g.nodes[id];
         let dtype = node.dtype;
         // one element of a read-only buffer that is not empty: the same at every element
-        let invariant = off.as_constant().is_some()
-            && !self.inplace.iter().any(|(input, _, _)| *input == id)
-            && !node.shape.contains(&0);
         let in_place = self.inplace.iter().any(|(input, _, _)| *input == id);
+        let invariant = off.as_constant().is_some() && !in_place && !node.shape.contains(&0);
         let quad = match self.lane_var {
             // an in-place input is read only at the index written (`inplace_ok`)
             Some(v) if !in_place && !invariant => off.quad_in(v).map(|rest| (v, rest)),
