@@ -123,9 +123,9 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
     let outer = is_outer(&kept, &reduced) && rows >= t.sm_count as usize * OUTER_ROWS_PER_SM;
     // an outer reduction with too few rows for a thread each (the second pass of a split one:
     // 64 to 512 channels over thousands of partials): a block per `COLUMN_ROWS` consecutive
-    // rows. A warp's lanes cover those rows at four reduced positions (each load four runs of
-    // 32 bytes), its warps further reduced positions; the accumulators meet in shared memory.
-    // A warp per row read its elements a row length apart, from a few blocks.
+    // rows. A warp's lanes cover those rows at `32 / COLUMN_ROWS` reduced positions (each load
+    // eight runs of 16 bytes), its warps further reduced positions; the accumulators meet in
+    // shared memory. A warp per row read its elements a row length apart, from a few blocks.
     // Its block is the pointwise kernels' (`cfg.block`), so it joins their horizontal launches.
     let acc_bytes: usize = accs.iter().map(|a| acc_size(a.a.acc_t)).sum();
     let warps = t.cfg.block as usize / 32;
