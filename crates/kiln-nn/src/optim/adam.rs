@@ -349,8 +349,31 @@ impl AdamCore {
         Ok(())
     }
 
+    /// One eager update of member `k` of dtype group `gi` with gradient `g`, its moments read
+    /// and written through views of the group's flat state.
+    fn step_member(&mut self, gi: usize, k: usize, g: &Tensor, lr: &Tensor) -> Result<()> {
+        let group = &self.groups[gi];
+        let i = group.members[k];
+        let p = &self.params[i];
+        let flat = &self.flat[gi];
+        let view = |state: &Tensor| group.member(state, k, p.shape());
+        let state = Moments {
+            exp_avg: view(&flat.exp_avg)?,
+            exp_avg_sq: view(&flat.exp_avg_sq)?,
+            max_exp_avg_sq: flat.max_exp_avg_sq.as_ref().map(view).transpose()?,
+        };
+        let step = self.steps[i].add(1.0)?;
+        let (new_p, new) = update(p, g, &state, &step, &self.hyper, lr)?;
+        p.assign(&new_p)?;
+        state.clone().store(new, true)?;
+        self.steps[i].assign(&step)?;
+        self.counts[i] += 1;
+        Ok(())
+    }
+
     fn step_foreach(&mut self, lr: &Tensor) -> Result<()> {
-        for (gi, group) in self.groups.iter().enumerate() {
+        for gi in 0..self.groups.len() {
+            let group = &self.groups[gi];
             // parameters at different step counts need different bias corrections: one flat update
             // per step count (normally all parameters share one, so this is a single update)
             let mut classes: BTreeMap<u64, Vec<(usize, Tensor)>> = BTreeMap::new();
@@ -358,6 +381,18 @@ impl AdamCore {
                 if let Some(g) = grad_of(&self.params[i])? {
                     classes.entry(self.counts[i] + 1).or_default().push((k, g));
                 }
+            }
+            if group.device == Device::Cpu && !self.traced {
+                // eager on the CPU: member by member over views of the flat state, as PyTorch's
+                // foreach does there. One pass of the rule over every parameter at once streams
+                // the whole group through memory some fifteen times; a member's tensors stay in
+                // cache between the passes (10 x 1M parameters: 330 ms flat, ~100 ms so)
+                for (_, members) in classes {
+                    for (k, g) in members {
+                        self.step_member(gi, k, &g, lr)?;
+                    }
+                }
+                continue;
             }
             for (count, members) in classes {
                 let ks: Vec<usize> = members.iter().map(|(k, _)| *k).collect();

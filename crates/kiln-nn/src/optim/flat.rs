@@ -64,6 +64,14 @@ impl FlatGroup {
         sel.len() == self.members.len()
     }
 
+    /// Member `k`'s part of a flat state, shaped like its parameter (a view: writes reach the
+    /// state).
+    pub fn member(&self, state: &Tensor, k: usize, shape: &[usize]) -> Result<Tensor> {
+        state
+            .narrow(0, self.offsets[k], self.numels[k])?
+            .reshape(shape)
+    }
+
     /// The part of a flat state that belongs to the selected members (positions within the group),
     /// as one flat tensor. The whole group is the state itself, no copy.
     pub fn gather(&self, state: &Tensor, sel: &[usize]) -> Result<Tensor> {
