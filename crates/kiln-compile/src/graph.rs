@@ -31,6 +31,18 @@ pub struct Node {
     pub device: Device,
 }
 
+impl Node {
+    /// Elements of the value.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Bytes of the value.
+    pub fn nbytes(&self) -> usize {
+        self.numel() * self.dtype.size_in_bytes()
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Graph {
     pub nodes: Vec<Node>,
@@ -77,6 +89,17 @@ pub fn rand_at(p: &Prim, seed: u64, base: u64) -> Prim {
 }
 
 impl Graph {
+    /// Whether node `id` is a view the core makes of its operand (the core's rule,
+    /// `Prim::view_layout`, over the operand as a contiguous value: traced values are).
+    pub fn is_view(&self, id: NodeId) -> bool {
+        let node = &self.nodes[id];
+        let (Op::Prim(p), Some(&a)) = (&node.op, node.args.first()) else {
+            return false;
+        };
+        p.view_layout(&kiln_core::shape::Layout::contiguous(&self.nodes[a].shape))
+            .is_some()
+    }
+
     pub fn push(&mut self, node: Node) -> NodeId {
         self.nodes.push(node);
         self.nodes.len() - 1

@@ -122,7 +122,7 @@ fn realize_below_views(g: &Graph, kinds: &[Kind], realized: &mut [bool], mut id:
 /// The large buffers node `id` loads when a reader inlines it: its realized operands holding at
 /// least 1/`LARGE_FRACTION` of its elements, and what its inlined operands load.
 fn leaves_of(g: &Graph, realized: &[bool], leaves: &[Leaves], id: NodeId) -> Leaves {
-    let numel = |i: NodeId| g.nodes[i].shape.iter().product::<usize>();
+    let numel = |i: NodeId| g.nodes[i].numel();
     let mut out: Vec<NodeId> = Vec::new();
     for &a in &g.nodes[id].args {
         if realized[a] {
@@ -144,7 +144,7 @@ fn leaves_of(g: &Graph, realized: &[bool], leaves: &[Leaves], id: NodeId) -> Lea
 /// the generated code computes a shared subexpression once), and of those the ones on values of
 /// `id`'s size (not per-channel values). Counting stops past what a lean chain may hold.
 fn inlined_ops(g: &Graph, kinds: &[Kind], realized: &[bool], id: NodeId) -> (usize, usize) {
-    let numel = |i: NodeId| g.nodes[i].shape.iter().product::<usize>();
+    let numel = |i: NodeId| g.nodes[i].numel();
     let mut seen = vec![id];
     let mut stack = vec![id];
     let (mut all, mut large) = (0, 0);
@@ -304,7 +304,7 @@ pub fn schedule(g: &Graph, mm: &MatmulFusion<'_>) -> Schedule {
             // product: numpy_fn's 640 x 640 per row) is recomputed at every copy when inlined:
             // past a short chain, compute it once
             let a = node.args[0];
-            let numel = |i: NodeId| g.nodes[i].shape.iter().product::<usize>();
+            let numel = |i: NodeId| g.nodes[i].numel();
             let factor = numel(id) / numel(a).max(1);
             if !realized[a]
                 && numel(a) >= BROADCAST_REALIZE_FROM

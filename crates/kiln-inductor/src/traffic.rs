@@ -4,8 +4,7 @@
 //! the one a GPU of `sm_count` multiprocessors gets; no device is needed). Views the core makes
 //! move nothing; an extern call (cuBLAS, cuDNN) is counted by its operands and result.
 
-use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::shape::Layout;
+use kiln_compile::graph::{Graph, Op};
 
 use crate::backend::{prepare, Planned};
 use crate::codegen::cuda::Cuda;
@@ -21,11 +20,6 @@ pub struct StepTraffic {
     pub written: usize,
     /// The shapes it writes.
     pub writes: Vec<Vec<usize>>,
-}
-
-fn bytes(g: &Graph, id: NodeId) -> usize {
-    let n = &g.nodes[id];
-    n.shape.iter().product::<usize>() * n.dtype.size_in_bytes()
 }
 
 /// The launches the CUDA target plans for `graph` (rewritten and split as a compile for a
@@ -45,8 +39,8 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
                 Some(StepTraffic {
                     name: kernel.name,
                     generated: true,
-                    read: inputs.iter().map(|&i| bytes(g, i)).sum(),
-                    written: outs.iter().map(|&(o, _)| bytes(g, o)).sum(),
+                    read: inputs.iter().map(|&i| g.nodes[i].nbytes()).sum(),
+                    written: outs.iter().map(|&(o, _)| g.nodes[o].nbytes()).sum(),
                     writes: outs
                         .iter()
                         .map(|&(o, _)| g.nodes[o].shape.clone())
@@ -56,17 +50,15 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
             Planned::Extern { node } => {
                 let n = &g.nodes[node];
                 let Op::Prim(prim) = &n.op else { return None };
-                // views the core makes move nothing (its own rule, over the realized,
-                // contiguous operand)
-                let operand = n.args.first().map(|&a| &g.nodes[a].shape);
-                if operand.is_some_and(|s| prim.view_layout(&Layout::contiguous(s)).is_some()) {
+                // views the core makes move nothing
+                if g.is_view(node) {
                     return None;
                 }
                 Some(StepTraffic {
                     name: prim.name().to_string(),
                     generated: false,
-                    read: n.args.iter().map(|&a| bytes(g, a)).sum(),
-                    written: bytes(g, node),
+                    read: n.args.iter().map(|&a| g.nodes[a].nbytes()).sum(),
+                    written: n.nbytes(),
                     writes: vec![n.shape.clone()],
                 })
             }

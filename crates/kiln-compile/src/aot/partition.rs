@@ -12,7 +12,6 @@
 //! iota, random with the forward's seed and offset) are recomputed for free.
 
 use kiln_core::prim::Prim;
-use kiln_core::shape::Layout;
 use kiln_core::{Error, Result};
 
 use super::joint::Joint;
@@ -45,7 +44,7 @@ fn banned_from_recompute(p: &Prim) -> bool {
 }
 
 fn bytes(n: &Node) -> u64 {
-    (n.shape.iter().product::<usize>() * n.dtype.size_in_bytes()) as u64
+    n.nbytes() as u64
 }
 
 /// The forward values a backward call (a convolution's or a matmul's gradient) reads, directly
@@ -65,13 +64,8 @@ fn materialized_backwards(g: &Graph, tangent_dep: &[bool]) -> Vec<bool> {
             let mut v = a;
             // a view of a value reads the value's memory (traced values are contiguous, so
             // the core's rule makes a reshape of one a view too)
-            while !tangent_dep[v] {
-                let Op::Prim(q) = &g.nodes[v].op else { break };
-                let operand = g.nodes[v].args.first().map(|&o| &g.nodes[o].shape);
-                match operand.and_then(|shape| q.view_layout(&Layout::contiguous(shape))) {
-                    Some(_) => v = g.nodes[v].args[0],
-                    None => break,
-                }
+            while !tangent_dep[v] && g.is_view(v) {
+                v = g.nodes[v].args[0];
             }
             if !tangent_dep[v] {
                 out[v] = true;
