@@ -186,23 +186,14 @@ impl<'a> Builder<'a> {
             _ => None,
         };
         let v = if self.lanes_at.as_ref() == Some(&off) {
-            let name = format!("{buf}_v");
-            self.vector_read(&buf, dtype, name.clone(), "q".into());
+            let name = self.vector_read(&buf, dtype, "q".into());
             self.temp(dtype, format!("{name}.v[k]"))
         } else if let Some((v, rest)) = quad {
             let at = match rest.as_constant() {
                 Some(0) => format!("i{v}_l0 / 4"),
                 _ => format!("({} + i{v}_l0) / 4", rest.to_c("i")),
             };
-            let name = match self
-                .vector_reads
-                .iter()
-                .find(|r| r.buf == buf && r.at == at)
-            {
-                Some(r) => r.name.clone(),
-                None => format!("{buf}_w{}", self.vector_reads.len()),
-            };
-            self.vector_read(&buf, dtype, name.clone(), at);
+            let name = self.vector_read(&buf, dtype, at);
             self.temp(dtype, format!("{name}.v[k]"))
         } else {
             self.temp_where(dtype, format!("{buf}[{}]", off.to_c("i")), invariant)
@@ -211,16 +202,27 @@ impl<'a> Builder<'a> {
         v
     }
 
-    /// Records a vector the lanes read (once).
-    fn vector_read(&mut self, buf: &str, dtype: DType, name: String, at: String) {
-        if !self.vector_reads.iter().any(|r| r.name == name) {
-            self.vector_reads.push(VectorRead {
-                buf: buf.to_string(),
-                dtype,
-                name,
-                at,
-            });
+    /// The name of the vector of `buf` the lanes read at `at`, recorded the first time: `<buf>_v`
+    /// at the written offset (`q`), `<buf>_w<n>` elsewhere.
+    fn vector_read(&mut self, buf: &str, dtype: DType, at: String) -> String {
+        if let Some(r) = self
+            .vector_reads
+            .iter()
+            .find(|r| r.buf == buf && r.at == at)
+        {
+            return r.name.clone();
         }
+        let name = match at.as_str() {
+            "q" => format!("{buf}_v"),
+            _ => format!("{buf}_w{}", self.vector_reads.len()),
+        };
+        self.vector_reads.push(VectorRead {
+            buf: buf.to_string(),
+            dtype,
+            name: name.clone(),
+            at,
+        });
+        name
     }
 
     /// `id`'s value at `idx` with each index held inside `id`'s shape: what pad and cat read,
