@@ -79,8 +79,9 @@ fn outer_run(in_shape: &[usize], dims: &[usize]) -> Option<(usize, usize)> {
 /// How an outer reduction of `rows` outputs over the run `[first, last]` of `in_shape` is split:
 /// into about 2048 threads per multiprocessor (`policy.few_rows` is two per multiprocessor):
 /// what one holds, so that enough loads are in flight to reach the memory's bandwidth (at 512,
-/// the per-channel sums of ResNet-18's activations ran at a third of it), with chunks of at least `OUTER_MIN_CHUNK`. The chunks are whole leading dims of the run and a
-/// divisor of the next one, which is viewed as `[d, n / d]`: a dim split in two keeps a load's
+/// the per-channel sums of ResNet-18's activations ran at a third of it), with chunks of at
+/// least `OUTER_MIN_CHUNK`. The chunks are whole leading dims of the run and a divisor of the
+/// next one, which is viewed as `[d, n / d]`: a dim split in two keeps a load's
 /// index a sum of the loop variables, where chunks of the run flattened would cost a division
 /// and a modulo per dim at every load.
 fn split_outer(

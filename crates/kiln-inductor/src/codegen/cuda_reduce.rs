@@ -21,17 +21,8 @@ const BLOCK_FROM: usize = 4096;
 const OUTER_ROWS_PER_SM: usize = 128;
 
 /// Shared memory a column reduction's block may take for its warps' accumulators (static
-/// shared memory stops at 48 KiB).
+/// shared memory stops at 48 KiB), counting each at 8 bytes (the widest: `double`, `int64_t`).
 const COLUMN_SHARED_BYTES: usize = 32 << 10;
-
-/// Bytes of an accumulator of C type `t`.
-fn acc_size(t: &str) -> usize {
-    match t {
-        "double" | "int64_t" => 8,
-        "uint8_t" => 1,
-        _ => 4,
-    }
-}
 
 /// Rows (kept elements) per block of a column reduction; a warp covers them at `32 /
 /// COLUMN_ROWS` reduced positions (its loads are runs of 16 bytes: half a sector). Few rows per
@@ -127,13 +118,12 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
     // eight runs of 16 bytes), its warps further reduced positions; the accumulators meet in
     // shared memory. A warp per row read its elements a row length apart, from a few blocks.
     // Its block is the pointwise kernels' (`cfg.block`), so it joins their horizontal launches.
-    let acc_bytes: usize = accs.iter().map(|a| acc_size(a.a.acc_t)).sum();
     let warps = t.cfg.block as usize / 32;
     let columns = is_outer(&kept, &reduced)
         && !outer
         && red >= WARP_FROM
         && rows >= COLUMN_ROWS
-        && warps * 32 * acc_bytes <= COLUMN_SHARED_BYTES;
+        && warps * 32 * 8 * accs.len() <= COLUMN_SHARED_BYTES;
     let (grid, block) = if columns {
         let (cols, depth) = (COLUMN_ROWS, 32 / COLUMN_ROWS);
         for a in &accs {
