@@ -193,10 +193,9 @@ pub(crate) fn update(
     ))
 }
 
-/// `update` over a dtype group's flat tensors, as one compiled function on a device.
+/// `update` over a device group's flat tensors, as one compiled function.
 fn flat_update(
     compiled: &FlatUpdate,
-    device: Device,
     (p, g): (&Tensor, &Tensor),
     s: &Moments,
     step: &Tensor,
@@ -224,7 +223,7 @@ fn flat_update(
         out.extend(new.max_exp_avg_sq);
         Ok(out)
     };
-    let mut out = compiled.run(&inputs, device, rule)?.into_iter();
+    let mut out = compiled.run(&inputs, rule)?.into_iter();
     let mut next = || {
         out.next()
             .ok_or_else(|| kiln_core::Error::arg("Adam.step", "the flat update lost an output"))
@@ -337,15 +336,34 @@ impl AdamCore {
     }
 
     fn step_loop(&mut self, lr: &Tensor) -> Result<()> {
-        for (i, p) in self.params.iter().enumerate() {
-            let Some(g) = grad_of(p)? else { continue };
-            let step = self.steps[i].add(1.0)?;
-            let (new_p, new_state) = update(p, &g, &self.states[i], &step, &self.hyper, lr)?;
-            p.assign(&new_p)?;
-            self.states[i].store(new_state, self.traced)?;
-            self.steps[i].assign(&step)?;
-            self.counts[i] += 1;
+        for i in 0..self.params.len() {
+            let Some(g) = grad_of(&self.params[i])? else {
+                continue;
+            };
+            let mut state = self.states[i].clone();
+            self.step_param(i, &g, &mut state, self.traced, lr)?;
+            self.states[i] = state;
         }
+        Ok(())
+    }
+
+    /// One eager update of parameter `i` with gradient `g` and moments `state`, stored in place
+    /// or by taking the new handles (`Moments::store`); its step count advances.
+    fn step_param(
+        &mut self,
+        i: usize,
+        g: &Tensor,
+        state: &mut Moments,
+        in_place: bool,
+        lr: &Tensor,
+    ) -> Result<()> {
+        let p = &self.params[i];
+        let step = self.steps[i].add(1.0)?;
+        let (new_p, new) = update(p, g, state, &step, &self.hyper, lr)?;
+        p.assign(&new_p)?;
+        state.store(new, in_place)?;
+        self.steps[i].assign(&step)?;
+        self.counts[i] += 1;
         Ok(())
     }
 
@@ -354,21 +372,15 @@ impl AdamCore {
     fn step_member(&mut self, gi: usize, k: usize, g: &Tensor, lr: &Tensor) -> Result<()> {
         let group = &self.groups[gi];
         let i = group.members[k];
-        let p = &self.params[i];
+        let shape = self.params[i].shape().to_vec();
         let flat = &self.flat[gi];
-        let view = |state: &Tensor| group.member(state, k, p.shape());
-        let state = Moments {
+        let view = |state: &Tensor| group.member(state, k, &shape);
+        let mut state = Moments {
             exp_avg: view(&flat.exp_avg)?,
             exp_avg_sq: view(&flat.exp_avg_sq)?,
             max_exp_avg_sq: flat.max_exp_avg_sq.as_ref().map(view).transpose()?,
         };
-        let step = self.steps[i].add(1.0)?;
-        let (new_p, new) = update(p, g, &state, &step, &self.hyper, lr)?;
-        p.assign(&new_p)?;
-        state.clone().store(new, true)?;
-        self.steps[i].assign(&step)?;
-        self.counts[i] += 1;
-        Ok(())
+        self.step_param(i, g, &mut state, true, lr)
     }
 
     fn step_foreach(&mut self, lr: &Tensor) -> Result<()> {
@@ -382,11 +394,12 @@ impl AdamCore {
                     classes.entry(self.counts[i] + 1).or_default().push((k, g));
                 }
             }
-            if group.device == Device::Cpu && !self.traced {
-                // eager on the CPU: member by member over views of the flat state, as PyTorch's
-                // foreach does there. One pass of the rule over every parameter at once streams
-                // the whole group through memory some fifteen times; a member's tensors stay in
-                // cache between the passes (10 x 1M parameters: 330 ms flat, ~100 ms so)
+            if group.device == Device::Cpu && intercept::current().is_none() {
+                // eager on the CPU: member by member over views of the flat state (written in
+                // place, which a traced step's graph also expects), as PyTorch's foreach does
+                // there. One pass of the rule over every parameter at once streams the whole
+                // group through memory some fifteen times; a member's tensors stay in cache
+                // between the passes (10 x 1M parameters: 330 ms flat, ~100 ms so)
                 for (_, members) in classes {
                     for (k, g) in members {
                         self.step_member(gi, k, &g, lr)?;
@@ -415,7 +428,6 @@ impl AdamCore {
                 let step = self.steps[group.members[ks[0]]].add(1.0)?;
                 let (new_p, new) = flat_update(
                     &self.flat_update,
-                    group.device,
                     (&p_cat, &g_cat),
                     &state,
                     &step,

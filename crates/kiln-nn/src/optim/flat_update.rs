@@ -8,15 +8,14 @@
 //!
 //! The compiled function is pure (new tensors out, nothing written in place), so when it cannot be
 //! built — no `kiln` backend registered (kiln-nn used without the facade), a compile error — the
-//! eager rule runs on the same inputs and the step's result is the same up to rounding. The CPU
-//! keeps the eager rule: there each op is already a vectorized loop over memory and the first step
-//! would pay a C compile.
+//! eager rule runs on the same inputs and the step's result is the same up to rounding. Eager on the
+//! CPU, Adam does not come here: it updates member by member (`adam.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use kiln_compile::{compile_named, CompileOptions, CompiledFn};
-use kiln_core::{intercept, Device, Result, Tensor};
+use kiln_core::{intercept, Result, Tensor};
 
 type Rule = dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync;
 
@@ -43,13 +42,13 @@ impl FlatUpdate {
     }
 
     /// `rule(inputs)`, through the compiled function where one applies.
-    pub fn run<F>(&self, inputs: &[Tensor], device: Device, rule: F) -> Result<Vec<Tensor>>
+    pub fn run<F>(&self, inputs: &[Tensor], rule: F) -> Result<Vec<Tensor>>
     where
         F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + Clone + 'static,
     {
-        // on the CPU, and inside a step being traced (a compiled `opt.step()`), the rule's ops
-        // are what the caller wants recorded or run
-        if device == Device::Cpu || intercept::current().is_some() {
+        // inside a step being traced (a compiled `opt.step()`), the rule's ops are what the
+        // caller wants recorded
+        if intercept::current().is_some() {
             return rule(inputs);
         }
         let mut slot = self.compiled.lock().unwrap_or_else(|e| e.into_inner());
