@@ -360,7 +360,7 @@ mod tests {
     use crate::backend::{schedule_for, C};
     use crate::codegen::cuda::Cuda;
     use crate::test_graphs::cpu::{input, push};
-    use crate::test_graphs::{sum, unary};
+    use crate::test_graphs::{expand, sum, unary};
 
     /// `tanh` applied `ops` times to x [1,m,k], @ w [1,n,k] transposed, + bias: (graph, the
     /// chain's last node, the matmul).
@@ -403,7 +403,7 @@ mod tests {
             x = unary(g, UnaryOp::Tanh, x);
         }
         let r = push(g, Op::Prim(Prim::Reshape(to.to_vec())), vec![x], to);
-        let e = push(g, Op::Prim(Prim::Expand(wide.to_vec())), vec![r], wide);
+        let e = expand(g, r, wide);
         (x, e)
     }
 

@@ -135,27 +135,18 @@ mod tests {
     use kiln_core::prim::BinaryOp;
 
     use super::*;
-    use crate::backend::plan_graph;
     use crate::codegen::cuda::Cuda;
-    use crate::test_graphs::{binary, input, push, sum};
-
-    /// Values each planned kernel of `g` computes (the graphs here are too large for one
-    /// block: `sequential.rs` leaves them alone).
-    fn kernels(g: &Graph) -> Vec<usize> {
-        crate::test_graphs::cuda_kernel_outputs(g)
-    }
+    // the graphs here are too large for one block: `sequential.rs` leaves them alone
+    use crate::test_graphs::{binary, cuda_kernel_outputs, expand, input, kernels, sum};
 
     /// Whether a planned kernel of `g`, or a member of one, keeps several accumulators (a
     /// horizontal launch of independent reductions has several outputs, one accumulator each).
     fn any_sibling_kernel(g: &Graph) -> bool {
-        plan_graph(&Cuda::new(2), g).iter().any(|p| match p {
-            Planned::Kernel { kernel, .. } => {
-                let members = kernel.device_fns.iter().map(|(_, f)| f.as_str());
-                std::iter::once(kernel.source.as_str())
-                    .chain(members)
-                    .any(|src| src.contains("double acc1 ="))
-            }
-            Planned::Extern { .. } => false,
+        kernels(&Cuda::new(2), g).iter().any(|(kernel, _)| {
+            let members = kernel.device_fns.iter().map(|(_, f)| f.as_str());
+            std::iter::once(kernel.source.as_str())
+                .chain(members)
+                .any(|src| src.contains("double acc1 ="))
         })
     }
 
@@ -174,10 +165,10 @@ mod tests {
             sum(&mut g, gx, &[0]),
             sum(&mut g, gxx, &[0]),
         ];
-        assert_eq!(kernels(&g), vec![3]);
+        assert_eq!(cuda_kernel_outputs(&g), vec![3]);
         assert!(any_sibling_kernel(&g));
-        let planned = plan_graph(&Cuda::new(2), &g);
-        let Some(Planned::Kernel { kernel, .. }) = planned.first() else {
+        let planned = kernels(&Cuda::new(2), &g);
+        let Some((kernel, _)) = planned.first() else {
             panic!("no kernel planned");
         };
         assert_eq!(kernel.inputs.len(), 2, "each tensor is one argument");
@@ -195,17 +186,12 @@ mod tests {
         let x = input(&mut g, &[4096, 64]);
         let grad = input(&mut g, &[4096, 64]);
         let first = sum(&mut g, grad, &[0]);
-        let wide = push(
-            &mut g,
-            Op::Prim(Prim::Expand(vec![4096, 64])),
-            vec![first],
-            &[4096, 64],
-        );
+        let wide = expand(&mut g, first, &[4096, 64]);
         let scaled = binary(&mut g, BinaryOp::Mul, x, wide);
         let second = sum(&mut g, scaled, &[0]);
         let rows = sum(&mut g, grad, &[1]);
         g.outputs = vec![first, second, rows];
-        let k = kernels(&g);
+        let k = cuda_kernel_outputs(&g);
         assert_eq!(k.iter().sum::<usize>(), 3);
         assert!(!any_sibling_kernel(&g), "{k:?}");
     }

@@ -67,6 +67,43 @@ pub(crate) fn sum(g: &mut Graph, a: NodeId, dims: &[usize]) -> NodeId {
     push_on(g, device, op, vec![a], &shape)
 }
 
+/// `a` broadcast to `shape`, on `a`'s device.
+pub(crate) fn expand(g: &mut Graph, a: NodeId, shape: &[usize]) -> NodeId {
+    let device = g.nodes[a].device;
+    push_on(
+        g,
+        device,
+        Op::Prim(Prim::Expand(shape.to_vec())),
+        vec![a],
+        shape,
+    )
+}
+
+/// `a[start..end]` along `dim`, on `a`'s device.
+pub(crate) fn slice(g: &mut Graph, a: NodeId, dim: usize, start: usize, end: usize) -> NodeId {
+    let mut shape = g.nodes[a].shape.clone();
+    shape[dim] = end - start;
+    let device = g.nodes[a].device;
+    let op = Op::Prim(Prim::Slice {
+        dim,
+        start,
+        end,
+        step: 1,
+    });
+    push_on(g, device, op, vec![a], &shape)
+}
+
+/// The kernels `t` plans for `g`, each with the number of values it writes.
+pub(crate) fn kernels<T: crate::backend::Target>(t: &T, g: &Graph) -> Vec<(T::Kernel, usize)> {
+    crate::backend::plan_graph(t, g)
+        .into_iter()
+        .filter_map(|p| match p {
+            crate::backend::Planned::Kernel { kernel, outs } => Some((kernel, outs.len())),
+            crate::backend::Planned::Extern { .. } => None,
+        })
+        .collect()
+}
+
 /// Adam's shape on `device`: per parameter shape, a step count bumped in place (a scalar kernel),
 /// then the parameter updated in place reading the new count (`p - grad * count`). Inputs: a
 /// scalar one, then per shape its count, parameter and gradient.
@@ -96,14 +133,8 @@ pub(crate) fn counted_updates(g: &mut Graph, device: Device, shapes: &[&[usize]]
 
 /// The values each kernel planned for a GPU (2 multiprocessors) computes, in launch order.
 pub(crate) fn cuda_kernel_outputs(g: &Graph) -> Vec<usize> {
-    use crate::backend::{plan_graph, Planned};
-    plan_graph(&crate::codegen::cuda::Cuda::new(2), g)
-        .iter()
-        .filter_map(|p| match p {
-            Planned::Kernel { outs, .. } => Some(outs.len()),
-            Planned::Extern { .. } => None,
-        })
-        .collect()
+    let planned = kernels(&crate::codegen::cuda::Cuda::new(2), g);
+    planned.into_iter().map(|(_, outs)| outs).collect()
 }
 
 /// The same builders on the CPU.
@@ -177,11 +208,5 @@ pub(crate) fn planned_kernels<T: crate::backend::Target>(
     args: &[kiln_core::Tensor],
 ) -> kiln_core::Result<Vec<(T::Kernel, usize)>> {
     let g = traced(f, args)?;
-    Ok(crate::backend::plan_graph(t, &crate::backend::prepare(&g))
-        .into_iter()
-        .filter_map(|p| match p {
-            crate::backend::Planned::Kernel { kernel, outs } => Some((kernel, outs.len())),
-            crate::backend::Planned::Extern { .. } => None,
-        })
-        .collect())
+    Ok(kernels(t, &crate::backend::prepare(&g)))
 }

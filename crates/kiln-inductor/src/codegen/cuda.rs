@@ -701,7 +701,7 @@ pub(crate) mod tests {
     use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
 
     use super::*;
-    use crate::test_graphs::{binary, input, push};
+    use crate::test_graphs::{binary, expand, input, kernels, push, slice};
 
     /// Every kind of kernel the generator writes: a vectorized and unrolled pointwise chain,
     /// reductions by a thread, a warp and a block per output element, and in-place updates of
@@ -816,34 +816,9 @@ pub(crate) mod tests {
             vec![x],
             &[4, 14, 14, 16],
         );
-        let rows = push(
-            &mut g,
-            Op::Prim(Prim::Slice {
-                dim: 1,
-                start: 2,
-                end: 14,
-                step: 1,
-            }),
-            vec![padded],
-            &[4, 12, 14, 16],
-        );
-        let tap = push(
-            &mut g,
-            Op::Prim(Prim::Slice {
-                dim: 2,
-                start: 1,
-                end: 13,
-                step: 1,
-            }),
-            vec![rows],
-            &shape,
-        );
-        let wide = push(
-            &mut g,
-            Op::Prim(Prim::Expand(shape.to_vec())),
-            vec![w],
-            &shape,
-        );
+        let rows = slice(&mut g, padded, 1, 2, 14);
+        let tap = slice(&mut g, rows, 2, 1, 13);
+        let wide = expand(&mut g, w, &shape);
         let scaled = binary(&mut g, BinaryOp::Mul, tap, wide);
         let turned = push(
             &mut g,
@@ -853,15 +828,9 @@ pub(crate) mod tests {
         );
         let y = binary(&mut g, BinaryOp::Add, scaled, turned);
         g.outputs.push(y);
-        let kernels: Vec<CudaKernel> = plan_graph(&Cuda::new(132), &g)
-            .into_iter()
-            .filter_map(|p| match p {
-                Planned::Kernel { kernel, .. } => Some(kernel),
-                Planned::Extern { .. } => None,
-            })
-            .collect();
-        assert_eq!(kernels.len(), 1);
-        let src = &kernels[0].source;
+        let planned = kernels(&Cuda::new(132), &g);
+        assert_eq!(planned.len(), 1);
+        let src = &planned[0].0.source;
         let vector_loop = &src[..src.find("\n    e0 = ").expect("a vector loop")];
         assert!(vector_loop.contains("const int i3_l0 = rem % 16"), "{src}");
         assert!(vector_loop.contains("const int i3 = i3_l0 + k;"), "{src}");
