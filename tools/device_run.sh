@@ -11,6 +11,8 @@
 # Steps: gpu_compile gpu_ops cuda_memory compile_ops (the op suite with KILN_TEST_DEVICE=cuda)
 #        cuda_test:NAME (any test binary in carry/gpu with KILN_TEST_DEVICE=cuda, 240 s at most)
 #        bench:WORKLOAD[:MODE] (kiln-bench on cuda; MODE default, reduce-overhead, eager, ...)
+#        quick:WORKLOAD (kiln-bench on cuda with --quick: fewer steps before its cold compile)
+#        cpu:WORKLOAD (kiln-bench on the host's CPU cores: numpy_fn, sincos, adam, regional)
 #        before:WORKLOAD[:MODE] (the same with carry/gpu/kiln-bench-before: a build of an earlier
 #        commit, for a before/after pair from one call)
 #        torch:W1,W2,... (torch_baseline.py) jax:W1,W2,... (jax_baseline.py) bert_minilm
@@ -40,6 +42,8 @@ run_step() {
     bench:*)
       IFS=: read -r _ w m <<<"$step"
       "$bin/kiln-bench" "$w" --device cuda --mode "${m:-default}" >"$log" 2>&1 ;;
+    quick:*) "$bin/kiln-bench" "${step#quick:}" --device cuda --quick >"$log" 2>&1 ;;
+    cpu:*) "$bin/kiln-bench" "${step#cpu:}" --device cpu >"$log" 2>&1 ;;
     before:*)
       IFS=: read -r _ w m <<<"$step"
       "$bin/kiln-bench-before" "$w" --device cuda --mode "${m:-default}" >"$log" 2>&1 ;;
@@ -53,7 +57,7 @@ run_step() {
   esac
   echo "== $step: exit $?, $((SECONDS - t0)) s"
   case $step in
-    bench:* | before:* | torch:* | jax:*) grep '^{' "$log" | cut -c1-200 ;;
+    bench:* | quick:* | cpu:* | before:* | torch:* | jax:*) grep '^{' "$log" | cut -c1-200 ;;
     bench_all:* | py:*) tail -n 40 "$log" ;;
     *) tail -n 25 "$log" ;;
   esac

@@ -41,6 +41,10 @@ fn counters() -> [u64; 4] {
     [cc.compiles, cc.disk_hits, nvrtc, nvrtc_hits]
 }
 
+/// A measured compile longer than this prints where the process's CPU time went
+/// (`proc_stats`), as does any with `KILN_BENCH_PROC` set.
+const SLOW_MEASUREMENT_S: f64 = 2.0;
+
 /// Times `f` (a compile and its first call) until `dev` has finished the queued work, with the
 /// kernel builds and disk hits it caused. With `KILN_BENCH_PROFILE=N` set, `f` runs under
 /// `kiln::profile` and its N largest rows go to stderr (where the time of a compile goes; the
@@ -50,6 +54,7 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
         .ok()
         .map(|v| v.parse().unwrap_or(40));
     let before = counters();
+    let process = crate::proc_stats::Snapshot::take();
     let t = Instant::now();
     let r = match rows {
         Some(rows) => {
@@ -64,6 +69,9 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
     };
     kiln::core::device::synchronize(dev)?;
     let secs = t.elapsed().as_secs_f64();
+    if secs > SLOW_MEASUREMENT_S || std::env::var_os("KILN_BENCH_PROC").is_some() {
+        eprintln!("{}", process.report("compile and first call"));
+    }
     let after = counters();
     Ok((
         r,

@@ -10,6 +10,7 @@
 
 mod compile_child;
 mod harness;
+mod proc_stats;
 mod workloads;
 
 use std::process::ExitCode;

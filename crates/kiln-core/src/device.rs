@@ -129,6 +129,11 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     ) -> Result<Arc<dyn DeviceBuffer>>;
     /// Writes `src`'s elements into the positions `dst` addresses (same device, shape, dtype).
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
+    /// `assign` for each pair, all on `device`'s runtime, shapes and dtypes already matched
+    /// (`Tensor::assign_many`). Runtimes copy many small tensors in a few launches where they can.
+    fn assign_many(&self, pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
+        pairs.iter().try_for_each(|(d, s)| self.assign(d, s))
+    }
     /// Waits for all work queued on `device`.
     fn synchronize(&self, device: Device) -> Result<()>;
     /// An uninitialized buffer of `len` elements (a generated kernel's output).

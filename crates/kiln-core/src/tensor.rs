@@ -357,6 +357,61 @@ impl Tensor {
         Ok(())
     }
 
+    /// `dst.assign(src)` for every pair (PyTorch's `torch._foreach_copy_`): what a multi-tensor
+    /// optimizer writes back into its parameters. Every pair is checked before any is written, so
+    /// an `Err` leaves all destinations as they were. The pairs on one device go to its runtime
+    /// together, which copies the contiguous ones in a few launches instead of one each.
+    #[track_caller]
+    pub fn assign_many(pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
+        for (k, (dst, src)) in pairs.iter().enumerate() {
+            if src.shape() != dst.shape() {
+                return Err(Error::shape(
+                    "assign_many",
+                    format!(
+                        "pair {k}: cannot copy a tensor of shape {:?} into one of shape {:?}",
+                        src.shape(),
+                        dst.shape()
+                    ),
+                ));
+            }
+        }
+        if crate::intercept::current().is_some() {
+            // a tracer records each write (input mutations of its graph); forcing the traced
+            // values here would break its graph
+            return pairs.iter().try_for_each(|(dst, src)| dst.assign(src));
+        }
+        let at = Location::caller();
+        // each source in its destination's dtype and on its device, before anything is written
+        let mut srcs = Vec::with_capacity(pairs.len());
+        for (dst, src) in pairs {
+            src.ready("assign_many", at)?;
+            dst.ready("assign_many", at)?;
+            let mut s = (*src).clone();
+            if s.dtype() != dst.dtype() {
+                s = s.to_dtype(dst.dtype())?;
+            }
+            if s.device() != dst.device() {
+                s = s.to_device(dst.device())?;
+            }
+            srcs.push(s);
+        }
+        let mut by_device: Vec<(Device, Vec<(&Tensor, &Tensor)>)> = Vec::new();
+        for ((dst, _), src) in pairs.iter().zip(&srcs) {
+            if !dst.is_on_device() {
+                dst.assign(src)?;
+                continue;
+            }
+            match by_device.iter_mut().find(|(d, _)| *d == dst.device()) {
+                Some((_, v)) => v.push((dst, src)),
+                None => by_device.push((dst.device(), vec![(dst, src)])),
+            }
+        }
+        for (device, group) in by_device {
+            crate::device::runtime_for("assign_many", device)?.assign_many(&group)?;
+        }
+        Ok(())
+    }
+
     /// The host buffer of a CPU tensor, locked for writing (callers checked the device).
     fn host_write(&self) -> std::sync::RwLockWriteGuard<'_, CpuStorage> {
         static NO_HOST_BUFFER: RwLock<CpuStorage> = RwLock::new(CpuStorage::F32(Vec::new()));

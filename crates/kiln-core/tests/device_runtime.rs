@@ -68,3 +68,56 @@ fn autograd_runs_on_the_device() {
     assert_eq!(g.device(), DEV);
     assert_eq!(g.to_vec::<f32>().unwrap(), vec![2.0, -4.0, 6.0]);
 }
+
+#[test]
+fn assign_many_writes_every_pair_as_assign_would() {
+    setup();
+    let seq = |n: usize, at: f32| (0..n).map(|v| at + v as f32).collect::<Vec<_>>();
+    // device destinations (one a strided view), a host destination, a source of another dtype
+    // and one on the host
+    let a = Tensor::zeros(&[2, 3], DType::F32).unwrap().to(DEV).unwrap();
+    let b_base = Tensor::zeros(&[4, 2], DType::F32).unwrap().to(DEV).unwrap();
+    let b = b_base.t().unwrap(); // [2, 4], not contiguous
+    let c = Tensor::zeros(&[3], DType::F32).unwrap();
+    let d = Tensor::zeros(&[2], DType::F32).unwrap().to(DEV).unwrap();
+    let sa = Tensor::from_vec(seq(6, 1.0), &[2, 3])
+        .unwrap()
+        .to(DEV)
+        .unwrap();
+    let sb = Tensor::from_vec(seq(8, 10.0), &[2, 4])
+        .unwrap()
+        .to(DEV)
+        .unwrap();
+    let sc = Tensor::from_vec(seq(3, 20.0), &[3])
+        .unwrap()
+        .to(DEV)
+        .unwrap();
+    let sd = Tensor::from_vec(vec![7i64, 8], &[2]).unwrap();
+    Tensor::assign_many(&[(&a, &sa), (&b, &sb), (&c, &sc), (&d, &sd)]).unwrap();
+    assert_eq!(a.to_vec::<f32>().unwrap(), seq(6, 1.0));
+    assert_eq!(b.to_vec::<f32>().unwrap(), seq(8, 10.0));
+    assert_eq!(c.to_vec::<f32>().unwrap(), seq(3, 20.0));
+    assert_eq!(d.to_vec::<f32>().unwrap(), vec![7.0, 8.0]);
+    assert_eq!(
+        (a.device(), c.device(), d.dtype()),
+        (DEV, Device::Cpu, DType::F32)
+    );
+}
+
+#[test]
+fn assign_many_checks_every_pair_before_writing_any() {
+    setup();
+    let a = Tensor::zeros(&[3], DType::F32).unwrap().to(DEV).unwrap();
+    let b = Tensor::zeros(&[2], DType::F32).unwrap().to(DEV).unwrap();
+    let ones = Tensor::ones(&[3], DType::F32).unwrap().to(DEV).unwrap();
+    // the second pair's shapes differ: the first pair must not have been written
+    let err = Tensor::assign_many(&[(&a, &ones), (&b, &ones)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("assign_many") && err.contains("pair 1") && err.contains("[3]"),
+        "{err}"
+    );
+    assert_eq!(a.to_vec::<f32>().unwrap(), vec![0.0; 3]);
+    assert_eq!(b.to_vec::<f32>().unwrap(), vec![0.0; 2]);
+}

@@ -170,11 +170,28 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     }
     let start = Instant::now();
     let image = compile_cubin(signature, src, &sm)?;
-    COMPILE_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    let took = start.elapsed();
+    COMPILE_NS.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    if log_builds() {
+        // what each build cost, to compare processes whose compiles of the same graphs differ
+        eprintln!(
+            "kiln nvrtc: {} source {} bytes, {:.3} s, {} cubin bytes",
+            &key[..12],
+            src.len(),
+            took.as_secs_f64(),
+            image.len()
+        );
+    }
     COMPILES.fetch_add(1, Ordering::Relaxed);
     // a cache that cannot be written only costs a recompile in the next process
     let _ = store(&dir, &path, &sum_path, &image);
     Ok(image)
+}
+
+/// `KILN_NVRTC_LOG` set: each NVRTC build prints its source hash, size and time to stderr.
+fn log_builds() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("KILN_NVRTC_LOG").is_some())
 }
 
 /// NVRTC's program API, for the CUBIN (cudarc's `compile_ptx` gives PTX only).

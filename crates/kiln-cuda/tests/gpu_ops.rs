@@ -325,6 +325,109 @@ fn cat_many_inputs() -> std::result::Result<(), String> {
     })
 }
 
+/// `Tensor::assign_many` over 150 pairs (three launches of the table kernel): sizes from 0 up,
+/// offset windows of one buffer, a transposed destination and an f16 one (copied one by one), a
+/// broadcast source, host sources; then pairs that must read as if written in order (a source
+/// that is a later pair's destination, overlapping destinations). Equal to `assign` pair by pair
+/// on the CPU.
+fn assign_many_pairs() -> std::result::Result<(), String> {
+    let e = |x: kiln_core::Error| x.to_string();
+    let mut rng = Rng::new(620);
+    let mut run = || -> kiln_core::Result<Option<String>> {
+        let big = Tensor::zeros(&[4000], DType::F32)?;
+        let mut dsts = Vec::new();
+        let mut srcs = Vec::new();
+        for i in 0..150usize {
+            let n = (i * 37) % 1500;
+            let (d, s) = match i % 10 {
+                // contiguous windows of one buffer, end to end
+                3 => (
+                    big.narrow(0, (i / 10) * 250, 200)?,
+                    input(&mut rng, &[200], -1.0, 1.0, false)?,
+                ),
+                5 => (
+                    Tensor::zeros(&[7, 5], DType::F32)?.t()?,
+                    input(&mut rng, &[5, 7], -1.0, 1.0, false)?,
+                ),
+                7 => (
+                    Tensor::zeros(&[n], DType::F16)?,
+                    input(&mut rng, &[n], -1.0, 1.0, false)?,
+                ),
+                8 => (
+                    Tensor::zeros(&[3, n], DType::F32)?,
+                    input(&mut rng, &[n], -1.0, 1.0, false)?.expand([3, n])?,
+                ),
+                _ => (
+                    Tensor::zeros(&[n], DType::F32)?,
+                    input(&mut rng, &[n], -1.0, 1.0, false)?,
+                ),
+            };
+            dsts.push(d);
+            srcs.push(s);
+        }
+        // the windows and the transpose are rebuilt on the device below; the rest move as values
+        let on_gpu = |t: &Tensor| t.contiguous()?.to(CUDA);
+        let big_gpu = big.to(CUDA)?;
+        let gpu_dsts = dsts
+            .iter()
+            .enumerate()
+            .map(|(i, d)| match i % 10 {
+                3 => big_gpu.narrow(0, (i / 10) * 250, 200),
+                5 => Tensor::zeros(&[7, 5], DType::F32)?.to(CUDA)?.t(),
+                _ => on_gpu(d),
+            })
+            .collect::<kiln_core::Result<Vec<_>>>()?;
+        let gpu_srcs = srcs
+            .iter()
+            .enumerate()
+            .map(|(i, s)| if i % 4 == 1 { Ok(s.clone()) } else { on_gpu(s) })
+            .collect::<kiln_core::Result<Vec<_>>>()?;
+        let pairs: Vec<(&Tensor, &Tensor)> = gpu_dsts.iter().zip(&gpu_srcs).collect();
+        Tensor::assign_many(&pairs)?;
+        for (d, s) in dsts.iter().zip(&srcs) {
+            d.assign(s)?;
+        }
+        for (i, (g, c)) in gpu_dsts.iter().zip(&dsts).enumerate() {
+            if g.to_vec_f64()? != c.to_vec_f64()? {
+                return Ok(Some(format!(
+                    "pair {i} ({:?}) differs from assign",
+                    c.shape()
+                )));
+            }
+        }
+        if big_gpu.to_vec::<f32>()? != big.to_vec::<f32>()? {
+            return Ok(Some("the windows' buffer differs from assign's".into()));
+        }
+        // in order: b <- a, then a <- s (b must get a's old values); c <- a's new values after;
+        // two overlapping windows of one buffer, the later one winning
+        let a = Tensor::full(&[64], 1.0, DType::F32)?.to(CUDA)?;
+        let b = Tensor::zeros(&[64], DType::F32)?.to(CUDA)?;
+        let c = Tensor::zeros(&[64], DType::F32)?.to(CUDA)?;
+        let s = Tensor::full(&[64], 2.0, DType::F32)?.to(CUDA)?;
+        let w = Tensor::zeros(&[100], DType::F32)?.to(CUDA)?;
+        let (w1, w2) = (w.narrow(0, 0, 64)?, w.narrow(0, 36, 64)?);
+        Tensor::assign_many(&[(&b, &a), (&a, &s), (&c, &a)])?;
+        let ones = Tensor::full(&[64], 1.0, DType::F32)?.to(CUDA)?;
+        Tensor::assign_many(&[(&w1, &s), (&w2, &ones)])?;
+        let got: Vec<f32> = [&a, &b, &c]
+            .iter()
+            .map(|t| t.sum_all()?.item::<f32>())
+            .collect::<kiln_core::Result<_>>()?;
+        let wv = w.to_vec::<f32>()?;
+        let want_w: Vec<f32> = (0..100).map(|i| if i < 36 { 2.0 } else { 1.0 }).collect();
+        if got != [128.0, 64.0, 128.0] || wv != want_w {
+            return Ok(Some(format!(
+                "pairs not written in order: sums {got:?}, windows {wv:?}"
+            )));
+        }
+        Ok(None)
+    };
+    match run().map_err(e)? {
+        None => Ok(()),
+        Some(msg) => Err(msg),
+    }
+}
+
 fn views_cat_pad_gather() -> std::result::Result<(), String> {
     let mut rng = Rng::new(600);
     let e = |x: kiln_core::Error| x.to_string();
@@ -762,6 +865,7 @@ fn main() {
         ("mlp_training_step", mlp_training_step),
         ("views_cat_pad_gather", views_cat_pad_gather),
         ("cat_many_inputs", cat_many_inputs),
+        ("assign_many_pairs", assign_many_pairs),
         ("casts_and_half", casts_and_half),
         ("optimizers_on_device", optimizers_on_device),
         ("conv_and_pool", conv_and_pool),

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 use kiln_core::{intercept, no_grad, DType, Device, Result, Tensor};
 
-use super::flat::{cat_flat, group_by_dtype, FlatGroup};
+use super::flat::{assign_pairs, cat_flat, group_by_dtype, FlatGroup};
 use super::flat_update::FlatUpdate;
 use super::{check_hyper, check_params, grad_of, LrHandle, Optimizer};
 
@@ -444,8 +444,12 @@ impl AdamCore {
                 if let (Some(m), Some(nm)) = (&mut flat.max_exp_avg_sq, new.max_exp_avg_sq) {
                     store(m, nm)?;
                 }
+                let steps: Vec<(Tensor, Tensor)> = ks
+                    .iter()
+                    .map(|&k| (self.steps[group.members[k]].clone(), step.clone()))
+                    .collect();
+                assign_pairs(&steps)?;
                 for &k in &ks {
-                    self.steps[group.members[k]].assign(&step)?;
                     self.counts[group.members[k]] = count;
                 }
             }
