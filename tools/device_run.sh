@@ -18,6 +18,8 @@
 #        torch:W1,W2,... (torch_baseline.py) jax:W1,W2,... (jax_baseline.py) bert_minilm
 #        bench_all:W1,W2,... (tools/bench_all.sh: kiln, torch and JAX rows into $OUT/bench.jsonl)
 #        py:SCRIPT (a python script carried in carry/)
+#        env:NAME=VALUE (exported for the steps after it, e.g. env:KILN_COMPILE_THREADS=8)
+#        sh:COMMAND (a shell command, e.g. sh:du -sh ~/.nv)
 set -u
 bin=carry/gpu
 out=${OUT:-/tmp/kiln-out}
@@ -32,7 +34,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 
 run_step() {
   local step=$1 log
-  log="$out/$(echo "$step" | tr ':,' '__').log"
+  n=$((n + 1))
+  # numbered, so a step given twice keeps both logs
+  log="$out/$(printf %02d $n)_$(echo -n "$step" | tr -c 'A-Za-z0-9_.=-' '_' | cut -c1-60).log"
   local t0=$SECONDS
   case $step in
     gpu_compile | gpu_ops | cuda_memory) "$bin/$step" >"$log" 2>&1 ;;
@@ -53,16 +57,20 @@ run_step() {
       2>&1 | grep -v -i warning >"$log" ;;
     bench_all:*) bash tools/bench_all.sh $(echo "${step#bench_all:}" | tr , ' ') >"$log" 2>&1 ;;
     py:*) timeout 400 python3 "carry/${step#py:}" >"$log" 2>&1 ;;
+    env:*) export "${step#env:}"; echo "${step#env:}" >"$log" ;;
+    sh:*) bash -c "${step#sh:}" >"$log" 2>&1 ;;
     *) echo "unknown step $step" >"$log" ;;
   esac
   echo "== $step: exit $?, $((SECONDS - t0)) s"
   case $step in
     bench:* | quick:* | cpu:* | before:* | torch:* | jax:*) grep '^{' "$log" | cut -c1-200 ;;
-    bench_all:* | py:*) tail -n 40 "$log" ;;
+    bench_all:* | py:* | sh:*) tail -n 40 "$log" ;;
+    env:*) ;;
     *) tail -n 25 "$log" ;;
   esac
 }
 
+n=0
 for s in "$@"; do run_step "$s"; done
 # at most 8 files come back: the logs travel as one archive
 tar -czf "$out/logs.tgz" -C "$out" $(cd "$out" && ls *.log) && rm -f "$out"/*.log

@@ -72,10 +72,11 @@ pub(crate) fn units(
         .collect()
 }
 
-/// Most threads compiling at once (`KILN_COMPILE_THREADS` overrides it). Concurrent NVRTC builds
-/// slow each other down: ResNet-18's 25 training units on a 16-core H100 host took 6.5 s with 16
-/// threads (35 s of NVRTC summed over them), 0.83 s with 8 and 0.72 s with 4 (2.6 s summed).
-const MAX_COMPILE_THREADS: usize = 4;
+/// Most threads compiling at once (`KILN_COMPILE_THREADS` overrides it; the cores bound it).
+/// Truly cold compiles (NVRTC's own cache bypassed) of DenseNet-121's training step on a 16-core
+/// H200 host: 18.9 s with 4 threads, 9.4 s with 8, 8.1 s with 16. (An earlier measurement that
+/// favoured 4 threads had its later runs served by NVRTC's cache.)
+const MAX_COMPILE_THREADS: usize = 16;
 
 fn compile_threads(units: usize) -> usize {
     let cap = std::env::var("KILN_COMPILE_THREADS")
