@@ -10,6 +10,7 @@ use kiln_core::Result;
 use kiln_compile::graph::NodeId;
 
 use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
+use crate::codegen::cuda_compile::{self, CudaFlags};
 use crate::codegen::template;
 use crate::ir::lower::{small_matmul, Kind, MatmulDims};
 use crate::runtime::cc::{self, toolchain};
@@ -347,6 +348,18 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     g
 }
 
+/// How `ctx` asks for CUDA graphs to be compiled. torch.compile's modes: reduce-overhead and
+/// max-autotune record CUDA graphs; both max-autotune modes time launch shapes of the generated
+/// kernels.
+fn cuda_flags(ctx: &BackendContext) -> Result<CudaFlags> {
+    let mode = ctx.mode.as_str();
+    Ok(CudaFlags {
+        cuda_graphs: matches!(mode, "reduce-overhead" | "max-autotune"),
+        inline_matmul: inline_small_matmuls(ctx, true)?,
+        autotune: matches!(mode, "max-autotune" | "max-autotune-no-cudagraphs"),
+    })
+}
+
 impl Backend for CpuCodegen {
     fn name(&self) -> &str {
         "kiln_cpu"
@@ -356,18 +369,32 @@ impl Backend for CpuCodegen {
         crate::channels_last::channels_last(joint)
     }
 
+    /// On a CUDA device both graphs' kernels are built by one pool of NVRTC threads: built one
+    /// graph after the other, each ended in a tail of a few large units on a few threads.
+    /// Anything that fails there goes through `compile` graph by graph (its fallbacks apply).
+    fn compile_pair(
+        &self,
+        forward: &Graph,
+        backward: &Graph,
+        ctx: &BackendContext,
+    ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
+        let (f, b) = (prepare(forward), prepare(backward));
+        let device = f.device();
+        if device != kiln_core::Device::Cpu && b.device() == device {
+            if let Ok(mut both) = cuda_compile::compile_many(&[&f, &b], cuda_flags(ctx)?) {
+                if let (Some(bc), Some(fc)) = (both.pop(), both.pop()) {
+                    return Ok((fc, bc));
+                }
+            }
+        }
+        Ok((self.compile(forward, ctx)?, self.compile(backward, ctx)?))
+    }
+
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
         let prepared = prepare(graph);
         let graph: &Graph = &prepared;
         if graph.device() != kiln_core::Device::Cpu {
-            // torch.compile's modes: reduce-overhead and max-autotune record CUDA graphs; both
-            // max-autotune modes time launch shapes of the generated kernels
-            let mode = ctx.mode.as_str();
-            let cuda_graphs = matches!(mode, "reduce-overhead" | "max-autotune");
-            let autotune = matches!(mode, "max-autotune" | "max-autotune-no-cudagraphs");
-            let inline_matmul = inline_small_matmuls(ctx, true)?;
-            return match crate::codegen::cuda::compile(graph, cuda_graphs, inline_matmul, autotune)
-            {
+            return match cuda_compile::compile(graph, cuda_flags(ctx)?) {
                 Ok(compiled) => Ok(compiled),
                 Err(e) if !ctx.fullgraph => {
                     static WARN: Once = Once::new();

@@ -78,9 +78,12 @@ impl Backend for AotBackend {
             let n = &graph.nodes[graph.outputs[k]];
             (n.shape.clone(), n.dtype)
         });
+        let (forward, backward) = self
+            .inner
+            .compile_pair(&part.forward, &part.backward, ctx)?;
         Ok(Arc::new(AotCompiled {
-            forward: self.inner.compile(&part.forward, ctx)?,
-            backward: self.inner.compile(&part.backward, ctx)?,
+            forward,
+            backward,
             rng_span: graph.rng_span,
             num_fwd_outputs: joint.num_fwd_outputs,
             num_saved: part.num_saved,

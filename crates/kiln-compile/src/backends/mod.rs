@@ -29,6 +29,17 @@ pub struct BackendContext {
 pub trait Backend: Send + Sync {
     fn name(&self) -> &str;
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>>;
+    /// Compiles AOT autograd's forward and backward graphs, which are always compiled together:
+    /// a backend may share work between them (kiln's CUDA target builds both graphs' kernels in
+    /// one pool of compiler threads). The default compiles one, then the other.
+    fn compile_pair(
+        &self,
+        forward: &Graph,
+        backward: &Graph,
+        ctx: &BackendContext,
+    ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
+        Ok((self.compile(forward, ctx)?, self.compile(backward, ctx)?))
+    }
     /// A rewrite of AOT autograd's joint graph (forward and backward in one) before it is split,
     /// so that what the forward saves for the backward is what this backend wants saved (kiln's
     /// CUDA target: activations in channels-last order). The rewrite keeps the graph's inputs and

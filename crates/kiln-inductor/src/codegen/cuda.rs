@@ -8,20 +8,14 @@
 //! sizes as parameters (`codegen/cuda_sizes.rs`).
 
 use std::fmt::Write;
-use std::sync::Arc;
 
 use kiln_compile::graph::{Graph, NodeId};
-use kiln_compile::{symbolic, CompiledGraph};
-use kiln_core::device::{runtime_for, ReduceSplit};
-use kiln_core::{profiler, DType, Result};
+use kiln_core::device::ReduceSplit;
+use kiln_core::DType;
 
 use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::c::{pointwise_body, split_index, split_index_as, ty, Builder, PointwiseBody};
-use crate::codegen::{cuda_sizes, cuda_tune, cuda_units};
 use crate::ir::lower::{small_matmul, MatmulDims};
-use crate::runtime::autotune::{Candidate, Tuned};
-use crate::runtime::cudagraph::CudaGraphed;
-use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::schedule::Schedule;
 use crate::sequential::Sequence;
 use crate::split_reduction::split_reductions;
@@ -29,7 +23,7 @@ use crate::split_reduction::split_reductions;
 /// Names the builder's C uses, mapped for NVRTC (which has no C headers): fixed-width integer
 /// types, the infinities, NaN tests that need no header, and the sine/cosine the CPU target
 /// routes through libmvec.
-const PRELUDE: &str = r#"#define int64_t long long
+pub(crate) const PRELUDE: &str = r#"#define int64_t long long
 #define int32_t int
 #define uint8_t unsigned char
 #undef INFINITY
@@ -567,132 +561,6 @@ pub(crate) fn plan<'g>(
     let graph = split.map_or(std::borrow::Cow::Borrowed(graph), std::borrow::Cow::Owned);
     let planned = plan_graph(target, &graph);
     (graph, planned)
-}
-
-/// Compiles a graph whose prims run on a CUDA device: its kernels in a few translation units,
-/// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
-/// device's eager kernels. One size of a symbolic graph (a size context is current) runs
-/// size-generic kernels where they instantiate (`codegen/cuda_sizes.rs`). With `cuda_graphs`
-/// (reduce-overhead, max-autotune) the launches are recorded once and replayed
-/// (`runtime/cudagraph.rs`). `inline_matmul`: small matmuls generated (the
-/// `inline_small_matmuls` option). With `autotune` (both max-autotune modes) each kernel is also
-/// generated in the other launch shapes (`codegen/cuda_tune.rs`), compiled in the same units,
-/// and the fastest chosen at its first launch (`runtime/autotune.rs`), unless a choice kept on
-/// disk says which; not for one size of a symbolic graph, whose kernels serve every size.
-pub fn compile(
-    graph: &Graph,
-    cuda_graphs: bool,
-    inline_matmul: bool,
-    autotune: bool,
-) -> Result<Arc<dyn CompiledGraph>> {
-    let device = graph.device();
-    let rt = runtime_for("compile", device)?;
-    let plan_span = profiler::span(profiler::Category::Compile, || {
-        "inductor: plan and generate CUDA C".into()
-    });
-    let sizes = symbolic::context::current();
-    let sm_count = rt.multiprocessors(device)?;
-    let target = Cuda {
-        inline_matmul,
-        horizontal: sizes.is_none(),
-        shared_per_block: rt.shared_memory_per_block(device)?,
-        int_index: sizes.is_none(),
-        ..Cuda::new(sm_count)
-    };
-    let (graph, planned) = plan(graph, &target, sizes.is_some());
-    let graph: &Graph = &graph;
-    let resolved = cuda_sizes::resolve(graph, &planned, sizes.as_ref());
-    let device_key = rt.device_key(device);
-    let choices = match autotune && sizes.is_none() {
-        true => cuda_tune::candidates(graph, &target, &planned, device_key.as_deref()),
-        false => vec![None; planned.len()],
-    };
-    // the kernels to build: each step's (resolved) kernel, and the other launch shapes tried
-    let mut building: Vec<cuda_sizes::Resolved> = resolved.clone();
-    for cands in choices.iter().flatten() {
-        // all of them: a choice read from disk leaves one, not necessarily the default
-        building.extend(cands.iter().map(cuda_sizes::Resolved::of));
-    }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let units = cuda_sizes::units(PRELUDE, &building, threads);
-    for (source, _) in &units {
-        crate::log_output_code(source);
-    }
-    drop(plan_span);
-    let loaded = {
-        let _span = profiler::span(profiler::Category::Compile, || {
-            format!("inductor: build and load {} units (NVRTC)", units.len()).into()
-        });
-        cuda_units::load(&rt, device, &units)?
-    };
-    let handle = |name: &str| {
-        loaded.get(name).cloned().ok_or_else(|| {
-            kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
-        })
-    };
-    let mut resolved = resolved.into_iter();
-    let steps = planned
-        .into_iter()
-        .zip(choices)
-        .map(|(p, choice)| match p {
-            Planned::Kernel { kernel, outs } => {
-                let r = resolved.next().ok_or_else(|| {
-                    kiln_core::Error::arg("kiln backend", "kernel count mismatch")
-                })?;
-                // the static kernel's grid, computed for this size: a size-generic kernel is a
-                // grid-stride loop like it, correct for any grid
-                let f = match choice {
-                    Some(cands) if cands.len() > 1 => Launch::Tuned(Arc::new(Tuned::new(
-                        device,
-                        &cands[0].name,
-                        device_key.as_deref(),
-                        cands
-                            .iter()
-                            .map(|k| {
-                                Ok(Candidate {
-                                    kernel: handle(&k.name)?,
-                                    name: k.name.clone(),
-                                    grid: k.grid,
-                                    block: k.block,
-                                    shared: k.shared,
-                                })
-                            })
-                            .collect::<Result<_>>()?,
-                    ))),
-                    // one shape: the default, or the one a choice kept on disk names
-                    Some(mut cands) if !cands.is_empty() => {
-                        let k = cands.swap_remove(0);
-                        Launch::Device {
-                            kernel: handle(&k.name)?,
-                            grid: k.grid,
-                            block: k.block,
-                            shared: k.shared,
-                        }
-                    }
-                    _ => Launch::Device {
-                        kernel: handle(&r.name)?,
-                        grid: kernel.grid,
-                        block: kernel.block,
-                        shared: kernel.shared,
-                    },
-                };
-                // every candidate reads the same inputs (`cuda_tune.rs` matched them)
-                Ok(Exec::Kernel {
-                    outs,
-                    f,
-                    inputs: kernel.inputs,
-                    name: r.name.into(),
-                    sizes: r.sizes,
-                })
-            }
-            Planned::Extern { node } => Ok(Exec::Extern { node }),
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let compiled: Arc<dyn CompiledGraph> = Arc::new(CompiledCpu::new(graph.clone(), steps));
-    Ok(match cuda_graphs {
-        true => Arc::new(CudaGraphed::new(compiled, graph)),
-        false => compiled,
-    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,213 @@
+//! Compiling graphs for a CUDA device: plan a graph's steps, generate its kernels, build them as
+//! translation units with NVRTC (`cuda_units.rs`) and assemble the executor. Graphs compiled
+//! together (a training step's forward and backward, `compile_many`) share one pool of NVRTC
+//! threads: built one after the other, each graph's compile ended in a tail where a few large
+//! units ran on a few threads while the other cores waited.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kiln_compile::graph::Graph;
+use kiln_compile::{symbolic, CompiledGraph};
+use kiln_core::device::{runtime_for, DeviceKernel, DeviceRuntime};
+use kiln_core::{profiler, Device, Result};
+
+use super::cuda::{plan, Cuda, CudaKernel, PRELUDE};
+use super::{cuda_sizes, cuda_tune, cuda_units};
+use crate::backend::Planned;
+use crate::runtime::autotune::{Candidate, Tuned};
+use crate::runtime::cudagraph::CudaGraphed;
+use crate::runtime::exec::{CompiledCpu, Exec, Launch};
+
+/// How a graph is compiled for CUDA (the backend reads them from the mode and options).
+#[derive(Clone, Copy, Debug)]
+pub struct CudaFlags {
+    /// Record the launches once and replay them (reduce-overhead, max-autotune).
+    pub cuda_graphs: bool,
+    /// Small matmuls generated (the `inline_small_matmuls` option).
+    pub inline_matmul: bool,
+    /// Time launch shapes of each kernel at its first launch (both max-autotune modes).
+    pub autotune: bool,
+}
+
+/// A graph planned and its kernels generated, waiting for its units to be built.
+struct Prepared {
+    graph: Graph,
+    device: Device,
+    device_key: Option<String>,
+    planned: Vec<Planned<CudaKernel>>,
+    choices: Vec<Option<Vec<CudaKernel>>>,
+    resolved: Vec<cuda_sizes::Resolved>,
+    units: Vec<(String, Vec<String>)>,
+    cuda_graphs: bool,
+}
+
+/// Compiles a graph whose prims run on a CUDA device: its kernels in a few translation units,
+/// loaded on the device; extern steps (matmul, conv, random, 16-bit floats) run through the
+/// device's eager kernels. One size of a symbolic graph (a size context is current) runs
+/// size-generic kernels where they instantiate (`codegen/cuda_sizes.rs`). With `cuda_graphs`
+/// (reduce-overhead, max-autotune) the launches are recorded once and replayed
+/// (`runtime/cudagraph.rs`). `inline_matmul`: small matmuls generated (the
+/// `inline_small_matmuls` option). With `autotune` (both max-autotune modes) each kernel is also
+/// generated in the other launch shapes (`codegen/cuda_tune.rs`), compiled in the same units,
+/// and the fastest chosen at its first launch (`runtime/autotune.rs`), unless a choice kept on
+/// disk says which; not for one size of a symbolic graph, whose kernels serve every size.
+pub fn compile(graph: &Graph, flags: CudaFlags) -> Result<Arc<dyn CompiledGraph>> {
+    let mut out = compile_many(&[graph], flags)?;
+    out.pop()
+        .ok_or_else(|| kiln_core::Error::arg("kiln backend", "no graph was compiled"))
+}
+
+/// `compile` for each graph (all on one device), their units built by one pool of threads.
+pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn CompiledGraph>>> {
+    let Some(first) = graphs.first() else {
+        return Ok(Vec::new());
+    };
+    let device = first.device();
+    let rt = runtime_for("compile", device)?;
+    let prepared = graphs
+        .iter()
+        .map(|g| prepare(&rt, g, flags))
+        .collect::<Result<Vec<_>>>()?;
+    let mut all_units: Vec<(String, Vec<String>)> = prepared
+        .iter()
+        .flat_map(|p| p.units.iter().cloned())
+        .collect();
+    // the threads take units in order: the largest first, so none is left for the end alone
+    all_units.sort_by_key(|(src, _)| std::cmp::Reverse(src.len()));
+    let loaded = {
+        let _span = profiler::span(profiler::Category::Compile, || {
+            format!(
+                "inductor: build and load {} units (NVRTC) of {} graph(s)",
+                all_units.len(),
+                graphs.len()
+            )
+            .into()
+        });
+        cuda_units::load(&rt, device, &all_units)?
+    };
+    prepared.into_iter().map(|p| finish(p, &loaded)).collect()
+}
+
+/// Plans `graph` and generates its kernels as translation units.
+fn prepare(rt: &Arc<dyn DeviceRuntime>, graph: &Graph, flags: CudaFlags) -> Result<Prepared> {
+    let device = graph.device();
+    let _span = profiler::span(profiler::Category::Compile, || {
+        "inductor: plan and generate CUDA C".into()
+    });
+    let sizes = symbolic::context::current();
+    let sm_count = rt.multiprocessors(device)?;
+    let target = Cuda {
+        inline_matmul: flags.inline_matmul,
+        horizontal: sizes.is_none(),
+        shared_per_block: rt.shared_memory_per_block(device)?,
+        int_index: sizes.is_none(),
+        ..Cuda::new(sm_count)
+    };
+    let (graph, planned) = plan(graph, &target, sizes.is_some());
+    let graph: Graph = graph.into_owned();
+    let resolved = cuda_sizes::resolve(&graph, &planned, sizes.as_ref());
+    let device_key = rt.device_key(device);
+    let choices = match flags.autotune && sizes.is_none() {
+        true => cuda_tune::candidates(&graph, &target, &planned, device_key.as_deref()),
+        false => vec![None; planned.len()],
+    };
+    // the kernels to build: each step's (resolved) kernel, and the other launch shapes tried
+    let mut building: Vec<cuda_sizes::Resolved> = resolved.clone();
+    for cands in choices.iter().flatten() {
+        // all of them: a choice read from disk leaves one, not necessarily the default
+        building.extend(cands.iter().map(cuda_sizes::Resolved::of));
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let units = cuda_sizes::units(PRELUDE, &building, threads);
+    for (source, _) in &units {
+        crate::log_output_code(source);
+    }
+    Ok(Prepared {
+        graph,
+        device,
+        device_key,
+        planned,
+        choices,
+        resolved,
+        units,
+        cuda_graphs: flags.cuda_graphs,
+    })
+}
+
+/// The executor of a prepared graph, its kernels taken from `loaded` (by name).
+fn finish(
+    p: Prepared,
+    loaded: &HashMap<String, Arc<dyn DeviceKernel>>,
+) -> Result<Arc<dyn CompiledGraph>> {
+    let handle = |name: &str| {
+        loaded.get(name).cloned().ok_or_else(|| {
+            kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
+        })
+    };
+    let (device, device_key) = (p.device, p.device_key.as_deref());
+    let mut resolved = p.resolved.into_iter();
+    let steps = p
+        .planned
+        .into_iter()
+        .zip(p.choices)
+        .map(|(step, choice)| match step {
+            Planned::Kernel { kernel, outs } => {
+                let r = resolved.next().ok_or_else(|| {
+                    kiln_core::Error::arg("kiln backend", "kernel count mismatch")
+                })?;
+                // the static kernel's grid, computed for this size: a size-generic kernel is a
+                // grid-stride loop like it, correct for any grid
+                let f = match choice {
+                    Some(cands) if cands.len() > 1 => Launch::Tuned(Arc::new(Tuned::new(
+                        device,
+                        &cands[0].name,
+                        device_key,
+                        cands
+                            .iter()
+                            .map(|k| {
+                                Ok(Candidate {
+                                    kernel: handle(&k.name)?,
+                                    name: k.name.clone(),
+                                    grid: k.grid,
+                                    block: k.block,
+                                    shared: k.shared,
+                                })
+                            })
+                            .collect::<Result<_>>()?,
+                    ))),
+                    // one shape: the default, or the one a choice kept on disk names
+                    Some(mut cands) if !cands.is_empty() => {
+                        let k = cands.swap_remove(0);
+                        Launch::Device {
+                            kernel: handle(&k.name)?,
+                            grid: k.grid,
+                            block: k.block,
+                            shared: k.shared,
+                        }
+                    }
+                    _ => Launch::Device {
+                        kernel: handle(&r.name)?,
+                        grid: kernel.grid,
+                        block: kernel.block,
+                        shared: kernel.shared,
+                    },
+                };
+                // every candidate reads the same inputs (`cuda_tune.rs` matched them)
+                Ok(Exec::Kernel {
+                    outs,
+                    f,
+                    inputs: kernel.inputs,
+                    name: r.name.into(),
+                    sizes: r.sizes,
+                })
+            }
+            Planned::Extern { node } => Ok(Exec::Extern { node }),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let compiled: Arc<dyn CompiledGraph> = Arc::new(CompiledCpu::new(p.graph.clone(), steps));
+    Ok(match p.cuda_graphs {
+        true => Arc::new(CudaGraphed::new(compiled, &p.graph)),
+        false => compiled,
+    })
+}
