@@ -358,9 +358,10 @@ impl Tensor {
     }
 
     /// `dst.assign(src)` for every pair (PyTorch's `torch._foreach_copy_`): what a multi-tensor
-    /// optimizer writes back into its parameters. Every pair is checked before any is written, so
-    /// an `Err` leaves all destinations as they were. The pairs on one device go to its runtime
-    /// together, which copies the contiguous ones in a few launches instead of one each.
+    /// optimizer writes back into its parameters. Every pair's shapes are checked, and its source
+    /// converted to the destination's dtype and device, before any is written, so a bad pair is
+    /// an `Err` that leaves all destinations as they were. The pairs on one device go to its
+    /// runtime together, which copies the contiguous ones in a few launches instead of one each.
     #[track_caller]
     pub fn assign_many(pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
         for (k, (dst, src)) in pairs.iter().enumerate() {
