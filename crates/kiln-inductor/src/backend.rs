@@ -124,6 +124,13 @@ impl Target for C {
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         reduction_kernel(g, sched, root)
     }
+    /// Not for a symbolic graph (`horizontal` off): its kernels stay the ones
+    /// `codegen/template.rs` fits across sizes.
+    fn sibling_reductions(&self, g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<Kernel> {
+        self.horizontal
+            .then(|| crate::codegen::c_siblings::sibling_kernel(g, sched, roots))
+            .flatten()
+    }
     /// Not under a size context (`horizontal` off): a symbolic graph's kernels stay the ones
     /// `codegen/template.rs` fits across sizes.
     fn rows(&self, g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<Kernel> {

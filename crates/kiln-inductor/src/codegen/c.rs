@@ -762,9 +762,30 @@ pub(super) fn lane_loops(
     start: &str,
     end: &str,
 ) {
+    lane_loops_into(text, (d, body), &[("acc", value, step)], start, end);
+}
+
+/// One lane array a lane loop adds to: its C name, the value added, and how (`acc = step(acc, v)`).
+pub(super) type LaneAdd<'a> = (&'a str, &'a str, fn(&str, &str) -> String);
+
+/// `lane_loops` adding to several lane arrays at once, one walk over the operands for all
+/// (sibling reductions, `codegen/c_siblings.rs`).
+pub(super) fn lane_loops_into(
+    text: &mut String,
+    (d, body): (usize, &str),
+    accs: &[LaneAdd<'_>],
+    start: &str,
+    end: &str,
+) {
     let l = SUM_LANES;
-    let add = step("acc[l]", value);
-    let lane = format!("    const int64_t i{d} = c + l;\n{body}    acc[l] = {add};\n");
+    let adds: String = accs
+        .iter()
+        .map(|(acc, value, step)| {
+            let add = step(&format!("{acc}[l]"), value);
+            format!("    {acc}[l] = {add};\n")
+        })
+        .collect();
+    let lane = format!("    const int64_t i{d} = c + l;\n{body}{adds}");
     let _ = writeln!(
         text,
         "  int64_t c = {start};\n  for (; c + {l} <= {end}; c += {l}) {{\n  #pragma omp simd\n  \
@@ -775,9 +796,17 @@ pub(super) fn lane_loops(
 
 /// The lanes folded in halves into `acc[0]`.
 pub(super) fn fold_lanes(text: &mut String, step: fn(&str, &str) -> String) {
-    let fold = step("acc[l]", "acc[l + h]");
+    fold_lanes_of(text, "acc", step);
+}
+
+/// The lanes of the array `acc` folded in halves into `acc[0]`.
+pub(super) fn fold_lanes_of(text: &mut String, acc: &str, step: fn(&str, &str) -> String) {
+    let fold = step(&format!("{acc}[l]"), &format!("{acc}[l + h]"));
     let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", SUM_LANES / 2);
-    let _ = writeln!(text, "    for (int64_t l = 0; l < h; l++) acc[l] = {fold};");
+    let _ = writeln!(
+        text,
+        "    for (int64_t l = 0; l < h; l++) {acc}[l] = {fold};"
+    );
 }
 
 /// A single long float sum in `prim::SUM_CHUNKED_FROM`'s chunked order (the eager kernel's):
