@@ -210,3 +210,10 @@ pub(crate) fn planned_kernels<T: crate::backend::Target>(
     let g = traced(f, args)?;
     Ok(kernels(t, &crate::backend::prepare(&g)))
 }
+
+/// The C target as the `kiln` backend makes it for a concrete graph (horizontal kernels on,
+/// small matmuls left to gemm).
+pub(crate) const C_TARGET: crate::backend::C = crate::backend::C {
+    inline_matmul: false,
+    horizontal: true,
+};

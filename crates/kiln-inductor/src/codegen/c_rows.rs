@@ -92,13 +92,7 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
 mod tests {
     use kiln_core::{DType, Result, Tensor};
 
-    use crate::backend::C;
-    use crate::test_graphs::planned_kernels;
-
-    const TARGET: C = C {
-        inline_matmul: false,
-        horizontal: true,
-    };
+    use crate::test_graphs::{planned_kernels, C_TARGET as TARGET};
 
     /// Layer norm on the CPU: one loop nest over the rows, the mean and the variance summed in
     /// the lane order (the eager kernel's, so results stay bitwise equal: compile_ops checks

@@ -103,13 +103,7 @@ mod tests {
     use kiln_core::prim::SUM_CHUNKED_FROM;
     use kiln_core::{DType, Result, Tensor};
 
-    use crate::backend::C;
-    use crate::test_graphs::planned_kernels;
-
-    const TARGET: C = C {
-        inline_matmul: false,
-        horizontal: true,
-    };
+    use crate::test_graphs::{planned_kernels, C_TARGET as TARGET};
 
     /// Per-channel sums of two products of the same activation and gradient (batch norm's
     /// backward): one kernel, one walk, a lane array per sum; a single long row is summed in
