@@ -19,7 +19,7 @@ fn step(m: &dyn Module, x: &Tensor) -> Result<()> {
 fn bench(c: &mut Criterion) {
     let setup = || -> Result<(Sequential, Tensor)> {
         kiln::manual_seed(0);
-        let mut m = Sequential::new().add(BatchNorm2d::new(64)?);
+        let m = Sequential::new().add(BatchNorm2d::new(64)?);
         m.train(true);
         let x = Tensor::randn(&[16, 64, 56, 56], DType::F32)?;
         x.set_requires_grad(true)?;
