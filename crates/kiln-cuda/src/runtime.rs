@@ -201,19 +201,18 @@ impl DeviceRuntime for CudaRuntime {
     }
 
     fn assign_many(&self, pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
-        let one_by_one = || pairs.iter().try_for_each(|(d, s)| self.assign(d, s));
         let mut table: Vec<movement::Copy1d> = Vec::new();
         let mut table_of: Option<(Arc<CudaDevice>, DType)> = None;
         let mut rest: Vec<(&Tensor, &Tensor)> = Vec::new();
-        let mut dst_bufs: Vec<u64> = Vec::with_capacity(pairs.len());
-        let mut rest_bufs: Vec<u64> = Vec::new();
+        let (mut writes, mut reads) = (Vec::new(), Vec::new());
         for &(dst, src) in pairs {
             let (db, dl) = operand("assign_many", dst)?;
             let (sb, sl) = operand("assign_many", src)?;
-            dst_bufs.push(db.ptr);
             if dl.numel() == 0 {
                 continue;
             }
+            writes.push(movement::bytes_touched(db, dl));
+            reads.push(movement::bytes_touched(sb, sl));
             let fits = dl.is_contiguous()
                 && sl.is_contiguous()
                 && db.dtype == sb.dtype
@@ -222,41 +221,21 @@ impl DeviceRuntime for CudaRuntime {
                     .map_or(true, |(d, t)| Arc::ptr_eq(d, &db.dev) && *t == db.dtype);
             if !fits {
                 rest.push((dst, src));
-                rest_bufs.push(db.ptr);
                 continue;
             }
-            let size = db.dtype.size_in_bytes();
             table_of.get_or_insert_with(|| (db.dev.clone(), db.dtype));
             table.push(movement::Copy1d {
-                dst: db.ptr + (dl.offset * size) as u64,
-                src: sb.ptr + (sl.offset * size) as u64,
+                dst: db.at(dl.offset),
+                src: sb.at(sl.offset),
                 n: dl.numel() as i64,
             });
         }
-        // the pairs must read as if written one after another: where a source is some pair's
-        // destination, or destinations may overlap, they are
-        dst_bufs.sort_unstable();
-        let is_dst = |t: &Tensor| {
-            t.device_buffer()
-                .is_some_and(|b| dst_bufs.binary_search(&b.address()).is_ok())
-        };
-        let shared_dst = |b: &u64| {
-            dst_bufs.partition_point(|x| x <= b) - dst_bufs.partition_point(|x| x < b) > 1
-        };
-        if pairs.iter().any(|(_, s)| is_dst(s)) || rest_bufs.iter().any(shared_dst) {
-            return one_by_one();
+        // one launch only where the pairs read as if written one after another
+        if !movement::copies_commute(writes, &reads) {
+            return pairs.iter().try_for_each(|(d, s)| self.assign(d, s));
         }
         if let Some((dev, dtype)) = table_of {
-            let size = dtype.size_in_bytes() as u64;
-            let mut spans: Vec<(u64, u64)> = table
-                .iter()
-                .map(|c| (c.dst, c.dst + c.n as u64 * size))
-                .collect();
-            spans.sort_unstable();
-            if spans.windows(2).any(|w| w[1].0 < w[0].1) {
-                return one_by_one();
-            }
-            movement::copy_many(&dev, &table, size as usize)?;
+            movement::copy_many(&dev, &table, dtype.size_in_bytes())?;
         }
         rest.iter().try_for_each(|(d, s)| self.assign(d, s))
     }
