@@ -569,27 +569,42 @@ pub(crate) fn reduction_parts<'a>(
     let Op::Prim(Prim::Reduce { dims, .. }) = &node.op else {
         unreachable!("a reduction kernel for a non-reduction (the scheduler classifies it)")
     };
-    let src = node.args[0];
-    let in_shape = g.nodes[src].shape.clone();
-    let ext: Vec<i64> = in_shape.iter().map(|&s| s as i64).collect();
-    let mut b = Builder::new(g, sched, ext);
+    let in_shape = &g.nodes[node.args[0]].shape;
+    let mut b = Builder::new(g, sched, in_shape.iter().map(|&s| s as i64).collect());
     let acc = reduce_accumulator(&mut b, g, root);
+    let (kept, reduced, out_offset) = reduce_loops(in_shape, dims, &node.shape);
+    ReductionParts {
+        b,
+        acc,
+        out_offset,
+        kept,
+        reduced,
+    }
+}
+
+/// Loops as (dim, extent) pairs, outermost first.
+pub(crate) type Loops = Vec<(usize, usize)>;
+
+/// The loops of a reduction over `dims` of an operand of `in_shape` into an output of
+/// `out_shape`: the kept (dim, extent) pairs, the reduced ones, and the output offset over the
+/// kept loop variables.
+pub(crate) fn reduce_loops(
+    in_shape: &[usize],
+    dims: &[usize],
+    out_shape: &[usize],
+) -> (Loops, Loops, String) {
     let out_idx: Vec<Ix> = (0..in_shape.len())
         .map(|d| match dims.contains(&d) {
             true => Ix::constant(0),
             false => Ix::var(d),
         })
         .collect();
-    ReductionParts {
-        b,
-        acc,
-        out_offset: linear(&out_idx, &node.shape).to_c("i"),
-        kept: (0..in_shape.len())
-            .filter(|d| !dims.contains(d))
-            .map(|d| (d, in_shape[d]))
-            .collect(),
-        reduced: dims.iter().map(|&d| (d, in_shape[d])).collect(),
-    }
+    let kept = (0..in_shape.len())
+        .filter(|d| !dims.contains(d))
+        .map(|d| (d, in_shape[d]))
+        .collect();
+    let reduced = dims.iter().map(|&d| (d, in_shape[d])).collect();
+    (kept, reduced, linear(&out_idx, out_shape).to_c("i"))
 }
 
 /// A `Reduce`'s accumulator, built with `b` (whose loop variables `i<d>` walk the operand):
@@ -673,18 +688,12 @@ fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> Reductio
 pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let ReductionParts {
         b,
-        acc:
-            Accumulator {
-                value: v,
-                acc_t,
-                init,
-                step,
-                lanes,
-            },
+        acc,
         out_offset: off,
         kept,
         reduced,
     } = reduction_parts(g, sched, root);
+    let (v, acc_t, init, step) = (&acc.value, acc.acc_t, &acc.init, acc.step);
     let node = &g.nodes[root];
     let numel: usize = kept.iter().chain(&reduced).map(|d| d.1).product();
     let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
@@ -693,30 +702,21 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let mut shareable = true;
     let rows: usize = kept.iter().map(|k| k.1).product();
     let red: usize = reduced.iter().map(|k| k.1).product();
-    match (lanes, reduced.split_last()) {
+    match (acc.lanes, reduced.split_last()) {
         (true, Some((&(d, n), outer))) if rows == 1 && red >= SUM_CHUNKED_FROM => {
             // its chunks run in a parallel region of its own (`chunked_sum`)
             shareable = false;
-            chunked_sum(&mut text, (&b.body, &v), acc_t, (d, n), outer, step);
+            chunked_sum(&mut text, (&b.body, v), acc_t, (d, n), outer, step);
             let _ = writeln!(text, "  out[{off}] = ({})total;\n  }}", ty(node.dtype));
         }
         (true, Some((&(d, n), outer))) => {
-            // `prim::SUM_LANES`'s order: element k of each run of the innermost reduced dim
-            // into lane k % L, the lanes folded in halves. Integer literals are only n and L,
-            // so a size-generic kernel fits n like any loop bound.
-            let l = SUM_LANES;
-            let _ = writeln!(text, "  {{\n  {acc_t} acc[{l}];");
-            let _ = writeln!(text, "  for (int64_t l = 0; l < {l}; l++) acc[l] = {init};");
-            loops(&mut text, outer, Threads::One);
-            let _ = writeln!(text, "  {{");
-            lane_loops(&mut text, (d, &b.body, &v), step, "0", &n.to_string());
-            let _ = writeln!(text, "  }}");
-            fold_lanes(&mut text, step);
-            let _ = writeln!(
-                text,
-                "  out[{off}] = ({})acc[0];
-  }}",
-                ty(node.dtype)
+            let out_t = ty(node.dtype);
+            lane_sums(
+                &mut text,
+                (outer, (d, n)),
+                &b.body,
+                &[("acc", &acc)],
+                |_, sum| format!("  out[{off}] = ({out_t}){sum};\n"),
             );
         }
         _ => {
@@ -732,7 +732,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
 {}    acc = {};
   }}",
                 b.body,
-                step("acc", &v)
+                step("acc", v)
             );
             let _ = writeln!(
                 text,
@@ -755,7 +755,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
 /// to `end` (C expressions): `body` computes `value` at `i{d} = c + l`, added to lane `l`. The
 /// lanes are independent, so the loop over a full group of lanes is vectorized as it stands (no
 /// reassociation); the group's body is written twice, for full groups then the tail.
-pub(super) fn lane_loops(
+fn lane_loops(
     text: &mut String,
     (d, body, value): (usize, &str, &str),
     step: fn(&str, &str) -> String,
@@ -765,12 +765,51 @@ pub(super) fn lane_loops(
     lane_loops_into(text, (d, body), &[("acc", value, step)], start, end);
 }
 
+/// Sums in `prim::SUM_LANES`'s order, in one walk: over the reduced loops `outer`, then the
+/// innermost reduced dim `d` of extent `n`, whose element k of each run goes into lane k % L of
+/// each sum's lane array (`sums`: its C name and accumulator), the lanes then folded in halves
+/// and `store(k, folded)` written for sum k. The order of the eager kernel, so generated sums
+/// equal eager ones bit for bit. Integer literals are only n and L, so a size-generic kernel
+/// fits n like any loop bound. A reduction kernel has one sum, a row kernel one per reduction,
+/// a sibling kernel several (`codegen/c_siblings.rs`).
+pub(super) fn lane_sums(
+    text: &mut String,
+    (outer, (d, n)): (&[(usize, usize)], (usize, usize)),
+    body: &str,
+    sums: &[(&str, &Accumulator)],
+    store: impl Fn(usize, &str) -> String,
+) {
+    let l = SUM_LANES;
+    text.push_str("  {\n");
+    for (name, a) in sums {
+        let _ = writeln!(text, "  {} {name}[{l}];", a.acc_t);
+        let _ = writeln!(
+            text,
+            "  for (int64_t l = 0; l < {l}; l++) {name}[l] = {};",
+            a.init
+        );
+    }
+    loops(text, outer, Threads::One);
+    text.push_str("  {\n");
+    let adds: Vec<LaneAdd<'_>> = sums
+        .iter()
+        .map(|(name, a)| (*name, a.value.as_str(), a.step))
+        .collect();
+    lane_loops_into(text, (d, body), &adds, "0", &n.to_string());
+    text.push_str("  }\n");
+    for (k, (name, a)) in sums.iter().enumerate() {
+        fold_lanes_of(text, name, a.step);
+        text.push_str(&store(k, &format!("{name}[0]")));
+    }
+    text.push_str("  }\n");
+}
+
 /// One lane array a lane loop adds to: its C name, the value added, and how (`acc = step(acc, v)`).
-pub(super) type LaneAdd<'a> = (&'a str, &'a str, fn(&str, &str) -> String);
+type LaneAdd<'a> = (&'a str, &'a str, fn(&str, &str) -> String);
 
 /// `lane_loops` adding to several lane arrays at once, one walk over the operands for all
-/// (sibling reductions, `codegen/c_siblings.rs`).
-pub(super) fn lane_loops_into(
+/// (`lane_sums`).
+fn lane_loops_into(
     text: &mut String,
     (d, body): (usize, &str),
     accs: &[LaneAdd<'_>],
@@ -795,12 +834,12 @@ pub(super) fn lane_loops_into(
 }
 
 /// The lanes folded in halves into `acc[0]`.
-pub(super) fn fold_lanes(text: &mut String, step: fn(&str, &str) -> String) {
+fn fold_lanes(text: &mut String, step: fn(&str, &str) -> String) {
     fold_lanes_of(text, "acc", step);
 }
 
 /// The lanes of the array `acc` folded in halves into `acc[0]`.
-pub(super) fn fold_lanes_of(text: &mut String, acc: &str, step: fn(&str, &str) -> String) {
+fn fold_lanes_of(text: &mut String, acc: &str, step: fn(&str, &str) -> String) {
     let fold = step(&format!("{acc}[l]"), &format!("{acc}[l + h]"));
     let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", SUM_LANES / 2);
     let _ = writeln!(

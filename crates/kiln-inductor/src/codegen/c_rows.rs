@@ -9,9 +9,7 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{
-    finish_outputs, fold_lanes, lane_loops, loops, ty, Builder, Kernel, Nest, PARALLEL_THRESHOLD,
-};
+use super::c::{finish_outputs, lane_sums, loops, ty, Builder, Kernel, Nest, PARALLEL_THRESHOLD};
 use super::c_horizontal::Threads;
 use crate::rows::{outputs, passes, Computes, RowLoops};
 use crate::schedule::Schedule;
@@ -46,21 +44,13 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
         // the order of `codegen/c.rs`'s reduction kernel, which eager's sum shares
         match (acc.lanes, reduced.split_last()) {
             (true, Some((&(last, n), outer))) => {
-                let l = kiln_core::prim::SUM_LANES;
-                let _ = writeln!(text, "  {{\n  {acc_t} acc[{l}];");
-                let _ = writeln!(text, "  for (int64_t l = 0; l < {l}; l++) acc[l] = {init};");
-                loops(&mut text, outer, Threads::One);
-                let _ = writeln!(text, "  {{");
-                lane_loops(
+                lane_sums(
                     &mut text,
-                    (last, &p.body, &acc.value),
-                    step,
-                    "0",
-                    &n.to_string(),
+                    (outer, (last, n)),
+                    &p.body,
+                    &[("acc", acc)],
+                    |_, sum| format!("  r{k} = ({out_t}){sum};\n"),
                 );
-                let _ = writeln!(text, "  }}");
-                fold_lanes(&mut text, step);
-                let _ = writeln!(text, "  r{k} = ({out_t})acc[0];\n  }}");
             }
             _ => {
                 let _ = writeln!(text, "  {{\n  {acc_t} acc = {init};");

@@ -5,18 +5,13 @@
 //! the case: its two or three per-channel sums read the same gradient and activation, and as
 //! separate loops each walked both.
 
-use std::fmt::Write;
-
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::{Prim, SUM_CHUNKED_FROM, SUM_LANES};
+use kiln_core::prim::{Prim, SUM_CHUNKED_FROM};
 
 use super::c::{
-    finish_outputs, fold_lanes_of, lane_loops_into, loops, reduce_accumulator, ty, Builder, Kernel,
-    LaneAdd, Nest, PARALLEL_THRESHOLD,
+    finish_outputs, lane_sums, reduce_accumulator, reduce_loops, ty, Accumulator, Builder, Kernel,
+    Nest, PARALLEL_THRESHOLD,
 };
-use super::c_horizontal::Threads;
-use crate::ir::index::Ix;
-use crate::ir::lower::linear;
 use crate::schedule::Schedule;
 
 /// The kernel computing the sibling reductions `roots` (one operand shape, reduced dims and
@@ -27,7 +22,7 @@ pub(crate) fn sibling_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> O
     let Op::Prim(Prim::Reduce { dims, .. }) = &first.op else {
         return None;
     };
-    let in_shape = g.nodes[first.args[0]].shape.clone();
+    let in_shape = &g.nodes[first.args[0]].shape;
     let mut b = Builder::new(g, sched, in_shape.iter().map(|&s| s as i64).collect());
     let accs: Vec<_> = roots
         .iter()
@@ -36,52 +31,22 @@ pub(crate) fn sibling_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> O
     if !accs.iter().all(|a| a.lanes) {
         return None;
     }
-    let kept: Vec<(usize, usize)> = (0..in_shape.len())
-        .filter(|d| !dims.contains(d))
-        .map(|d| (d, in_shape[d]))
-        .collect();
-    let reduced: Vec<(usize, usize)> = dims.iter().map(|&d| (d, in_shape[d])).collect();
+    let (kept, reduced, off) = reduce_loops(in_shape, dims, &first.shape);
     let rows: usize = kept.iter().map(|k| k.1).product();
     let red: usize = reduced.iter().map(|k| k.1).product();
     let (&(d, n), outer) = reduced.split_last()?;
     if rows == 1 && red >= SUM_CHUNKED_FROM {
         return None;
     }
-    let out_idx: Vec<Ix> = (0..in_shape.len())
-        .map(|d| match dims.contains(&d) {
-            true => Ix::constant(0),
-            false => Ix::var(d),
-        })
-        .collect();
-    let off = linear(&out_idx, &first.shape).to_c("i");
     let names: Vec<String> = (0..roots.len()).map(|k| format!("acc{k}")).collect();
-    let mut text = String::from("  {\n");
-    for (name, acc) in names.iter().zip(&accs) {
-        let _ = writeln!(text, "  {} {name}[{SUM_LANES}];", acc.acc_t);
-        let _ = writeln!(
-            text,
-            "  for (int64_t l = 0; l < {SUM_LANES}; l++) {name}[l] = {};",
-            acc.init
-        );
-    }
-    loops(&mut text, outer, Threads::One);
-    let _ = writeln!(text, "  {{");
-    let adds: Vec<LaneAdd<'_>> = names
-        .iter()
-        .zip(&accs)
-        .map(|(name, acc)| (name.as_str(), acc.value.as_str(), acc.step))
-        .collect();
-    lane_loops_into(&mut text, (d, &b.body), &adds, "0", &n.to_string());
-    let _ = writeln!(text, "  }}");
-    for ((k, name), (acc, &root)) in names.iter().enumerate().zip(accs.iter().zip(roots)) {
-        fold_lanes_of(&mut text, name, acc.step);
-        let _ = writeln!(
-            text,
-            "  out{k}[{off}] = ({}){name}[0];",
-            ty(g.nodes[root].dtype)
-        );
-    }
-    text.push_str("  }\n");
+    let sums: Vec<(&str, &Accumulator)> = names.iter().map(String::as_str).zip(&accs).collect();
+    let mut text = String::new();
+    lane_sums(&mut text, (outer, (d, n)), &b.body, &sums, |k, sum| {
+        format!(
+            "  out{k}[{off}] = ({}){sum};\n",
+            ty(g.nodes[roots[k]].dtype)
+        )
+    });
     let numel = rows * red;
     let nest = Nest {
         outer: kept,
