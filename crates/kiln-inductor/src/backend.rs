@@ -385,9 +385,9 @@ impl Backend for CpuCodegen {
         backward: &Graph,
         ctx: &BackendContext,
     ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
-        let (f, b) = (prepare(forward), prepare(backward));
-        let device = f.device();
-        if device != kiln_core::Device::Cpu && b.device() == device {
+        let device = forward.device();
+        if device != kiln_core::Device::Cpu && backward.device() == device {
+            let (f, b) = (prepare(forward), prepare(backward));
             if let Ok(mut both) = cuda_compile::compile_many(&[&f, &b], cuda_flags(ctx)?) {
                 if let (Some(bc), Some(fc)) = (both.pop(), both.pop()) {
                     return Ok((fc, bc));

@@ -38,6 +38,7 @@ struct Prepared {
     planned: Vec<Planned<CudaKernel>>,
     choices: Vec<Option<Vec<CudaKernel>>>,
     resolved: Vec<cuda_sizes::Resolved>,
+    /// Its translation units (source, kernel names), until `compile_many` builds them.
     units: Vec<(String, Vec<String>)>,
     cuda_graphs: bool,
 }
@@ -65,13 +66,14 @@ pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn C
     };
     let device = first.device();
     let rt = runtime_for("compile", device)?;
-    let prepared = graphs
+    let mut prepared = graphs
         .iter()
         .map(|g| prepare(&rt, g, flags))
         .collect::<Result<Vec<_>>>()?;
+    // the sources are only built: moved out, not copied
     let mut all_units: Vec<(String, Vec<String>)> = prepared
-        .iter()
-        .flat_map(|p| p.units.iter().cloned())
+        .iter_mut()
+        .flat_map(|p| std::mem::take(&mut p.units))
         .collect();
     // the threads take units in order: the largest first, so none is left for the end alone
     all_units.sort_by_key(|(src, _)| std::cmp::Reverse(src.len()));
@@ -205,9 +207,11 @@ fn finish(
             Planned::Extern { node } => Ok(Exec::Extern { node }),
         })
         .collect::<Result<Vec<_>>>()?;
-    let compiled: Arc<dyn CompiledGraph> = Arc::new(CompiledCpu::new(p.graph.clone(), steps));
     Ok(match p.cuda_graphs {
-        true => Arc::new(CudaGraphed::new(compiled, &p.graph)),
-        false => compiled,
+        true => {
+            let compiled = Arc::new(CompiledCpu::new(p.graph.clone(), steps));
+            Arc::new(CudaGraphed::new(compiled, &p.graph))
+        }
+        false => Arc::new(CompiledCpu::new(p.graph, steps)),
     })
 }
