@@ -9,7 +9,7 @@ use kiln_core::prim::Prim;
 use kiln_core::DType;
 
 use crate::backend::{Planned, Target};
-use crate::codegen::c::{reduce_accumulator, Accumulator, Builder};
+use crate::codegen::c::{reduce_accumulator, register_key, Accumulator, Builder};
 use crate::ir::index::Ix;
 use crate::ir::lower::{linear, Kind};
 use crate::runtime::plan::Alloc;
@@ -213,7 +213,8 @@ pub(crate) fn passes(
         };
         emit(&pass);
         if matches!(pass.computes, Computes::Reduction(_)) {
-            b.registers.insert((root, row.clone()), format!("r{k}"));
+            b.registers
+                .insert(register_key(root, &row, &node.shape), format!("r{k}"));
         }
     }
     (!roots.iter().any(|r| b.params.contains(r))).then_some(())

@@ -20,6 +20,9 @@ pub struct StepTraffic {
     pub written: usize,
     /// The shapes it writes.
     pub writes: Vec<Vec<usize>>,
+    /// A generated kernel's launch (grid, threads per block) and CUDA C, to read a plan's code
+    /// on a machine without a GPU; `None` for an extern call.
+    pub launch: Option<([u32; 3], u32, String)>,
 }
 
 /// The launches the CUDA target plans for `graph` (rewritten and split as a compile for a
@@ -35,7 +38,7 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
             Planned::Kernel { kernel, outs } => {
                 // a launch of several members side by side lists each member's inputs: each
                 // member loads its own
-                let inputs = kernel.inputs;
+                let inputs = &kernel.inputs;
                 Some(StepTraffic {
                     name: kernel.name,
                     generated: true,
@@ -45,6 +48,7 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
                         .iter()
                         .map(|&(o, _)| g.nodes[o].shape.clone())
                         .collect(),
+                    launch: Some((kernel.grid, kernel.block, kernel.source)),
                 })
             }
             Planned::Extern { node } => {
@@ -60,6 +64,7 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
                     read: n.args.iter().map(|&a| g.nodes[a].nbytes()).sum(),
                     written: n.nbytes(),
                     writes: vec![n.shape.clone()],
+                    launch: None,
                 })
             }
         })

@@ -93,6 +93,18 @@ pub(crate) fn ty(d: DType) -> &'static str {
     c_dtype(d).unwrap_or("double")
 }
 
+/// The key of a value held in a register (`Builder::registers`): the node and its index, with
+/// every dim of extent 1 at 0 — whatever expression a reader indexes such a dim by (the row's
+/// loop variable of a size-1 dim, or the 0 a broadcast leaves), it is the same element.
+pub(crate) fn register_key(id: NodeId, idx: &[Ix], shape: &[usize]) -> (NodeId, Vec<Ix>) {
+    let idx = idx
+        .iter()
+        .zip(shape)
+        .map(|(i, &n)| if n == 1 { Ix::constant(0) } else { i.clone() })
+        .collect();
+    (id, idx)
+}
+
 impl<'a> Builder<'a> {
     /// A builder for a kernel whose loop variable `v` runs over `0..ext[v]`.
     pub(crate) fn new(g: &'a Graph, sched: &'a Schedule, ext: Vec<i64>) -> Self {
@@ -159,10 +171,13 @@ impl<'a> Builder<'a> {
     /// GCC 12 miscompiles vectorized masked loads in unrolled loops (every lane group used the
     /// first group's mask), so selects pick between values that were loaded unconditionally.
     fn load(&mut self, id: NodeId, idx: &[Ix]) -> String {
-        let key = (id, idx.to_vec());
-        if let Some(r) = self.registers.get(&key) {
+        if let Some(r) = self
+            .registers
+            .get(&register_key(id, idx, &self.g.nodes[id].shape))
+        {
             return r.clone();
         }
+        let key = (id, idx.to_vec());
         if let Some(v) = self.memo.get(&key) {
             return v.clone();
         }

@@ -1,12 +1,16 @@
-//! Row kernels on a GPU (`rows.rs` plans them): one warp per row in a single launch. Layer norm
-//! is a mean, a variance reading the mean, and a normalization reading both; softmax a max, a
-//! sum of exponentials reading it, and a division. As separate kernels each pass reads the row
-//! from memory; here a warp owns a row and walks it once per member: the first pass reads it
-//! from memory, the later ones from cache, and each reduction's result is held in a register
-//! (every lane gets it from a butterfly of shuffles) where the later members read it. Member `k`
-//! writes `out<k>`: a reduction one value per row (lane 0), a full-shape value at every element.
+//! Row kernels on a GPU (`rows.rs` plans them): layer norm is a mean, a variance reading the
+//! mean, and a normalization reading both; softmax a max, a sum of exponentials reading it, and
+//! a division. As separate kernels each pass reads the row from memory; here one group of
+//! threads owns a row and walks it once per member: the first pass reads it from memory, the
+//! later ones from cache, and each reduction's result is held in a register (every thread of
+//! the group gets it) where the later members read it. Member `k` writes `out<k>`: a reduction
+//! one value per row (by the group's first thread), a full-shape value at every element.
 //!
-//! A row of up to `rows::MAX_COLS` elements: 32 lanes take its elements a warp apart.
+//! The group is a warp (a butterfly of shuffles gives every lane the row's value) when there
+//! are rows enough to fill the device, else a block: with nine rows (BERT on one 9-token
+//! sentence) nine warps on two multiprocessors each walked 768 elements serially, latency-bound
+//! at 17 µs a layer norm where a block per row takes a few elements a thread. A block combines
+//! its warps' values through shared memory, every thread in the same order.
 
 use std::fmt::Write;
 
@@ -17,6 +21,46 @@ use super::cuda::{finish, parameters, Cuda, CudaKernel};
 use crate::rows::{outputs, passes, Computes, RowLoops};
 use crate::schedule::Schedule;
 
+/// A thread's walk over its row issues the loads of this many elements before it adds the
+/// first: rolled, each iteration waited a round trip to memory for one element, since the
+/// accumulation chains the iterations and the trip count depends on the thread.
+const UNROLL: &str = "#pragma unroll 8";
+
+/// Rows per multiprocessor below which a row gets a block: fewer warps than this per
+/// multiprocessor leave each warp's walk unhidden.
+const BLOCK_ROWS_PER_SM: usize = 4;
+/// Shortest row a block is given (a warp takes shorter ones at one or two elements a lane).
+const BLOCK_FROM_COLS: usize = 64;
+
+/// Who walks a row: a warp, or a block of `threads` threads (`warps` warps).
+#[derive(Clone, Copy)]
+enum Group {
+    Warp,
+    Block { threads: u32, warps: u32 },
+}
+
+impl Group {
+    fn of(t: &Cuda, rows: usize, cols: usize) -> Group {
+        if cols < BLOCK_FROM_COLS || rows >= BLOCK_ROWS_PER_SM * t.sm_count as usize {
+            return Group::Warp;
+        }
+        // two elements a thread or more, at most 256 threads
+        let threads = (cols.div_ceil(2).div_ceil(32) * 32).clamp(64, 256) as u32;
+        Group::Block {
+            threads,
+            warps: threads / 32,
+        }
+    }
+
+    /// The first element a thread takes and the step between its elements.
+    fn walk(self) -> (&'static str, u32) {
+        match self {
+            Group::Warp => ("lane", 32),
+            Group::Block { threads, .. } => ("threadIdx.x", threads),
+        }
+    }
+}
+
 /// The row kernel of `roots`, or `None` when they do not make one (`rows::passes`).
 pub(super) fn row_kernel(
     t: &Cuda,
@@ -26,16 +70,20 @@ pub(super) fn row_kernel(
 ) -> Option<CudaKernel> {
     let loops = RowLoops::of(g, sched, roots)?;
     let (rows, cols) = (loops.rows(), loops.cols());
+    let group = Group::of(t, rows, cols);
+    let (first, stride) = group.walk();
     let mut b = Builder::new(g, sched, loops.shape.iter().map(|&s| s as i64).collect());
     let mut members = String::new();
+    let mut shared = String::new();
     passes(&mut b, g, sched, roots, &loops, |p| {
-        if p.k > 0 {
+        if p.k > 0 && matches!(group, Group::Warp) {
             members.push_str("    __syncwarp();\n");
         }
         let (k, out) = (p.k, format!("out{}", p.k));
+        let walk = format!("    for (int c = {first}; c < {cols}; c += {stride}) {{");
         let a = match &p.computes {
             Computes::Value(value) => {
-                let _ = writeln!(members, "    for (int c = lane; c < {cols}; c += 32) {{");
+                let _ = writeln!(members, "    {UNROLL}\n{walk}");
                 split_index(&mut members, "c", &loops.reduced, "      ", "rem");
                 let _ = writeln!(
                     members,
@@ -48,8 +96,7 @@ pub(super) fn row_kernel(
         };
         let (acc_t, init, step) = (a.acc_t, &a.init, a.step);
         let acc = format!("acc{k}");
-        let _ = writeln!(members, "    {acc_t} {acc} = {init};");
-        let _ = writeln!(members, "    for (int c = lane; c < {cols}; c += 32) {{");
+        let _ = writeln!(members, "    {acc_t} {acc} = {init};\n    {UNROLL}\n{walk}");
         split_index(&mut members, "c", &loops.reduced, "      ", "rem");
         let _ = writeln!(
             members,
@@ -57,29 +104,62 @@ pub(super) fn row_kernel(
             p.body,
             step(&acc, &a.value)
         );
-        // a butterfly: every lane ends with the whole row's value
+        // a butterfly: every lane ends with its warp's value
         let _ = writeln!(
             members,
             "    for (int s = 16; s > 0; s >>= 1) {{ {acc_t} other = \
              __shfl_xor_sync(0xffffffffu, {acc}, s); {acc} = {}; }}",
             step(&acc, "other")
         );
+        if let Group::Block { warps, .. } = group {
+            // the warps' values through shared memory, combined in warp order by every thread
+            let part = format!("part{k}");
+            let _ = writeln!(shared, "  __shared__ {acc_t} {part}[{warps}];");
+            let _ = writeln!(
+                members,
+                "    if (lane == 0) {part}[threadIdx.x / 32] = {acc};\n    __syncthreads();\n    \
+                 {acc} = {part}[0];\n    for (int w = 1; w < {warps}; w++) {acc} = {};",
+                step(&acc, &format!("{part}[w]"))
+            );
+        }
         let out_t = ty(p.dtype);
+        let leader = match group {
+            Group::Warp => "lane == 0",
+            Group::Block { .. } => "threadIdx.x == 0",
+        };
         let _ = writeln!(
             members,
-            "    const {out_t} r{k} = ({out_t}){acc};\n    if (lane == 0) {out}[{}] = r{k};",
+            "    const {out_t} r{k} = ({out_t}){acc};\n    if ({leader}) {out}[{}] = r{k};",
             p.off
         );
     })?;
-    let warps = t.cfg.warp_rows;
     let mut text = b.pre.clone();
-    let _ = writeln!(
-        text,
-        "  const int lane = threadIdx.x % 32;\n  for (long long row = kbid * {warps} + threadIdx.x / \
-         32; row < {rows}; row += knblk * {warps}) {{"
-    );
+    text.push_str(&shared);
+    text.push_str("  const int lane = threadIdx.x % 32;\n");
+    let (grid, block) = match group {
+        Group::Warp => {
+            let warps = t.cfg.warp_rows;
+            let _ = writeln!(
+                text,
+                "  for (long long row = kbid * {warps} + threadIdx.x / 32; row < {rows}; \
+                 row += knblk * {warps}) {{"
+            );
+            (t.blocks(rows, warps as usize), warps * 32)
+        }
+        Group::Block { threads, .. } => {
+            let _ = writeln!(
+                text,
+                "  for (long long row = kbid; row < {rows}; row += knblk) {{"
+            );
+            (t.blocks(rows, 1), threads)
+        }
+    };
     split_index(&mut text, "row", &loops.kept, "    ", "rem_row");
     text.push_str(&members);
+    if matches!(group, Group::Block { .. }) {
+        // the next row's partial values overwrite this row's only after every thread read them
+        text.push_str("    __syncthreads();\n");
+    }
     text.push_str("  }\n");
     let text = t.narrow_index(
         g,
@@ -88,8 +168,7 @@ pub(super) fn row_kernel(
         text,
     );
     let params = parameters(&b, g, &outputs(roots));
-    let grid = t.blocks(rows, warps as usize);
-    Some(finish(b.params, params, text, grid, warps * 32))
+    Some(finish(b.params, params, text, grid, block))
 }
 
 #[cfg(test)]
@@ -125,6 +204,10 @@ mod tests {
         let (k, outs) = &ln[0];
         assert_eq!(*outs, 3, "mean, variance, normalized value");
         assert!(k.source.contains("__shfl_xor_sync"));
+        assert!(
+            k.source.contains("__syncthreads") && k.block == 256,
+            "256 rows on 132 multiprocessors: a block per row"
+        );
         let s = Tensor::randn(&[32, 12, 128, 128], DType::F32)?;
         let sm = planned_kernels(
             &Cuda::new(132),
@@ -132,6 +215,10 @@ mod tests {
             &[s],
         )?;
         assert_eq!(sm.len(), 1, "one kernel");
+        assert!(
+            !sm[0].0.source.contains("__syncthreads"),
+            "49152 rows: a warp per row"
+        );
         Ok(())
     }
 }

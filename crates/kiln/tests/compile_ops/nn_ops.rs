@@ -165,6 +165,9 @@ fn layer_norm() {
         (&[3, 2, 5], Lay::E, &[2, 5]),
         (&[5, 1], Lay::C, &[1]),
         (&[0, 4], Lay::C, &[4]),
+        // few rows of many features: on a GPU a block walks each row (`codegen/cuda_rows.rs`)
+        (&[1, 9, 768], Lay::C, &[768]),
+        (&[3, 300], Lay::T, &[300]),
     ];
     for &(shape, lay, norm) in cases {
         for (weight, bias) in [(true, true), (true, false), (false, false)] {
