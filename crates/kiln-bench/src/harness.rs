@@ -84,9 +84,18 @@ impl Ctx {
     /// `cuProfilerStop`, the device synchronized on both sides, so `ncu --profile-from-start off
     /// kiln-bench ...` measures exactly one steady-state call kernel by kernel (cuDNN's and
     /// cuBLAS's kernels included, which kiln's own profiler sees only as the prim that called
-    /// them). Otherwise nothing.
-    pub fn cuda_range<R>(&self, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Result<()> {
-        if !self.on_gpu() || std::env::var_os("KILN_BENCH_CUDA_RANGE").is_none() {
+    /// them). A value other than `1` keeps only the ranges whose `label` contains it (one shape
+    /// of a workload that runs several). Otherwise nothing.
+    pub fn cuda_range<R>(
+        &self,
+        label: &str,
+        f: impl FnOnce() -> kiln::Result<R>,
+    ) -> kiln::Result<()> {
+        let Some(want) = std::env::var_os("KILN_BENCH_CUDA_RANGE") else {
+            return Ok(());
+        };
+        let want = want.to_string_lossy();
+        if !self.on_gpu() || (want != "1" && !label.contains(want.as_ref())) {
             return Ok(());
         }
         kiln::cuda::synchronize(self.dev)?;

@@ -149,6 +149,7 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
         let t = timer.time(&format!("adam: {variant} step"), || step.call(&[]))?;
         ctx.emit(W, variant, "step", t.us(), "us");
         ctx.emit(W, variant, "bandwidth", floor_bytes / t.s() / 1e9, "GB/s");
+        ctx.cuda_range(variant, || step.call(&[]))?;
         let st = step.stats();
         ctx.emit(W, variant, "compiles", st.compiles as f64, "count");
         ctx.emit(W, variant, "graph_breaks", st.graph_breaks as f64, "count");

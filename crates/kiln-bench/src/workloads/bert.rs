@@ -188,7 +188,10 @@ fn run_model(ctx: &mut Ctx, weights: &Weights) -> BenchResult {
             no_grad(|| compiled.forward(&ids))
         })?;
         ctx.emit(w, variant, "call", t.ms(), "ms");
-        ctx.cuda_range(|| no_grad(|| compiled.forward(&ids)))?;
+        ctx.cuda_range(w, || no_grad(|| compiled.forward(&ids)))?;
+        ctx.profile(&format!("{w} {variant} call"), || {
+            no_grad(|| compiled.forward(&ids))
+        })?;
         ctx.emit(
             w,
             variant,

@@ -221,7 +221,7 @@ fn compiled_on_device(
         no_grad(|| compiled.forward(x))
     })?;
     ctx.emit(W, variant, "call", t.ms(), "ms");
-    ctx.cuda_range(|| no_grad(|| compiled.forward(x)))?;
+    ctx.cuda_range(W, || no_grad(|| compiled.forward(x)))?;
     ctx.emit(
         W,
         variant,

@@ -218,7 +218,7 @@ fn run_with<M: Module>(
         ctx.profile(&format!("{w} {variant} step"), || {
             step(&compiled, &mut opt, &x, &y)
         })?;
-        ctx.cuda_range(|| step(&compiled, &mut opt, &x, &y))?;
+        ctx.cuda_range(w, || step(&compiled, &mut opt, &x, &y))?;
         let st = compiled.stats();
         ctx.emit(w, variant, "graph_breaks", st.graph_breaks as f64, "count");
     }
@@ -296,7 +296,7 @@ fn run_compiled_optimizer<M: Module>(
         opt_step.stats().compiles as f64,
         "count",
     );
-    ctx.cuda_range(one)?;
+    ctx.cuda_range(w, one)?;
     Ok(())
 }
 
