@@ -48,7 +48,16 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
                         .iter()
                         .map(|&(o, _)| g.nodes[o].shape.clone())
                         .collect(),
-                    launch: Some((kernel.grid, kernel.block, kernel.source)),
+                    launch: Some((kernel.grid, kernel.block, {
+                        // the device functions a horizontal launch calls, then its definition
+                        let mut src: String = kernel
+                            .device_fns
+                            .iter()
+                            .map(|(_, def)| format!("{def}\n"))
+                            .collect();
+                        src.push_str(&kernel.source);
+                        src
+                    })),
                 })
             }
             Planned::Extern { node } => {
