@@ -42,7 +42,8 @@ pub(crate) struct KernelSource<'a> {
 
 /// The translation units for `kernels` (distinct names, in order): each the prelude, the device
 /// functions its kernels call, and its kernels' definitions, with the names it defines. Kernels
-/// are dealt to units largest first, each to the unit with the least source so far.
+/// are dealt to units largest first (a definition with its device functions), each to the unit
+/// with the least source so far.
 pub(crate) fn units(
     prelude: &str,
     kernels: &[KernelSource<'_>],
@@ -52,13 +53,19 @@ pub(crate) fn units(
         .len()
         .div_ceil(KERNELS_PER_UNIT)
         .clamp(1, unit_cap(threads));
+    // a kernel's weight is all the source it brings: a horizontal launch's definition is a
+    // short dispatch over its members' device functions (ResNet-18's 16 weight copies: 2 KB of
+    // definition, most of a 64 KB unit that took 1.1 s of a 1.2 s cold compile)
+    let weight = |k: &KernelSource<'_>| {
+        k.source.len() + k.device_fns.iter().map(|(_, d)| d.len()).sum::<usize>()
+    };
     let mut order: Vec<usize> = (0..kernels.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(kernels[i].source.len()));
+    order.sort_by_key(|&i| std::cmp::Reverse(weight(&kernels[i])));
     let mut members: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut sizes = vec![0usize; n];
     for i in order {
         let u = (0..n).min_by_key(|&u| sizes[u]).unwrap_or(0);
-        sizes[u] += kernels[i].source.len();
+        sizes[u] += weight(&kernels[i]);
         members[u].push(i);
     }
     members
@@ -158,6 +165,38 @@ mod tests {
     ) -> (String, String, Vec<(String, String)>) {
         let body = format!("__global__ void {name}() {{ /*{}*/ }}\n", "x".repeat(len));
         (name.to_string(), body, fns.to_vec())
+    }
+
+    /// A horizontal launch weighs what its device functions weigh: a short definition over 4
+    /// KB of members gets a unit of its own among eight 1 KB kernels (dealt by its definition
+    /// alone, it joined two of them in the largest unit).
+    #[test]
+    fn a_launch_weighs_its_device_functions() {
+        let big = vec![(
+            "members".to_string(),
+            format!("__device__ void members() {{ /*{}*/ }}\n", "y".repeat(4000)),
+        )];
+        let mut owned: Vec<_> = (0..8)
+            .map(|i| kernel(&format!("k{i}"), 1000, &[]))
+            .collect();
+        owned.push(kernel("side_by_side", 10, &big));
+        let ks: Vec<KernelSource<'_>> = owned
+            .iter()
+            .map(|(n, s, d)| KernelSource {
+                name: n,
+                source: s,
+                device_fns: d,
+            })
+            .collect();
+        let us = units("P", &ks, 16);
+        assert_eq!(us.len(), 3);
+        let alone = us.iter().find(|u| u.1.iter().any(|n| n == "side_by_side"));
+        assert_eq!(
+            alone.map(|u| u.1.len()),
+            Some(1),
+            "{:?}",
+            us.iter().map(|u| &u.1).collect::<Vec<_>>()
+        );
     }
 
     /// Every kernel lands in exactly one unit, with the device functions it calls and without
