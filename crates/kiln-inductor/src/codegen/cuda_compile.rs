@@ -13,7 +13,7 @@ use kiln_core::device::{runtime_for, DeviceKernel, DeviceRuntime};
 use kiln_core::{profiler, Device, Result};
 
 use super::cuda::{plan, Cuda, CudaKernel, PRELUDE};
-use super::{cuda_sizes, cuda_tune, cuda_units};
+use super::{cuda_literals, cuda_sizes, cuda_tune, cuda_units};
 use crate::backend::Planned;
 use crate::runtime::autotune::{Candidate, Tuned};
 use crate::runtime::cudagraph::CudaGraphed;
@@ -108,7 +108,12 @@ fn prepare(rt: &Arc<dyn DeviceRuntime>, graph: &Graph, flags: CudaFlags) -> Resu
     };
     let (graph, planned) = plan(graph, &target, sizes.is_some());
     let graph: Graph = graph.into_owned();
-    let resolved = cuda_sizes::resolve(&graph, &planned, sizes.as_ref());
+    let mut resolved = cuda_sizes::resolve(&graph, &planned, sizes.as_ref());
+    // a large static graph's repeats at other sizes built once (not where each kernel is
+    // tuned: its candidates are built as they are)
+    if sizes.is_none() && !flags.autotune {
+        cuda_literals::share_literals(&mut resolved, cuda_literals::SHARE_FROM_KERNELS);
+    }
     let device_key = rt.device_key(device);
     let choices = match flags.autotune && sizes.is_none() {
         true => cuda_tune::candidates(&graph, &target, &planned, device_key.as_deref()),

@@ -6,7 +6,8 @@
 //! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_rows`: reductions over a row and the
 //! values that read them, a warp per row; `cuda_sequential`: a whole small graph in one block; `cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
-//! graph's size-generic kernels in units of their own); `template`: size-generic kernels of both
+//! graph's size-generic kernels in units of their own; `cuda_literals`: a static graph's kernels
+//! that differ only in integer literals built once); `template`: size-generic kernels of both
 //! targets.
 
 pub mod c;
@@ -15,6 +16,7 @@ pub(crate) mod c_rows;
 pub(crate) mod c_siblings;
 pub mod cuda;
 pub mod cuda_compile;
+mod cuda_literals;
 mod cuda_reduce;
 pub(crate) mod cuda_rows;
 mod cuda_sequential;

@@ -27,7 +27,7 @@ use kiln_compile::symbolic::Expr;
 use super::c::Kernel;
 
 /// Stands for an integer literal in a kernel's text (a character C source never holds).
-const HOLE: char = '\u{1}';
+pub(crate) const HOLE: char = '\u{1}';
 
 /// A kernel's text split at its integer literals: the text with each literal replaced by `HOLE`
 /// (and the kernel's own name by `KNAME`), and the literals in order.
