@@ -86,6 +86,16 @@ fn magic_splits(body: &str, divisors: &[usize]) -> String {
     out
 }
 
+/// A resolved kernel's text split at its integer literals (`template::split_literals`).
+fn split(r: &Resolved) -> (String, Vec<i64>) {
+    split_literals(&Kernel {
+        name: r.name.clone(),
+        source: r.source.clone(),
+        inputs: Vec::new(),
+        member: None,
+    })
+}
+
 /// For each hole of `text` (a split kernel), whether its literal sits in a constant context.
 fn constant_holes(text: &str) -> Vec<bool> {
     let mut out = Vec::new();
@@ -191,13 +201,7 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
         if !r.device_fns.is_empty() || !r.sizes.is_empty() {
             continue;
         }
-        let k = Kernel {
-            name: r.name.clone(),
-            source: r.source.clone(),
-            inputs: Vec::new(),
-            member: None,
-        };
-        let (text, lits) = split_literals(&k);
+        let (text, lits) = split(r);
         let constant = constant_holes(&text);
         if constant.len() != lits.len() {
             continue;
@@ -311,13 +315,7 @@ mod tests {
         assert!(sizes.iter().all(|s| !s.is_empty()));
         assert_ne!(sizes[0], sizes[1]);
         for b in &before {
-            let k = Kernel {
-                name: b.name.clone(),
-                source: b.source.clone(),
-                inputs: Vec::new(),
-                member: None,
-            };
-            let (text, lits) = split_literals(&k);
+            let (text, lits) = split(b);
             let back = fill(&text, |i| lits[i].to_string()).replace("KNAME", &b.name);
             assert_eq!(back, b.source);
         }

@@ -158,13 +158,22 @@ pub(crate) fn load(
 mod tests {
     use super::*;
 
-    fn kernel(
-        name: &str,
-        len: usize,
-        fns: &[(String, String)],
-    ) -> (String, String, Vec<(String, String)>) {
+    fn kernel(name: &str, len: usize, fns: &[(String, String)]) -> Owned {
         let body = format!("__global__ void {name}() {{ /*{}*/ }}\n", "x".repeat(len));
         (name.to_string(), body, fns.to_vec())
+    }
+
+    type Owned = (String, String, Vec<(String, String)>);
+
+    fn sources(owned: &[Owned]) -> Vec<KernelSource<'_>> {
+        owned
+            .iter()
+            .map(|(n, s, d)| KernelSource {
+                name: n,
+                source: s,
+                device_fns: d,
+            })
+            .collect()
     }
 
     /// A horizontal launch weighs what its device functions weigh: a short definition over 4
@@ -180,14 +189,7 @@ mod tests {
             .map(|i| kernel(&format!("k{i}"), 1000, &[]))
             .collect();
         owned.push(kernel("side_by_side", 10, &big));
-        let ks: Vec<KernelSource<'_>> = owned
-            .iter()
-            .map(|(n, s, d)| KernelSource {
-                name: n,
-                source: s,
-                device_fns: d,
-            })
-            .collect();
+        let ks = sources(&owned);
         let us = units("P", &ks, 16);
         assert_eq!(us.len(), 3);
         let alone = us.iter().find(|u| u.1.iter().any(|n| n == "side_by_side"));
@@ -213,14 +215,7 @@ mod tests {
                 )
             })
             .collect();
-        let ks: Vec<KernelSource<'_>> = owned
-            .iter()
-            .map(|(n, s, d)| KernelSource {
-                name: n,
-                source: s,
-                device_fns: d,
-            })
-            .collect();
+        let ks = sources(&owned);
         let us = units("PRELUDE\n", &ks, 16);
         assert_eq!(us.len(), 3, "12 kernels, 4 per unit");
         let mut seen: Vec<&String> = us.iter().flat_map(|u| &u.1).collect();
