@@ -28,6 +28,7 @@ use kiln_compile::aot::AotBackend;
 use kiln_compile::logs::{self, Channel};
 
 pub use backend::{generate, CpuCodegen, INLINE_SMALL_MATMULS};
+pub use codegen::cuda_literals::shared_kernels;
 pub use cudagraphs::CudaGraphsBackend;
 pub use runtime::cc::{
     cache_dir, forget_loaded_kernels, stats as kernel_cache_stats, with_fresh_cache,

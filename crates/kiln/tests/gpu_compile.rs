@@ -771,6 +771,46 @@ fn reduce_overhead_adam_steps() -> Outcome {
     Ok(())
 }
 
+/// `codegen/cuda_literals.rs` on the device, sharing forced on (`KILN_SHARE_KERNELS_FROM=0`):
+/// three stages of a pointwise chain, a layer norm (a block per row, 256 threads at each size)
+/// and a row sum of squares, each stage at another size and reading the one before (so no launch holds two
+/// stages side by side). The later stages' kernels share builds (`shared_kernels` counts them;
+/// none without the override) and every output equals eager.
+fn literal_sharing_matches_eager() -> Outcome {
+    let shapes: [&[usize]; 3] = [&[256, 512], &[384, 640], &[128, 768]];
+    let f = |x: &[Tensor]| -> Result<Vec<Tensor>> {
+        let (mut out, mut carry) = (Vec::new(), x[0].mean(&[0, 1], false)?);
+        for t in x {
+            let cols = t.shape()[1];
+            let t = t.add(&carry)?;
+            let y = t.mul(1.5)?.tanh()?.add(&t)?;
+            let z = y.layer_norm(&[cols], None, None, 1e-5)?;
+            // squares: a layer norm's row sums to about zero, which no relative check can hold
+            let w = z.mul(&z)?.sum(&[1], false)?;
+            carry = w.mean(&[0], false)?.mul(1e-3)?;
+            out.extend([z, w]);
+        }
+        Ok(out)
+    };
+    let shared = |share: Option<&str>| -> std::result::Result<u64, String> {
+        if let Some(v) = share {
+            std::env::set_var("KILN_SHARE_KERNELS_FROM", v);
+        }
+        let before = kiln::inductor::shared_kernels();
+        let r = differential("literal_sharing_matches_eager", &shapes, 1e-4, f);
+        std::env::remove_var("KILN_SHARE_KERNELS_FROM");
+        r.map(|()| kiln::inductor::shared_kernels() - before)
+    };
+    let (forced, default) = (shared(Some("0"))?, shared(None)?);
+    if forced < 2 || default != 0 {
+        return Err(format!(
+            "kernels given shared builds: {forced} with sharing forced (want 2 or more), \
+             {default} without (want none)"
+        ));
+    }
+    Ok(())
+}
+
 /// NVRTC compilations plus disk-cache hits so far: how many translation units were not found in
 /// memory.
 fn units_built() -> u64 {
@@ -910,7 +950,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 22] = [
+    let tests: [(&str, Check); 23] = [
+        (
+            "literal_sharing_matches_eager",
+            literal_sharing_matches_eager,
+        ),
         ("column_reductions", column_reductions),
         (
             "vector_lanes_share_outer_indices",

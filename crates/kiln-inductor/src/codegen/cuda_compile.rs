@@ -112,7 +112,7 @@ fn prepare(rt: &Arc<dyn DeviceRuntime>, graph: &Graph, flags: CudaFlags) -> Resu
     // a large static graph's repeats at other sizes built once (not where each kernel is
     // tuned: its candidates are built as they are)
     if sizes.is_none() && !flags.autotune {
-        cuda_literals::share_literals(&mut resolved, cuda_literals::SHARE_FROM_KERNELS);
+        cuda_literals::share_literals(&mut resolved, cuda_literals::share_from());
     }
     let device_key = rt.device_key(device);
     let choices = match flags.autotune && sizes.is_none() {

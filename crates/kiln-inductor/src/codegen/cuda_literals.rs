@@ -21,6 +21,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::c::Kernel;
 use super::cuda_sizes::Resolved;
@@ -37,6 +38,24 @@ const CONSTANT_CONTEXTS: [&str; 3] = ["__shared__", "#pragma", "__launch_bounds_
 /// single kernels in its forward and backward graphs; ResNet-18: 17 and 44, which keep theirs).
 /// Max-autotune, which puts the step first, never shares.
 pub(crate) const SHARE_FROM_KERNELS: usize = 100;
+
+/// Kernels launched through a shared build so far in this process.
+static SHARED: AtomicU64 = AtomicU64::new(0);
+
+/// How many planned kernels so far were given a shared build instead of their own (each member
+/// of each group counted once per compile).
+pub fn shared_kernels() -> u64 {
+    SHARED.load(Ordering::Relaxed)
+}
+
+/// `SHARE_FROM_KERNELS`, or `KILN_SHARE_KERNELS_FROM` (0 shares in every static graph: how the
+/// GPU tests run shared kernels on graphs of a few kernels).
+pub(crate) fn share_from() -> usize {
+    std::env::var("KILN_SHARE_KERNELS_FROM")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(SHARE_FROM_KERNELS)
+}
 
 /// Fewest kernels of one text worth a shared build (each shared literal costs its members a
 /// parameter and the compiler a constant; two repeats already halve the build).
@@ -249,6 +268,7 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
         if name.is_empty() {
             continue;
         }
+        SHARED.fetch_add(members.len() as u64, Ordering::Relaxed);
         for (m, (i, _)) in members.iter().enumerate() {
             let mut sizes: Vec<i64> = columns.iter().map(|c| c[m]).collect();
             for &j in &divisors {

@@ -16,7 +16,7 @@ pub(crate) mod c_rows;
 pub(crate) mod c_siblings;
 pub mod cuda;
 pub mod cuda_compile;
-mod cuda_literals;
+pub mod cuda_literals;
 mod cuda_reduce;
 pub(crate) mod cuda_rows;
 mod cuda_sequential;
