@@ -34,10 +34,10 @@ const CONSTANT_CONTEXTS: [&str; 3] = ["__shared__", "#pragma", "__launch_bounds_
 /// for compile time: with the magic divisions, 2.6-3.6% on DenseNet-121's and ResNet-18's
 /// training steps (loops bounded by a parameter, other divisions by one; about 1% once short
 /// loops keep constant bounds, `SMALL_LOOP`) against a quarter to a third of DenseNet-121's cold
-/// compile (H200, same call: 6.79 → 5.13 s, 40.0 → 41.1 ms). A
-/// graph this large is where the compile is long enough to matter (DenseNet-121: 143 and 336
-/// single kernels in its forward and backward graphs; ResNet-18: 17 and 44, which keep theirs).
-/// Max-autotune, which puts the step first, never shares.
+/// compile (H200, same call: 6.79 → 5.13 s, 40.0 → 41.1 ms). A graph this large is where the
+/// compile is long enough to matter (DenseNet-121: 143 and 336 single kernels in its forward and
+/// backward graphs; ResNet-18: 17 and 44, which keep theirs). Max-autotune, which puts the step
+/// first, never shares.
 pub(crate) const SHARE_FROM_KERNELS: usize = 100;
 
 /// Kernels launched through a shared build so far in this process.
@@ -241,10 +241,7 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
     // (text, literals in constant contexts) -> (member indices, each member's literals)
     type Key = (String, Vec<i64>);
     let mut groups: HashMap<Key, Vec<(usize, Vec<i64>)>> = HashMap::new();
-    for (i, r) in resolved.iter().enumerate() {
-        if !r.device_fns.is_empty() || !r.sizes.is_empty() {
-            continue;
-        }
+    for (i, r) in resolved.iter().enumerate().filter(|(_, r)| single(r)) {
         let (text, lits) = split(r);
         let kinds = holes(&text);
         if kinds.len() != lits.len() {
