@@ -201,7 +201,7 @@ impl DeviceRuntime for CudaRuntime {
     }
 
     fn assign_many(&self, pairs: &[(&Tensor, &Tensor)]) -> Result<()> {
-        let mut table: Vec<movement::Copy1d> = Vec::new();
+        let mut table: Vec<movement::RowCopy> = Vec::new();
         let mut table_of: Option<(Arc<CudaDevice>, DType)> = None;
         let mut rest: Vec<(&Tensor, &Tensor)> = Vec::new();
         let (mut writes, mut reads) = (Vec::new(), Vec::new());
@@ -224,10 +224,10 @@ impl DeviceRuntime for CudaRuntime {
                 continue;
             }
             table_of.get_or_insert_with(|| (db.dev.clone(), db.dtype));
-            table.push(movement::Copy1d {
+            table.push(movement::RowCopy {
                 dst: db.at(dl.offset),
                 src: sb.at(sl.offset),
-                n: dl.numel() as i64,
+                width: dl.numel() as i64,
             });
         }
         // one launch only where the pairs read as if written one after another
@@ -235,7 +235,7 @@ impl DeviceRuntime for CudaRuntime {
             return pairs.iter().try_for_each(|(d, s)| self.assign(d, s));
         }
         if let Some((dev, dtype)) = table_of {
-            movement::copy_many(&dev, &table, dtype.size_in_bytes())?;
+            movement::copy_rows(&dev, &table, movement::Rows::ONE, dtype.size_in_bytes())?;
         }
         rest.iter().try_for_each(|(d, s)| self.assign(d, s))
     }

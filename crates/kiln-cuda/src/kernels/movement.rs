@@ -1,6 +1,7 @@
 //! Pad and cat, as writes into views of the output: pad, and a cat input that is strided, go
 //! through the elementwise copy into the window of the output where they belong; a cat's
-//! contiguous inputs are copied by one kernel that takes a table of them.
+//! contiguous inputs, and the contiguous pairs of a multi-tensor copy (`assign_many`), go
+//! through one kernel that takes a table of them (`copy_rows`).
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use kiln_core::shape::Layout;
 use kiln_core::Result;
 
 use super::elementwise::{self as ew, Scalars};
-use super::{c_type, grid_for, PRELUDE};
+use super::grid_for;
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
@@ -42,8 +43,8 @@ pub(crate) fn pad(
     )
 }
 
-/// Concatenation along `dim`: the contiguous inputs of the output's dtype in launches of up to
-/// `CAT_PER_LAUNCH` (a foreach optimizer concatenates every parameter: one launch per tensor was
+/// Concatenation along `dim`: the contiguous inputs of the output's dtype through the table copy
+/// (`copy_rows`: a foreach optimizer concatenates every parameter, and one launch per tensor was
 /// 5 µs each), the others each copied into its slice of the output by the elementwise copy.
 pub(crate) fn cat(
     dev: &Arc<CudaDevice>,
@@ -53,17 +54,17 @@ pub(crate) fn cat(
     out_shape: &[usize],
 ) -> Result<()> {
     let full = Layout::contiguous(out_shape);
-    // the output as [outer, width]: input i fills columns start_i .. start_i + len_i * inner
+    // the output as [outer, row]: input i fills columns start_i .. start_i + len_i * inner
     let outer: usize = out_shape[..dim].iter().product();
     let inner: usize = out_shape[dim + 1..].iter().product();
-    let mut pieces: Vec<Piece> = Vec::new();
+    let mut pieces: Vec<RowCopy> = Vec::new();
     let mut at = 0;
     for &(b, l) in inputs {
         let len = l.shape[dim];
         if l.numel() > 0 && l.is_contiguous() && b.dtype == out.dtype {
-            pieces.push(Piece {
-                ptr: b.at(l.offset),
-                start: (at * inner) as i64,
+            pieces.push(RowCopy {
+                dst: out.at(at * inner),
+                src: b.at(l.offset),
                 width: (len * inner) as i64,
             });
         } else {
@@ -79,107 +80,51 @@ pub(crate) fn cat(
         }
         at += len;
     }
-    let row = (at * inner) as i64;
-    for chunk in pieces.chunks(CAT_PER_LAUNCH) {
-        cat_launch(dev, chunk, outer as i64, row, out)?;
-    }
-    Ok(())
-}
-
-/// Inputs per launch of the concatenation kernel (its table travels as a kernel argument).
-const CAT_PER_LAUNCH: usize = 32;
-
-/// One contiguous input of a concatenation: its first element, and its columns of the output.
-#[derive(Clone, Copy)]
-struct Piece {
-    ptr: u64,
-    start: i64,
-    width: i64,
-}
-
-/// The kernel's table, by value (the layout must match the `Cat` struct of its source).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct CatTable {
-    src: [u64; CAT_PER_LAUNCH],
-    start: [i64; CAT_PER_LAUNCH],
-    width: [i64; CAT_PER_LAUNCH],
-    outer: i64,
-    row: i64,
-}
-
-/// Copies each piece into its columns of `out` ([outer, row], contiguous): grid row `y` is piece
-/// `y`, its blocks a grid-stride loop over the piece's elements.
-fn cat_launch(
-    dev: &Arc<CudaDevice>,
-    pieces: &[Piece],
-    outer: i64,
-    row: i64,
-    out: &CudaBuffer,
-) -> Result<()> {
-    let mut table = CatTable {
-        src: [0; CAT_PER_LAUNCH],
-        start: [0; CAT_PER_LAUNCH],
-        width: [0; CAT_PER_LAUNCH],
-        outer,
-        row,
+    let rows = Rows {
+        outer: outer as i64,
+        stride: (at * inner) as i64,
     };
-    for (k, p) in pieces.iter().enumerate() {
-        table.src[k] = p.ptr;
-        table.start[k] = p.start;
-        table.width[k] = p.width;
-    }
-    let ty = c_type(out.dtype);
-    let sig = format!("cat:{}", out.dtype.tag());
-    let f = crate::nvrtc::kernel(dev, &sig, || {
-        format!(
-            "{PRELUDE}\nstruct Cat {{ unsigned long long src[{CAT_PER_LAUNCH}]; long long \
-             start[{CAT_PER_LAUNCH}]; long long width[{CAT_PER_LAUNCH}]; long long outer; long \
-             long row; }};\nextern \"C\" __global__ void k({ty}* __restrict__ out, Cat t) {{\n  \
-             const int p = blockIdx.y;\n  const {ty}* __restrict__ in = (const {ty}*)t.src[p];\n  \
-             const long long w = t.width[p], n = t.outer * w;\n  for (long long e = blockIdx.x * \
-             (long long)blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) \
-             {{\n    const long long o = t.outer == 1 ? 0 : e / w;\n    out[o * t.row + t.start[p] \
-             + (e - o * w)] = in[e];\n  }}\n}}\n"
-        )
-    })?;
-    let most = pieces
-        .iter()
-        .map(|p| (outer * p.width) as usize)
-        .max()
-        .unwrap_or(0);
-    let (blocks, block) = grid_for(most, dev.sm_count);
-    // the pieces share the machine: fewer blocks each the more pieces a launch has
-    let per_piece = (dev.sm_count as usize * 32 / pieces.len()).max(dev.sm_count as usize);
-    let blocks = (blocks as usize).min(per_piece).max(1) as u32;
-    let mut ptr = out.ptr;
-    let mut params: Vec<*mut c_void> = vec![
-        (&mut ptr as *mut u64).cast(),
-        (&mut table as *mut CatTable).cast(),
-    ];
-    dev.launch_grid(f, [blocks, pieces.len() as u32, 1], block, 0, &mut params)
+    copy_rows(dev, &pieces, rows, out.dtype.size_in_bytes())
 }
 
-/// Copies per launch of the multi-tensor copy (its table travels as a kernel argument: 64
-/// entries of 24 bytes stay well under the 4 KiB every CUDA device takes).
+/// Entries per launch of the table copy (its table travels as a kernel argument: 64 entries of
+/// 24 bytes stay well under the 4 KiB every CUDA device takes).
 const COPIES_PER_LAUNCH: usize = 64;
 
-/// One contiguous copy of `n` elements from `src` to `dst` (device addresses).
+/// One contiguous source of `outer * width` elements (device addresses), copied into `outer`
+/// rows of `width` elements from `dst` on (`Rows` gives their count and spacing).
 #[derive(Clone, Copy)]
-pub(crate) struct Copy1d {
+pub(crate) struct RowCopy {
     pub dst: u64,
     pub src: u64,
-    pub n: i64,
+    pub width: i64,
 }
 
-/// The multi-tensor copy's table, by value (the layout must match the `Copies` struct of its
-/// source).
+/// How every entry of a table copy lays out in its destination: `outer` rows, `stride`
+/// elements apart. A plain copy is one row (`Rows::ONE`); a cat's piece is a column block of
+/// the output.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows {
+    pub outer: i64,
+    pub stride: i64,
+}
+
+impl Rows {
+    pub(crate) const ONE: Rows = Rows {
+        outer: 1,
+        stride: 0,
+    };
+}
+
+/// The table copy's table, by value (the layout must match the `Table` struct of its source).
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct CopyTable {
     dst: [u64; COPIES_PER_LAUNCH],
     src: [u64; COPIES_PER_LAUNCH],
-    n: [i64; COPIES_PER_LAUNCH],
+    width: [i64; COPIES_PER_LAUNCH],
+    outer: i64,
+    stride: i64,
 }
 
 /// The device bytes `[start, end)` a tensor's elements lie in: its window where it is
@@ -208,11 +153,17 @@ pub(crate) fn copies_commute(mut writes: Vec<(u64, u64)>, reads: &[(u64, u64)]) 
     })
 }
 
-/// Many contiguous copies of elements `elem_bytes` wide, in launches of up to
-/// `COPIES_PER_LAUNCH`: a foreach optimizer writes every parameter back after its flat update (one
-/// launch each was ~2.5 µs of host time apiece, 124 per ResNet-18 step). Grid row `y` is copy `y`,
-/// its blocks a grid-stride loop over the elements. Sources must not overlap destinations.
-pub(crate) fn copy_many(dev: &Arc<CudaDevice>, copies: &[Copy1d], elem_bytes: usize) -> Result<()> {
+/// The table copy: `copies` of elements `elem_bytes` wide, laid out as `rows` says, in launches
+/// of up to `COPIES_PER_LAUNCH`. A cat's contiguous pieces, and a foreach optimizer writing every
+/// parameter back after its flat update (one launch each was ~2.5 µs of host time apiece, 124
+/// per ResNet-18 step). Grid row `y` is entry `y`, its blocks a grid-stride loop over the
+/// entry's elements. Sources must not overlap destinations.
+pub(crate) fn copy_rows(
+    dev: &Arc<CudaDevice>,
+    copies: &[RowCopy],
+    rows: Rows,
+    elem_bytes: usize,
+) -> Result<()> {
     let ty = match elem_bytes {
         1 => "unsigned char",
         2 => "unsigned short",
@@ -220,36 +171,40 @@ pub(crate) fn copy_many(dev: &Arc<CudaDevice>, copies: &[Copy1d], elem_bytes: us
         8 => "unsigned long long",
         b => {
             return Err(kiln_core::Error::unsupported(
-                "assign_many",
+                "copy",
                 format!("elements of {b} bytes"),
             ))
         }
     };
-    let sig = format!("copy_many:{elem_bytes}");
+    let sig = format!("copy_rows:{elem_bytes}");
     let f = crate::nvrtc::kernel(dev, &sig, || {
         format!(
-            "struct Copies {{ unsigned long long dst[{COPIES_PER_LAUNCH}]; unsigned long long \
-             src[{COPIES_PER_LAUNCH}]; long long n[{COPIES_PER_LAUNCH}]; }};\nextern \"C\" \
-             __global__ void k(Copies t) {{\n  const int p = blockIdx.y;\n  {ty}* __restrict__ out \
-             = ({ty}*)t.dst[p];\n  const {ty}* __restrict__ in = (const {ty}*)t.src[p];\n  const \
-             long long n = t.n[p];\n  for (long long e = blockIdx.x * (long long)blockDim.x + \
-             threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) out[e] = in[e];\n}}\n"
+            "struct Table {{ unsigned long long dst[{COPIES_PER_LAUNCH}]; unsigned long long \
+             src[{COPIES_PER_LAUNCH}]; long long width[{COPIES_PER_LAUNCH}]; long long outer; \
+             long long stride; }};\nextern \"C\" __global__ void k(Table t) {{\n  const int p = \
+             blockIdx.y;\n  {ty}* __restrict__ out = ({ty}*)t.dst[p];\n  const {ty}* __restrict__ \
+             in = (const {ty}*)t.src[p];\n  const long long w = t.width[p], n = t.outer * w;\n  \
+             for (long long e = blockIdx.x * (long long)blockDim.x + threadIdx.x; e < n; e += \
+             (long long)gridDim.x * blockDim.x) {{\n    const long long o = t.outer == 1 ? 0 : e \
+             / w;\n    out[o * t.stride + (e - o * w)] = in[e];\n  }}\n}}\n"
         )
     })?;
     for chunk in copies.chunks(COPIES_PER_LAUNCH) {
         let mut table = CopyTable {
             dst: [0; COPIES_PER_LAUNCH],
             src: [0; COPIES_PER_LAUNCH],
-            n: [0; COPIES_PER_LAUNCH],
+            width: [0; COPIES_PER_LAUNCH],
+            outer: rows.outer,
+            stride: rows.stride,
         };
         for (k, c) in chunk.iter().enumerate() {
             table.dst[k] = c.dst;
             table.src[k] = c.src;
-            table.n[k] = c.n;
+            table.width[k] = c.width;
         }
-        let most = chunk.iter().map(|c| c.n as usize).max().unwrap_or(0);
-        let (blocks, block) = grid_for(most, dev.sm_count);
-        // the copies share the machine: fewer blocks each the more copies a launch has
+        let most = chunk.iter().map(|c| c.width).max().unwrap_or(0) * rows.outer;
+        let (blocks, block) = grid_for(most as usize, dev.sm_count);
+        // the entries share the machine: fewer blocks each the more entries a launch has
         let per_copy = (dev.sm_count as usize * 32 / chunk.len()).max(dev.sm_count as usize);
         let blocks = (blocks as usize).min(per_copy).max(1) as u32;
         let mut params: Vec<*mut c_void> = vec![(&mut table as *mut CopyTable).cast()];
