@@ -125,8 +125,8 @@ fn prepare(rt: &Arc<dyn DeviceRuntime>, graph: &Graph, flags: CudaFlags) -> Resu
         // all of them: a choice read from disk leaves one, not necessarily the default
         building.extend(cands.iter().map(cuda_sizes::Resolved::of));
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let units = cuda_sizes::units(PRELUDE, &building, threads);
+    // units for the threads that will build them, not for every core
+    let units = cuda_sizes::units(PRELUDE, &building, cuda_units::max_threads());
     for (source, _) in &units {
         crate::log_output_code(source);
     }

@@ -101,14 +101,21 @@ pub(crate) fn units(
 /// favoured 4 threads had its later runs served by NVRTC's cache.)
 const MAX_COMPILE_THREADS: usize = 16;
 
-fn compile_threads(units: usize) -> usize {
+/// How many threads build units at most: `MAX_COMPILE_THREADS` (or `KILN_COMPILE_THREADS`),
+/// bounded by the cores. A graph's kernels are dealt into units for this many threads
+/// (`units`' `threads`).
+pub(crate) fn max_threads() -> usize {
     let cap = std::env::var("KILN_COMPILE_THREADS")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&n| n > 0)
         .unwrap_or(MAX_COMPILE_THREADS);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    units.min(cap).min(cores).max(1)
+    cap.min(cores).max(1)
+}
+
+fn compile_threads(units: usize) -> usize {
+    units.min(max_threads()).max(1)
 }
 
 /// Compiles and loads `units` on `device`: a few threads take the units in order, largest work
