@@ -227,11 +227,9 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
     let reads: Vec<Vec<NodeId>> = steps
         .iter()
         .zip(&kernels)
-        .map(|(s, k)| match (s, k) {
-            (_, Some(k)) => t.inputs(k).to_vec(),
-            (Step::Kernel { node } | Step::Extern { node }, None) => {
-                graph.nodes[*node].args.clone()
-            }
+        .map(|(s, k)| match k {
+            Some(k) => t.inputs(k).to_vec(),
+            None => graph.nodes[s.node()].args.clone(),
         })
         .collect();
     let roots = plan::alias_roots(graph, &steps, &sched.kinds);
@@ -241,8 +239,8 @@ pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
     for (at, (s, kernel)) in steps.iter().zip(kernels).enumerate() {
         let (node, kernel) = match (s, kernel) {
             (Step::Kernel { node }, Some(k)) => (*node, k),
-            (Step::Kernel { node } | Step::Extern { node }, _) => {
-                planned.push(Planned::Extern { node: *node });
+            (s, _) => {
+                planned.push(Planned::Extern { node: s.node() });
                 continue;
             }
         };

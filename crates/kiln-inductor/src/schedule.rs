@@ -29,6 +29,15 @@ pub enum Step {
     Extern { node: NodeId },
 }
 
+impl Step {
+    /// The value the step computes.
+    pub fn node(&self) -> NodeId {
+        match self {
+            Step::Kernel { node } | Step::Extern { node } => *node,
+        }
+    }
+}
+
 /// Longest pointwise chain inlined into several readers instead of realized.
 const MAX_RECOMPUTE_OPS: usize = 4;
 /// Most readers a shared pointwise chain is inlined into.
@@ -376,9 +385,6 @@ fn hoist_early(g: &Graph, realized: &[bool], early: &[bool], steps: Vec<Step>) -
     if !early.iter().any(|&e| e) {
         return steps;
     }
-    let node = |s: &Step| match s {
-        Step::Kernel { node } | Step::Extern { node } => *node,
-    };
     // the realized values a step's kernel reads: its args, through the ones it inlines
     let reads = |id: NodeId| {
         let (mut out, mut todo, mut seen) = (Vec::new(), g.nodes[id].args.clone(), Vec::new());
@@ -396,7 +402,7 @@ fn hoist_early(g: &Graph, realized: &[bool], early: &[bool], steps: Vec<Step>) -
     };
     let mut order: Vec<Step> = Vec::with_capacity(steps.len());
     for s in steps {
-        let id = node(&s);
+        let id = s.node();
         if !early[id] {
             order.push(s);
             continue;
@@ -404,10 +410,10 @@ fn hoist_early(g: &Graph, realized: &[bool], early: &[bool], steps: Vec<Step>) -
         let deps = reads(id);
         let at = order
             .iter()
-            .rposition(|st| deps.contains(&node(st)))
+            .rposition(|st| deps.contains(&st.node()))
             .map_or(0, |p| p + 1);
         // after the early steps already placed there (their relative order kept)
-        let at = at + order[at..].iter().take_while(|st| early[node(st)]).count();
+        let at = at + order[at..].iter().take_while(|st| early[st.node()]).count();
         order.insert(at, s);
     }
     order
@@ -490,13 +496,7 @@ mod tests {
             g.outputs = vec![two, y];
             let s = schedule(&g, &MatmulFusion::NONE);
             assert_eq!(s.realized[chain], realized, "{ops} ops");
-            let order: Vec<NodeId> = s
-                .steps
-                .iter()
-                .map(|st| match st {
-                    Step::Kernel { node } | Step::Extern { node } => *node,
-                })
-                .collect();
+            let order: Vec<NodeId> = s.steps.iter().map(Step::node).collect();
             let want = match realized {
                 true => vec![chain, two, y],
                 false => vec![two, y],

@@ -766,20 +766,6 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     finish(b, root, nest, parallel)
 }
 
-/// The lane loops of `prim::SUM_LANES`'s order over the innermost reduced dim `d`, from `start`
-/// to `end` (C expressions): `body` computes `value` at `i{d} = c + l`, added to lane `l`. The
-/// lanes are independent, so the loop over a full group of lanes is vectorized as it stands (no
-/// reassociation); the group's body is written twice, for full groups then the tail.
-fn lane_loops(
-    text: &mut String,
-    (d, body, value): (usize, &str, &str),
-    step: fn(&str, &str) -> String,
-    start: &str,
-    end: &str,
-) {
-    lane_loops_into(text, (d, body), &[("acc", value, step)], start, end);
-}
-
 /// Sums in `prim::SUM_LANES`'s order, in one walk: over the reduced loops `outer`, then the
 /// innermost reduced dim `d` of extent `n`, whose element k of each run goes into lane k % L of
 /// each sum's lane array (`sums`: its C name and accumulator), the lanes then folded in halves
@@ -810,10 +796,10 @@ pub(super) fn lane_sums(
         .iter()
         .map(|(name, a)| (*name, a.value.as_str(), a.step))
         .collect();
-    lane_loops_into(text, (d, body), &adds, "0", &n.to_string());
+    lane_loops(text, (d, body), &adds, "0", &n.to_string());
     text.push_str("  }\n");
     for (k, (name, a)) in sums.iter().enumerate() {
-        fold_lanes_of(text, name, a.step);
+        fold_lanes(text, name, a.step);
         text.push_str(&store(k, &format!("{name}[0]")));
     }
     text.push_str("  }\n");
@@ -822,9 +808,12 @@ pub(super) fn lane_sums(
 /// One lane array a lane loop adds to: its C name, the value added, and how (`acc = step(acc, v)`).
 type LaneAdd<'a> = (&'a str, &'a str, fn(&str, &str) -> String);
 
-/// `lane_loops` adding to several lane arrays at once, one walk over the operands for all
-/// (`lane_sums`).
-fn lane_loops_into(
+/// The lane loops of `prim::SUM_LANES`'s order over the innermost reduced dim `d`, from `start`
+/// to `end` (C expressions): `body` computes each lane array's value at `i{d} = c + l`, added to
+/// its lane `l` (one walk over the operands for all of them, `lane_sums`). The lanes are
+/// independent, so the loop over a full group of lanes is vectorized as it stands (no
+/// reassociation); the group's body is written twice, for full groups then the tail.
+fn lane_loops(
     text: &mut String,
     (d, body): (usize, &str),
     accs: &[LaneAdd<'_>],
@@ -848,13 +837,8 @@ fn lane_loops_into(
     );
 }
 
-/// The lanes folded in halves into `acc[0]`.
-fn fold_lanes(text: &mut String, step: fn(&str, &str) -> String) {
-    fold_lanes_of(text, "acc", step);
-}
-
 /// The lanes of the array `acc` folded in halves into `acc[0]`.
-fn fold_lanes_of(text: &mut String, acc: &str, step: fn(&str, &str) -> String) {
+fn fold_lanes(text: &mut String, acc: &str, step: fn(&str, &str) -> String) {
     let fold = step(&format!("{acc}[l]"), &format!("{acc}[l + h]"));
     let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", SUM_LANES / 2);
     let _ = writeln!(
@@ -909,9 +893,9 @@ fn chunked_sum(
     if !outer.is_empty() {
         split_index(text, "r", outer, "  ", "rem");
     }
-    lane_loops(text, (d, body, value), step, end.0, &end.1);
+    lane_loops(text, (d, body), &[("acc", value, step)], end.0, &end.1);
     let _ = writeln!(text, "  }}");
-    fold_lanes(text, step);
+    fold_lanes(text, "acc", step);
     let _ = writeln!(
         text,
         "  part[ch] = acc[0];\n  }}\n  double total = 0.0;\n  for (int64_t ch = 0; ch < \

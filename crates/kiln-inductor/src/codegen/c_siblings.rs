@@ -12,6 +12,7 @@ use super::c::{
     finish_outputs, lane_sums, reduce_accumulator, reduce_loops, ty, Accumulator, Builder, Kernel,
     Nest, PARALLEL_THRESHOLD,
 };
+use crate::rows::outputs;
 use crate::schedule::Schedule;
 
 /// The kernel computing the sibling reductions `roots` (one operand shape, reduced dims and
@@ -54,13 +55,8 @@ pub(crate) fn sibling_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> O
         elements: numel,
         shareable: true,
     };
-    let outputs: Vec<(NodeId, String)> = roots
-        .iter()
-        .enumerate()
-        .map(|(k, &r)| (r, format!("out{k}")))
-        .collect();
     let parallel = numel >= PARALLEL_THRESHOLD && rows >= 16;
-    Some(finish_outputs(b, &outputs, nest, parallel))
+    Some(finish_outputs(b, &outputs(roots), nest, parallel))
 }
 
 #[cfg(test)]

@@ -169,13 +169,14 @@ fn fill(text: &str, literal: impl Fn(usize) -> String) -> String {
 /// (`param[i] = Some(j)`: `s<j>`), the others filled from `lits` (equal in every member);
 /// `narrow[j]`: parameter `j` is read as an `int`. Flat-index splits by a narrow parameter in a
 /// 32-bit kernel go through magic numbers, passed after the parameters (`s<j>_m`, `s<j>_l` for
-/// each parameter of the returned list, in order). Named by the hash of its text.
+/// each parameter of the returned list, in order). Named by the hash of its text; `None` for a
+/// text with no `KNAME(...)` definition to add parameters to.
 fn shared_kernel(
     text: &str,
     lits: &[i64],
     param: &[Option<usize>],
     narrow: &[bool],
-) -> (String, String, Vec<usize>) {
+) -> Option<(String, String, Vec<usize>)> {
     let body = fill(text, |i| match param[i] {
         Some(j) => format!("s{j}"),
         None => lits[i].to_string(),
@@ -201,12 +202,9 @@ fn shared_kernel(
         let t = if n { "int" } else { "long long" };
         let _ = write!(prologue, "\n  const {t} s{j} = ({t})s{j}_arg;");
     }
-    let open = body.find("KNAME(");
-    let close = open.and_then(|at| body[at..].find(')').map(|c| at + c));
-    let brace = close.and_then(|c| body[c..].find('{').map(|b| c + b + 1));
-    let (Some(close), Some(brace)) = (close, brace) else {
-        return (String::new(), body, Vec::new());
-    };
+    let open = body.find("KNAME(")?;
+    let close = open + body[open..].find(')')?;
+    let brace = close + body[close..].find('{')? + 1;
     let helpers = match divisors.is_empty() {
         true => "",
         false => DIVISION_HELPERS,
@@ -218,7 +216,8 @@ fn shared_kernel(
         &body[brace..]
     );
     let name = format!("kl_{:016x}", xxhash_rust::xxh3::xxh3_64(source.as_bytes()));
-    (name.clone(), source.replace("KNAME", &name), divisors)
+    let source = source.replace("KNAME", &name);
+    Some((name, source, divisors))
 }
 
 /// Rewrites `resolved` (a static graph's kernels, in order) so that kernels of one text but for
@@ -291,10 +290,9 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
             .iter()
             .map(|c| c.iter().all(|&v| i32::try_from(v).is_ok()))
             .collect();
-        let (name, source, divisors) = shared_kernel(&text, first, &param, &narrow);
-        if name.is_empty() {
+        let Some((name, source, divisors)) = shared_kernel(&text, first, &param, &narrow) else {
             continue;
-        }
+        };
         SHARED.fetch_add(members.len() as u64, Ordering::Relaxed);
         for (m, (i, _)) in members.iter().enumerate() {
             let mut sizes: Vec<i64> = columns.iter().map(|c| c[m]).collect();

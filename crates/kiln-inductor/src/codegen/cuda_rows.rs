@@ -32,11 +32,11 @@ const BLOCK_ROWS_PER_SM: usize = 4;
 /// Shortest row a block is given (a warp takes shorter ones at one or two elements a lane).
 const BLOCK_FROM_COLS: usize = 64;
 
-/// Who walks a row: a warp, or a block of `threads` threads (`warps` warps).
+/// Who walks a row: a warp, or a block of `threads` threads (a multiple of 32).
 #[derive(Clone, Copy)]
 enum Group {
     Warp,
-    Block { threads: u32, warps: u32 },
+    Block { threads: u32 },
 }
 
 impl Group {
@@ -46,17 +46,14 @@ impl Group {
         }
         // two elements a thread or more, at most 256 threads
         let threads = (cols.div_ceil(2).div_ceil(32) * 32).clamp(64, 256) as u32;
-        Group::Block {
-            threads,
-            warps: threads / 32,
-        }
+        Group::Block { threads }
     }
 
     /// The first element a thread takes and the step between its elements.
     fn walk(self) -> (&'static str, u32) {
         match self {
             Group::Warp => ("lane", 32),
-            Group::Block { threads, .. } => ("threadIdx.x", threads),
+            Group::Block { threads } => ("threadIdx.x", threads),
         }
     }
 }
@@ -111,7 +108,8 @@ pub(super) fn row_kernel(
              __shfl_xor_sync(0xffffffffu, {acc}, s); {acc} = {}; }}",
             step(&acc, "other")
         );
-        if let Group::Block { warps, .. } = group {
+        if let Group::Block { threads } = group {
+            let warps = threads / 32;
             // the warps' values through shared memory, combined in warp order by every thread
             let part = format!("part{k}");
             let _ = writeln!(shared, "  __shared__ {acc_t} {part}[{warps}];");
@@ -146,7 +144,7 @@ pub(super) fn row_kernel(
             );
             (t.blocks(rows, warps as usize), warps * 32)
         }
-        Group::Block { threads, .. } => {
+        Group::Block { threads } => {
             let _ = writeln!(
                 text,
                 "  for (long long row = kbid; row < {rows}; row += knblk) {{"
