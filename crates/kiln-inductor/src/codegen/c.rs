@@ -22,6 +22,12 @@ use crate::schedule::Schedule;
 /// Elements below which a kernel runs on one thread.
 pub(crate) const PARALLEL_THRESHOLD: usize = 32 * 1024;
 
+/// Whether a kernel over `rows` kept rows (a reduction's outputs, a row kernel's rows) of
+/// `elements` in all shares its rows among threads: enough work, and rows enough to share.
+pub(crate) fn parallel_rows(elements: usize, rows: usize) -> bool {
+    elements >= PARALLEL_THRESHOLD && rows >= 16
+}
+
 /// One generated kernel.
 #[derive(Clone, Debug)]
 pub struct Kernel {
@@ -711,7 +717,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     let (v, acc_t, init, step) = (&acc.value, acc.acc_t, &acc.init, acc.step);
     let node = &g.nodes[root];
     let numel: usize = kept.iter().chain(&reduced).map(|d| d.1).product();
-    let parallel = numel >= PARALLEL_THRESHOLD && kept.iter().map(|k| k.1).product::<usize>() >= 16;
+    let parallel = parallel_rows(numel, kept.iter().map(|k| k.1).product());
     // the text inside the loops over the kept dims
     let mut text = String::new();
     let mut shareable = true;

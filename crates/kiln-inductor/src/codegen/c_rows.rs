@@ -9,7 +9,7 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{finish_outputs, lane_sums, loops, ty, Builder, Kernel, Nest, PARALLEL_THRESHOLD};
+use super::c::{finish_outputs, lane_sums, loops, parallel_rows, ty, Builder, Kernel, Nest};
 use super::c_horizontal::Threads;
 use crate::rows::{outputs, passes, Computes, RowLoops};
 use crate::schedule::Schedule;
@@ -74,7 +74,7 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
         elements,
         shareable: true,
     };
-    let parallel = elements >= PARALLEL_THRESHOLD && rows >= 16;
+    let parallel = parallel_rows(elements, rows);
     Some(finish_outputs(b, &outputs(roots), nest, parallel))
 }
 

@@ -9,8 +9,8 @@ use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::{Prim, SUM_CHUNKED_FROM};
 
 use super::c::{
-    finish_outputs, lane_sums, reduce_accumulator, reduce_loops, ty, Accumulator, Builder, Kernel,
-    Nest, PARALLEL_THRESHOLD,
+    finish_outputs, lane_sums, parallel_rows, reduce_accumulator, reduce_loops, ty, Accumulator,
+    Builder, Kernel, Nest,
 };
 use crate::rows::outputs;
 use crate::schedule::Schedule;
@@ -55,7 +55,7 @@ pub(crate) fn sibling_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> O
         elements: numel,
         shareable: true,
     };
-    let parallel = numel >= PARALLEL_THRESHOLD && rows >= 16;
+    let parallel = parallel_rows(numel, rows);
     Some(finish_outputs(b, &outputs(roots), nest, parallel))
 }
 
