@@ -29,7 +29,8 @@ static GRAPH_PLANS: AtomicUsize = AtomicUsize::new(0);
 static LEGACY_PLANS: AtomicUsize = AtomicUsize::new(0);
 static GRAPH_REFUSAL: Mutex<Option<String>> = Mutex::new(None);
 
-/// Convolution plans made in this process: (graph API, legacy API).
+/// Convolution plans made in this process: (graph API, legacy API). Graph-API plans rebuilt from
+/// the disk cache count too (`cudnn_plan_disk_hits` counts those).
 pub fn cudnn_plan_counts() -> (usize, usize) {
     (
         GRAPH_PLANS.load(Ordering::Relaxed),
@@ -97,6 +98,9 @@ struct PlanKey {
     alignment: usize,
     /// NHWC operands (`ConvParams::channels_last`); `x`, `w`, `y` are in NCHW order either way.
     channels_last: bool,
+    /// The fresh-cache scope the plan was made in (`kiln_core::cache::scope_id`): a cold compile
+    /// measured in one makes its plans anew, from disk or heuristics, as a new process would.
+    scope: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -266,6 +270,7 @@ pub(crate) fn run(
         benchmark: cudnn_benchmark(),
         alignment: alignment(&[a.ptr(), b.ptr(), out.ptr]),
         channels_last: p.channels_last,
+        scope: kiln_core::cache::scope_id(),
     };
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
     dev.bind()?;
@@ -278,7 +283,11 @@ pub(crate) fn run(
     if !state.plans.contains_key(&key) {
         let graph = match key.benchmark {
             true => None,
-            false => match crate::conv_graph::make_plan(state.handle, &graph_spec(&key)) {
+            false => match crate::conv_graph::make_plan(
+                state.handle,
+                &graph_spec(&key),
+                &format!("{} {}", dev.name, dev.arch),
+            ) {
                 Ok(Some(g)) => Some(g),
                 refused => {
                     let mut first = GRAPH_REFUSAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -8,6 +8,9 @@
 use std::ffi::c_void;
 
 use cudarc::cudnn::{result::CudnnError, sys as dsys};
+use kiln_core::profiler::{self, Category};
+
+use crate::conv_plan_cache;
 use dsys::cudnnBackendAttributeName_t as A;
 use dsys::cudnnBackendAttributeType_t as T;
 use dsys::cudnnBackendDescriptorType_t as D;
@@ -15,7 +18,7 @@ use dsys::cudnnBackendDescriptorType_t as D;
 type DnnResult<X> = std::result::Result<X, CudnnError>;
 
 /// Which convolution the graph computes; the tensors are named as for the forward one.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Direction {
     Forward,
     GradInput,
@@ -26,7 +29,7 @@ pub(crate) enum Direction {
 const IDS: [i64; 3] = [1, 2, 3];
 
 /// A backend descriptor, destroyed on drop.
-struct Desc(dsys::cudnnBackendDescriptor_t);
+pub(crate) struct Desc(pub(crate) dsys::cudnnBackendDescriptor_t);
 
 impl Drop for Desc {
     fn drop(&mut self) {
@@ -36,13 +39,13 @@ impl Drop for Desc {
 }
 
 impl Desc {
-    fn new(kind: D) -> DnnResult<Desc> {
+    pub(crate) fn new(kind: D) -> DnnResult<Desc> {
         let mut d: dsys::cudnnBackendDescriptor_t = std::ptr::null_mut();
         // SAFETY: `d` receives a new descriptor
         unsafe { dsys::cudnnBackendCreateDescriptor(kind, &mut d) }.result()?;
         Ok(Desc(d))
     }
-    fn set<V>(&self, name: A, ty: T, values: &[V]) -> DnnResult<()> {
+    pub(crate) fn set<V>(&self, name: A, ty: T, values: &[V]) -> DnnResult<()> {
         // SAFETY: `values` holds `len` elements of the C type `ty` names (the callers pair them)
         unsafe {
             dsys::cudnnBackendSetAttribute(
@@ -55,7 +58,7 @@ impl Desc {
         }
         .result()
     }
-    fn finalize(self) -> DnnResult<Desc> {
+    pub(crate) fn finalize(self) -> DnnResult<Desc> {
         // SAFETY: a live descriptor
         unsafe { dsys::cudnnBackendFinalize(self.0) }.result()?;
         Ok(self)
@@ -72,7 +75,8 @@ pub(crate) struct GraphPlan {
 // SAFETY: descriptors are host structures used under the device's mutex
 unsafe impl Send for GraphPlan {}
 
-/// What a plan is made for.
+/// What a plan is made for (its `Debug` text keys the plan's disk cache entry).
+#[derive(Debug)]
 pub(crate) struct Spec {
     pub direction: Direction,
     pub data: dsys::cudnnDataType_t,
@@ -310,8 +314,28 @@ fn configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> DnnResult<Vec<De
     Ok(cfgs)
 }
 
-/// The plan for `spec`, or `Ok(None)` when no engine config is allowed and finalizes.
-pub(crate) fn make_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<GraphPlan>> {
+/// The plan for `spec` on `device` (its name and architecture): rebuilt from the disk cache
+/// when an earlier process stored it (`conv_plan_cache.rs`), else chosen by heuristics and
+/// stored. `Ok(None)` when no engine config is allowed and finalizes.
+pub(crate) fn make_plan(
+    handle: dsys::cudnnHandle_t,
+    spec: &Spec,
+    device: &str,
+) -> DnnResult<Option<GraphPlan>> {
+    let entry = conv_plan_cache::entry(spec, device);
+    if let Some(plan) = conv_plan_cache::load(handle, spec, &entry) {
+        return Ok(Some(plan));
+    }
+    let plan = choose_plan(handle, spec)?;
+    if let Some(plan) = &plan {
+        conv_plan_cache::store(plan, &entry);
+    }
+    Ok(plan)
+}
+
+/// The plan for `spec` from cuDNN's heuristics: the first engine config, best first, that is
+/// allowed, finalizes and fits the workspace.
+fn choose_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<GraphPlan>> {
     let x = tensor(spec, spec.x, IDS[0])?;
     let w = tensor(spec, spec.w, IDS[1])?;
     let y = tensor(spec, spec.y, IDS[2])?;
@@ -331,13 +355,16 @@ pub(crate) fn make_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<O
     let graph = graph.finalize()?;
     use dsys::cudnnBackendHeurMode_t::*;
     for mode in [CUDNN_HEUR_MODE_INSTANT, CUDNN_HEUR_MODE_FALLBACK] {
+        let heuristics = profiler::span(Category::Compile, || "cuDNN: heuristics".into());
         let Ok(cfgs) = configs(&graph, mode) else {
             continue;
         };
+        drop(heuristics);
         for cfg in cfgs {
             if !allowed(spec, &cfg).unwrap_or(false) {
                 continue;
             }
+            let _finalize = profiler::span(Category::Compile, || "cuDNN: finalize a plan".into());
             let Ok(plan) = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR) else {
                 continue;
             };
@@ -358,26 +385,12 @@ pub(crate) fn make_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<O
             let Ok(plan) = made else {
                 continue;
             };
-            let mut ws = 0i64;
-            let mut n = 0i64;
-            // SAFETY: one int64 out of a finalized plan
-            let sized = unsafe {
-                dsys::cudnnBackendGetAttribute(
-                    plan.0,
-                    A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-                    T::CUDNN_TYPE_INT64,
-                    1,
-                    &mut n,
-                    (&mut ws as *mut i64).cast(),
-                )
-            }
-            .result();
-            if sized.is_err() || ws < 0 || ws as usize > spec.max_workspace {
+            let Some(workspace) = workspace(&plan, spec) else {
                 continue;
-            }
+            };
             return Ok(Some(GraphPlan {
                 plan,
-                workspace: ws as usize,
+                workspace,
                 _parts: vec![cfg, graph, op, conv, y, w, x],
             }));
         }
@@ -385,7 +398,43 @@ pub(crate) fn make_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<O
     Ok(None)
 }
 
+/// The workspace a finalized plan needs, or `None` when it cannot be read or exceeds
+/// `spec.max_workspace`.
+fn workspace(plan: &Desc, spec: &Spec) -> Option<usize> {
+    let mut ws = 0i64;
+    let mut n = 0i64;
+    // SAFETY: one int64 out of a finalized plan
+    unsafe {
+        dsys::cudnnBackendGetAttribute(
+            plan.0,
+            A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+            T::CUDNN_TYPE_INT64,
+            1,
+            &mut n,
+            (&mut ws as *mut i64).cast(),
+        )
+    }
+    .result()
+    .ok()?;
+    (ws >= 0 && ws as usize <= spec.max_workspace).then_some(ws as usize)
+}
+
 impl GraphPlan {
+    /// A plan rebuilt from its serialization (it holds no other descriptors).
+    pub(crate) fn rebuilt(plan: Desc, spec: &Spec) -> Option<GraphPlan> {
+        let workspace = workspace(&plan, spec)?;
+        Some(GraphPlan {
+            plan,
+            workspace,
+            _parts: Vec::new(),
+        })
+    }
+
+    /// The finalized execution plan.
+    pub(crate) fn descriptor(&self) -> &Desc {
+        &self.plan
+    }
+
     /// Queues the convolution on the handle's stream: `ptrs` are x, w, y (as the forward
     /// convolution names them), `workspace` holds `self.workspace` bytes.
     pub(crate) fn execute(

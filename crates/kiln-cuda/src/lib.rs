@@ -15,6 +15,7 @@ mod buffer;
 mod capture;
 mod conv;
 mod conv_graph;
+mod conv_plan_cache;
 mod device;
 mod event;
 mod fallback;
@@ -34,6 +35,7 @@ pub use conv::{
     cudnn_allow_tf32, cudnn_benchmark, cudnn_graph_error, cudnn_plan_counts, set_cudnn_allow_tf32,
     set_cudnn_benchmark,
 };
+pub use conv_plan_cache::cudnn_plan_disk_hits;
 pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};

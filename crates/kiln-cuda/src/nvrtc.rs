@@ -150,7 +150,7 @@ fn cache_dir() -> PathBuf {
     kiln_core::cache::cache_root().join("cuda")
 }
 
-fn checksum(bytes: &[u8]) -> String {
+pub(crate) fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
 }
 
@@ -291,7 +291,7 @@ fn compile_cubin_with(
     out
 }
 
-fn store(dir: &Path, path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn store(dir: &Path, path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let tmp_sum = sum_path.with_extension(format!("tmp{}s", std::process::id()));

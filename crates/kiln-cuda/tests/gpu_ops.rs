@@ -879,6 +879,7 @@ fn main() {
         ("conv_cudnn_half_types", gpu::conv::cudnn_half_types),
         ("conv_cudnn_tf32_switch", gpu::conv::cudnn_tf32_switch),
         ("conv_cudnn_benchmark_mode", gpu::conv::cudnn_benchmark_mode),
+        ("conv_cudnn_plans_on_disk", gpu::conv::cudnn_plans_on_disk),
         (
             "module_to_cuda_and_back",
             gpu::modules::module_to_cuda_and_back,

@@ -6,7 +6,7 @@
 //! `run_gpu`) plus reduce-overhead and the kernel launches per compiled call.
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kiln::inductor::{forget_loaded_kernels, kernel_cache_stats, with_fresh_cache};
 use kiln::nn::{Linear, Module, ReLU, TrainFlag};
@@ -391,39 +391,36 @@ pub fn warm_child(mode: Mode, dev: Device) -> BenchResult {
     let x = Tensor::randn(&[10, 10], DType::F32)?.to(dev)?;
     let regional = std::env::var(WHAT_ENV).as_deref() == Ok("regional");
     let opts = kiln::CompileOptions::default().mode(mode);
-    let before = kernel_cache_stats();
-    let t = Instant::now();
-    if regional {
-        let mut blocks: Vec<Layer> = (0..DEPTH)
-            .map(|_| Layer::new())
-            .collect::<kiln::Result<_>>()?;
-        for b in &mut blocks {
-            b.to(dev)?;
+    // `measure`: timed up to the device's completion, profiled under KILN_BENCH_PROFILE
+    let ((), m) = crate::compile_child::measure(dev, || {
+        if regional {
+            let mut blocks: Vec<Layer> = (0..DEPTH)
+                .map(|_| Layer::new())
+                .collect::<kiln::Result<_>>()?;
+            for b in &mut blocks {
+                b.to(dev)?;
+            }
+            let compiled = blocks
+                .iter()
+                .map(|b| kiln::compile(b, opts.clone()))
+                .collect::<kiln::Result<Vec<_>>>()?;
+            let mut model = Model::with_layers(compiled)?;
+            model.linear.to(dev)?;
+            std::hint::black_box(model.forward(&x)?);
+        } else {
+            let mut model = Model::new()?;
+            model.to(dev)?;
+            let c = kiln::compile(&model, opts)?;
+            std::hint::black_box(c.forward(&x)?);
         }
-        let compiled = blocks
-            .iter()
-            .map(|b| kiln::compile(b, opts.clone()))
-            .collect::<kiln::Result<Vec<_>>>()?;
-        let mut model = Model::with_layers(compiled)?;
-        model.linear.to(dev)?;
-        std::hint::black_box(model.forward(&x)?);
-    } else {
-        let mut model = Model::new()?;
-        model.to(dev)?;
-        let c = kiln::compile(&model, opts)?;
-        std::hint::black_box(c.forward(&x)?);
-    }
-    if dev != Device::Cpu {
-        kiln::core::device::synchronize(dev)?;
-    }
-    let secs = t.elapsed().as_secs_f64();
-    let after = kernel_cache_stats();
+        Ok(())
+    })?;
     println!(
         "{}",
         serde_json::json!({
-            "seconds": secs,
-            "cc_builds": after.compiles - before.compiles,
-            "disk_hits": after.disk_hits - before.disk_hits,
+            "seconds": m.secs,
+            "cc_builds": m.cc_builds,
+            "disk_hits": m.cc_disk_hits,
         })
     );
     Ok(())

@@ -4,7 +4,7 @@
 
 use kiln_core::{DType, Result, Tensor};
 
-use super::harness::{check_fwd, check_grad, input, Rng};
+use super::harness::{check_fwd, check_grad, input, Rng, CUDA};
 
 type Outcome = std::result::Result<(), String>;
 
@@ -178,4 +178,73 @@ pub fn cudnn_benchmark_mode() -> Outcome {
     let r = cudnn_forward_and_backward();
     kiln_cuda::set_cudnn_benchmark(false);
     r
+}
+
+/// Convolution plans chosen by heuristics are stored in the kiln cache folder and rebuilt from
+/// there by a later scope (as by a new process), giving the same results; a damaged entry is
+/// ignored and replaced. Each scope makes one plan (`cudnn_plan_counts` counts plans rebuilt from
+/// disk too); `cudnn_plan_disk_hits` tells which came from disk.
+pub fn cudnn_plans_on_disk() -> Outcome {
+    let e = |x: kiln_core::Error| x.to_string();
+    let dir = std::env::temp_dir().join(format!("kiln-cudnn-plans-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut rng = Rng::new(2600);
+    // a shape no other test uses, so this process has made no plan for it
+    let x = input(&mut rng, &[3, 5, 11, 9], -1.0, 1.0, false)
+        .and_then(|t| t.to(CUDA))
+        .map_err(e)?;
+    let w = input(&mut rng, &[7, 5, 3, 3], -0.5, 0.5, false)
+        .and_then(|t| t.to(CUDA))
+        .map_err(e)?;
+    let conv = || -> Result<Vec<f32>> {
+        x.conv2d(&w, None, [1, 1], [1, 1], [1, 1], 1)?
+            .to_vec::<f32>()
+    };
+    let in_scope = |f: &dyn Fn() -> Result<Vec<f32>>| {
+        let (made, hits) = (
+            kiln_cuda::cudnn_plan_counts().0,
+            kiln_cuda::cudnn_plan_disk_hits(),
+        );
+        let y = kiln_core::cache::with_root(dir.clone(), f).map_err(e)?;
+        let made = kiln_cuda::cudnn_plan_counts().0 - made;
+        Ok::<_, String>((y, made, kiln_cuda::cudnn_plan_disk_hits() - hits))
+    };
+    let result = (|| {
+        let (first, made, hits) = in_scope(&conv)?;
+        let entries: Vec<_> = std::fs::read_dir(dir.join("cudnn"))
+            .map_err(|err| format!("no plan folder after the first scope: {err}"))?
+            .filter_map(|d| d.ok().map(|d| d.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
+        if made != 1 || hits != 0 || entries.len() != 1 {
+            return Err(format!(
+                "first scope: {made} plans made, {hits} from disk, {} entries stored (want 1, 0, 1)",
+                entries.len()
+            ));
+        }
+        let (again, made, hits) = in_scope(&conv)?;
+        if made != 1 || hits != 1 || again != first {
+            return Err(format!(
+                "second scope: {made} plans made, {hits} from disk (want 1, 1), same result: {}",
+                again == first
+            ));
+        }
+        std::fs::write(&entries[0], b"{ not a plan").map_err(|err| err.to_string())?;
+        let (third, made, hits) = in_scope(&conv)?;
+        if made != 1 || hits != 0 || third != first {
+            return Err(format!(
+                "damaged entry: {made} plans made, {hits} from disk (want 1, 0), same result: {}",
+                third == first
+            ));
+        }
+        let (_, made, hits) = in_scope(&conv)?;
+        match (made, hits) {
+            (1, 1) => Ok(()),
+            _ => Err(format!(
+                "after the damaged entry was replaced: {made} made, {hits} from disk (want 1, 1)"
+            )),
+        }
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
