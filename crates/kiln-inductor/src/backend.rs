@@ -13,6 +13,7 @@ use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
 use crate::codegen::cuda_compile::{self, CudaFlags};
 use crate::codegen::template;
 use crate::ir::lower::{small_matmul, Kind, MatmulDims};
+use crate::repeats::{Cone, Generated};
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::runtime::plan::{self, Alloc};
@@ -65,6 +66,9 @@ pub trait Target {
     }
     /// The buffers a kernel reads, in argument order.
     fn inputs<'k>(&self, k: &'k Self::Kernel) -> &'k [NodeId];
+    /// The same kernel reading `inputs` instead (of the same shapes and dtypes, in argument
+    /// order): a repeated block's step (`repeats.rs`).
+    fn rebind(&self, k: &Self::Kernel, inputs: Vec<NodeId>) -> Self::Kernel;
     /// For a kernel that one launch can run beside others (`horizontal.rs`): its block size and
     /// parameter count. `None` where the target has no such kernels.
     fn side_by_side(&self, _k: &Self::Kernel) -> Option<(u32, usize)> {
@@ -152,6 +156,12 @@ impl Target for C {
     fn inputs<'k>(&self, k: &'k Kernel) -> &'k [NodeId] {
         &k.inputs
     }
+    fn rebind(&self, k: &Kernel, inputs: Vec<NodeId>) -> Kernel {
+        Kernel {
+            inputs,
+            ..k.clone()
+        }
+    }
     fn side_by_side(&self, k: &Kernel) -> Option<(u32, usize)> {
         self.horizontal
             .then(|| crate::codegen::c_horizontal::side_by_side(k))
@@ -183,20 +193,26 @@ pub fn schedule_for<T: Target>(t: &T, graph: &Graph) -> Schedule {
     )
 }
 
-fn kernels_of<T: Target>(
+pub(crate) fn kernels_of<T: Target>(
     t: &T,
     graph: &Graph,
     sched: &Schedule,
 ) -> (Vec<Step>, Vec<Option<T::Kernel>>) {
+    // repeated blocks' steps generate their kernel once (`repeats.rs`)
+    let mut generated = Generated::new();
     let kernels = sched
         .steps
         .iter()
-        .map(|s| match s {
-            Step::Kernel { node } if sched.kinds[*node] == Kind::Reduction => {
-                Some(t.reduction(graph, sched, *node))
-            }
-            Step::Kernel { node } => Some(t.pointwise(graph, sched, &[(*node, None)]).0),
-            Step::Extern { .. } => None,
+        .map(|s| {
+            let &Step::Kernel { node } = s else {
+                return None;
+            };
+            let generate = || match sched.kinds[node] {
+                Kind::Reduction => t.reduction(graph, sched, node),
+                _ => t.pointwise(graph, sched, &[(node, None)]).0,
+            };
+            let cone = Cone::of(graph, sched, node);
+            Some(generated.get_or(cone, generate, |k| t.inputs(k), |k, i| t.rebind(k, i)))
         })
         .collect();
     (sched.steps.clone(), kernels)

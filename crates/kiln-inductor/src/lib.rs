@@ -11,6 +11,7 @@ mod cudagraphs;
 mod footprint;
 mod horizontal;
 pub mod ir;
+mod repeats;
 mod rows;
 pub mod runtime;
 pub mod schedule;

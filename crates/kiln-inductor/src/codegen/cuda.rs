@@ -484,6 +484,13 @@ impl Target for Cuda {
         &k.inputs
     }
 
+    fn rebind(&self, k: &CudaKernel, inputs: Vec<NodeId>) -> CudaKernel {
+        CudaKernel {
+            inputs,
+            ..k.clone()
+        }
+    }
+
     /// A small matmul costs a cuBLAS launch (and, on its own, a launch per layer) many times
     /// what its few thousand multiply-adds cost in a thread per output element.
     fn inline_matmul(&self, dims: MatmulDims) -> bool {

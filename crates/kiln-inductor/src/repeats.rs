@@ -1,0 +1,177 @@
+//! Steps that compute the same thing on other buffers generate one kernel. A model of 64
+//! identical blocks has 64 copies of each block's steps: the same fused ops over the same shapes,
+//! reading buffers of the same shapes and dtypes in the same pattern. Their kernels are the same
+//! text (a kernel names its buffers by argument position, `b0, b1, ...`), so the first is
+//! generated and the others are that kernel with their own buffers bound to its arguments. The
+//! text-hash dedup further down (one NVRTC build per distinct kernel) already made the builds
+//! happen once; this makes the generation happen once too (the 64-layer model's planning was
+//! 70% kernel generation).
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use kiln_compile::graph::{Graph, NodeId, Op};
+
+use crate::schedule::Schedule;
+
+/// What a step's kernel is generated from: the fused ops from its root down to the buffers it
+/// reads, in a canonical order — each op with its parameters, shape, dtype, kind and operands
+/// (as canonical positions), each buffer with its shape and dtype — and the buffers themselves
+/// in that order. Two steps with equal keys generate equal kernels, reading the buffers at
+/// equal positions.
+pub(crate) struct Cone {
+    pub(crate) key: String,
+    pub(crate) buffers: Vec<NodeId>,
+}
+
+impl Cone {
+    /// The cone of the kernel rooted at `root` (a pointwise value or a reduction) under
+    /// `sched`: nodes the kernel computes are those not realized (and the root), the rest are
+    /// buffers it loads.
+    pub(crate) fn of(g: &Graph, sched: &Schedule, root: NodeId) -> Cone {
+        let mut key = String::new();
+        let mut canonical: HashMap<NodeId, usize> = HashMap::new();
+        let mut buffers = Vec::new();
+        // an explicit post-order walk: fused chains can be deep
+        let mut stack = vec![(root, false)];
+        while let Some((id, expanded)) = stack.pop() {
+            if canonical.contains_key(&id) {
+                continue;
+            }
+            let n = &g.nodes[id];
+            let buffer = id != root && (sched.realized[id] || matches!(n.op, Op::Input(_)));
+            if buffer {
+                let _ = write!(key, "b{:?}{:?};", n.shape, n.dtype);
+                canonical.insert(id, canonical.len());
+                buffers.push(id);
+                continue;
+            }
+            if !expanded {
+                stack.push((id, true));
+                stack.extend(n.args.iter().rev().map(|&a| (a, false)));
+                continue;
+            }
+            let _ = write!(
+                key,
+                "n{:?}{:?}{:?}{:?}(",
+                n.op, n.shape, n.dtype, sched.kinds[id]
+            );
+            for a in &n.args {
+                let _ = write!(key, "{},", canonical[a]);
+            }
+            key.push_str(");");
+            canonical.insert(id, canonical.len());
+        }
+        Cone { key, buffers }
+    }
+}
+
+/// Kernels generated so far, by cone key: each with its inputs as positions among its cone's
+/// buffers.
+pub(crate) struct Generated<K> {
+    kernels: HashMap<String, (K, Vec<usize>)>,
+}
+
+impl<K: Clone> Generated<K> {
+    pub(crate) fn new() -> Self {
+        Generated {
+            kernels: HashMap::new(),
+        }
+    }
+
+    /// The kernel of `cone`: an earlier one rebound to this cone's buffers (`rebind`), or
+    /// `generate`'s, kept for later cones when each of its inputs (`inputs`) is a buffer of
+    /// the cone.
+    pub(crate) fn get_or(
+        &mut self,
+        cone: Cone,
+        generate: impl FnOnce() -> K,
+        inputs: impl Fn(&K) -> &[NodeId],
+        rebind: impl Fn(&K, Vec<NodeId>) -> K,
+    ) -> K {
+        if let Some((k, positions)) = self.kernels.get(&cone.key) {
+            return rebind(k, positions.iter().map(|&p| cone.buffers[p]).collect());
+        }
+        let k = generate();
+        let positions: Option<Vec<usize>> = inputs(&k)
+            .iter()
+            .map(|id| cone.buffers.iter().position(|b| b == id))
+            .collect();
+        if let Some(positions) = positions {
+            self.kernels.insert(cone.key, (k.clone(), positions));
+        }
+        k
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::graph::Graph;
+    use kiln_core::{DType, Tensor};
+
+    use crate::backend::{kernels_of, prepare, schedule_for, Target};
+    use crate::codegen::cuda::Cuda;
+    use crate::ir::lower::Kind;
+    use crate::schedule::Step;
+    use crate::test_graphs::{traced, C_TARGET};
+
+    /// Three blocks, two alike and one over other shapes, each a pointwise chain, a padded
+    /// read, a softmax-like reduction pair and a value reading one buffer twice: every step's
+    /// kernel must be the one generated for it directly, text and inputs.
+    fn blocks(x: &[Tensor]) -> kiln_core::Result<Vec<Tensor>> {
+        let mut outs = Vec::new();
+        for (a, b) in [(&x[0], &x[1]), (&x[2], &x[3]), (&x[4], &x[5])] {
+            let h = a.mul(b)?.add(1.0)?.tanh()?;
+            let p = h.pad(&[1, 1, 0, 0], 0.0)?.narrow(1, 1, h.shape()[1])?;
+            let s = p.sub(&p.max(&[1], true)?)?.exp()?;
+            let y = s.div(&s.sum(&[1], true)?)?.mul(a)?.add(a)?;
+            outs.push(y);
+        }
+        Ok(outs)
+    }
+
+    fn check<T: Target>(t: &T, g: &Graph, name: &str, text: impl Fn(&T::Kernel) -> String) {
+        let g = prepare(g);
+        let sched = schedule_for(t, &g);
+        let (steps, kernels) = kernels_of(t, &g, &sched);
+        let (mut compared, mut keys) = (0, std::collections::HashSet::new());
+        for (s, k) in steps.iter().zip(&kernels) {
+            let (Step::Kernel { node }, Some(k)) = (s, k) else {
+                continue;
+            };
+            keys.insert(super::Cone::of(&g, &sched, *node).key);
+            let direct = match sched.kinds[*node] {
+                Kind::Reduction => t.reduction(&g, &sched, *node),
+                _ => t.pointwise(&g, &sched, &[(*node, None)]).0,
+            };
+            assert_eq!(text(k), text(&direct), "{name}: step {node}'s text");
+            assert_eq!(
+                t.inputs(k),
+                t.inputs(&direct),
+                "{name}: step {node}'s inputs"
+            );
+            compared += 1;
+        }
+        assert!(compared >= 9, "{name}: only {compared} kernels compared");
+        // the second block's kernels were rebound from the first's
+        assert!(
+            compared - keys.len() >= 3,
+            "{name}: {compared} kernels of {} cones",
+            keys.len()
+        );
+    }
+
+    #[test]
+    fn repeated_steps_get_the_kernels_generated_for_them() {
+        let shapes = [[4, 6], [4, 6], [4, 6], [4, 6], [3, 5], [3, 5]];
+        let args: Vec<Tensor> = shapes
+            .iter()
+            .map(|s| Tensor::randn(s, DType::F32))
+            .collect::<kiln_core::Result<_>>()
+            .expect("inputs");
+        // traced once: a second trace of the same function is served by the graph cache
+        let g = traced(blocks, &args).expect("a graph");
+        check(&C_TARGET, &g, "C", |k| k.source.clone());
+        check(&Cuda::new(132), &g, "CUDA", |k| k.source.clone());
+    }
+}
