@@ -13,7 +13,7 @@ use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
 use crate::codegen::cuda_compile::{self, CudaFlags};
 use crate::codegen::template;
 use crate::ir::lower::{small_matmul, Kind, MatmulDims};
-use crate::repeats::{Cone, Generated};
+use crate::repeats::{self, Cone};
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
 use crate::runtime::plan::{self, Alloc};
@@ -28,8 +28,8 @@ pub struct CpuCodegen;
 /// What a code generator provides to the shared planning (`plan_graph`): the kernel computing
 /// several values of one shape in one loop (each into its own output or in place into a graph
 /// input; with whether that is sound, see `codegen::c::pointwise_body`), and a reduction's kernel.
-pub trait Target {
-    type Kernel: Clone;
+pub trait Target: Sync {
+    type Kernel: Clone + Send;
     fn pointwise(
         &self,
         g: &Graph,
@@ -198,23 +198,24 @@ pub(crate) fn kernels_of<T: Target>(
     graph: &Graph,
     sched: &Schedule,
 ) -> (Vec<Step>, Vec<Option<T::Kernel>>) {
-    // repeated blocks' steps generate their kernel once (`repeats.rs`)
-    let mut generated = Generated::new();
-    let kernels = sched
+    // repeated blocks' steps generate their kernel once, distinct ones in parallel
+    // (`repeats.rs`)
+    let cones: Vec<Option<Cone>> = sched
         .steps
         .iter()
-        .map(|s| {
-            let &Step::Kernel { node } = s else {
-                return None;
-            };
-            let generate = || match sched.kinds[node] {
-                Kind::Reduction => t.reduction(graph, sched, node),
-                _ => t.pointwise(graph, sched, &[(node, None)]).0,
-            };
-            let cone = Cone::of(graph, sched, node);
-            Some(generated.get_or(cone, generate, |k| t.inputs(k), |k, i| t.rebind(k, i)))
+        .map(|s| match s {
+            Step::Kernel { node } => Some(Cone::of(graph, sched, *node)),
+            Step::Extern { .. } => None,
         })
         .collect();
+    let generate = |i: usize| {
+        let node = sched.steps[i].node();
+        match sched.kinds[node] {
+            Kind::Reduction => t.reduction(graph, sched, node),
+            _ => t.pointwise(graph, sched, &[(node, None)]).0,
+        }
+    };
+    let kernels = repeats::kernels(&cones, generate, |k| t.inputs(k), |k, i| t.rebind(k, i));
     (sched.steps.clone(), kernels)
 }
 

@@ -66,42 +66,94 @@ impl Cone {
     }
 }
 
-/// Kernels generated so far, by cone key: each with its inputs as positions among its cone's
-/// buffers.
-pub(crate) struct Generated<K> {
-    kernels: HashMap<String, (K, Vec<usize>)>,
+/// Distinct kernels from which one thread is given others to generate: below this, spawning
+/// costs more than it saves (a kernel takes tens of microseconds to generate).
+const PARALLEL_FROM: usize = 64;
+/// Distinct kernels per generating thread at least.
+const PER_THREAD: usize = 32;
+
+/// The kernel of each step (`None` where `cones` has none: an extern step). Each distinct cone's
+/// kernel is generated once (`generate`, by step index), on several threads when there are
+/// many (steps are independent: DenseNet-121's training step has ~500); a step repeating an
+/// earlier cone gets that kernel rebound to its own buffers (`rebind`, with `inputs` telling
+/// which buffers a kernel reads).
+pub(crate) fn kernels<K: Clone + Send>(
+    cones: &[Option<Cone>],
+    generate: impl Fn(usize) -> K + Sync,
+    inputs: impl Fn(&K) -> &[NodeId],
+    rebind: impl Fn(&K, Vec<NodeId>) -> K,
+) -> Vec<Option<K>> {
+    let mut first: HashMap<&str, usize> = HashMap::new();
+    let mut distinct = Vec::new();
+    for (i, c) in cones.iter().enumerate() {
+        if let Some(c) = c {
+            first.entry(c.key.as_str()).or_insert_with(|| {
+                distinct.push(i);
+                i
+            });
+        }
+    }
+    let mut made: Vec<Option<K>> = vec![None; cones.len()];
+    for (i, k) in generate_all(&distinct, &generate) {
+        made[i] = Some(k);
+    }
+    let mut out = Vec::with_capacity(cones.len());
+    for (i, c) in cones.iter().enumerate() {
+        let Some(c) = c else {
+            out.push(None);
+            continue;
+        };
+        let j = first[c.key.as_str()];
+        let k = match (&made[j], &cones[j]) {
+            (Some(k), _) if i == j => k.clone(),
+            (Some(k), Some(from)) => {
+                let at: Option<Vec<NodeId>> = inputs(k)
+                    .iter()
+                    .map(|id| from.buffers.iter().position(|b| b == id))
+                    .map(|p| p.map(|p| c.buffers[p]))
+                    .collect();
+                match at {
+                    Some(at) => rebind(k, at),
+                    // an input outside the cone's buffers: generated for itself
+                    None => generate(i),
+                }
+            }
+            _ => generate(i),
+        };
+        out.push(Some(k));
+    }
+    out
 }
 
-impl<K: Clone> Generated<K> {
-    pub(crate) fn new() -> Self {
-        Generated {
-            kernels: HashMap::new(),
-        }
+/// `generate` for each of `steps`, with each step: on one thread, or on several taking every
+/// n-th step (neighbours differ most in size: a block's convolution glue, then its norm).
+fn generate_all<K: Send>(
+    steps: &[usize],
+    generate: &(impl Fn(usize) -> K + Sync),
+) -> Vec<(usize, K)> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (steps.len() / PER_THREAD).min(cores);
+    if steps.len() < PARALLEL_FROM || threads < 2 {
+        return steps.iter().map(|&i| (i, generate(i))).collect();
     }
-
-    /// The kernel of `cone`: an earlier one rebound to this cone's buffers (`rebind`), or
-    /// `generate`'s, kept for later cones when each of its inputs (`inputs`) is a buffer of
-    /// the cone.
-    pub(crate) fn get_or(
-        &mut self,
-        cone: Cone,
-        generate: impl FnOnce() -> K,
-        inputs: impl Fn(&K) -> &[NodeId],
-        rebind: impl Fn(&K, Vec<NodeId>) -> K,
-    ) -> K {
-        if let Some((k, positions)) = self.kernels.get(&cone.key) {
-            return rebind(k, positions.iter().map(|&p| cone.buffers[p]).collect());
-        }
-        let k = generate();
-        let positions: Option<Vec<usize>> = inputs(&k)
-            .iter()
-            .map(|id| cone.buffers.iter().position(|b| b == id))
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || {
+                    steps
+                        .iter()
+                        .skip(t)
+                        .step_by(threads)
+                        .map(|&i| (i, generate(i)))
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect();
-        if let Some(positions) = positions {
-            self.kernels.insert(cone.key, (k.clone(), positions));
-        }
-        k
-    }
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
 }
 
 #[cfg(test)]
@@ -130,7 +182,14 @@ mod tests {
         Ok(outs)
     }
 
-    fn check<T: Target>(t: &T, g: &Graph, name: &str, text: impl Fn(&T::Kernel) -> String) {
+    /// Every kernel step of `g` planned by `t` against a direct generation; the number of
+    /// kernels compared and of distinct cones.
+    fn compare<T: Target>(
+        t: &T,
+        g: &Graph,
+        name: &str,
+        text: impl Fn(&T::Kernel) -> String,
+    ) -> (usize, usize) {
         let g = prepare(g);
         let sched = schedule_for(t, &g);
         let (steps, kernels) = kernels_of(t, &g, &sched);
@@ -152,12 +211,16 @@ mod tests {
             );
             compared += 1;
         }
+        (compared, keys.len())
+    }
+
+    fn check<T: Target>(t: &T, g: &Graph, name: &str, text: impl Fn(&T::Kernel) -> String) {
+        let (compared, cones) = compare(t, g, name, text);
         assert!(compared >= 9, "{name}: only {compared} kernels compared");
         // the second block's kernels were rebound from the first's
         assert!(
-            compared - keys.len() >= 3,
-            "{name}: {compared} kernels of {} cones",
-            keys.len()
+            compared - cones >= 3,
+            "{name}: {compared} kernels of {cones} cones"
         );
     }
 
@@ -173,5 +236,27 @@ mod tests {
         let g = traced(blocks, &args).expect("a graph");
         check(&C_TARGET, &g, "C", |k| k.source.clone());
         check(&Cuda::new(132), &g, "CUDA", |k| k.source.clone());
+    }
+
+    /// Enough distinct kernels to be generated on several threads (`PARALLEL_FROM`): each
+    /// still the one generated for its step, in step order.
+    #[test]
+    fn many_distinct_kernels_generated_in_parallel_are_the_same() {
+        let n = super::PARALLEL_FROM + 16;
+        let args: Vec<Tensor> = (1..=n)
+            .map(|i| Tensor::randn(&[i, 3], DType::F32))
+            .collect::<kiln_core::Result<_>>()
+            .expect("inputs");
+        let chains = |x: &[Tensor]| -> kiln_core::Result<Vec<Tensor>> {
+            x.iter()
+                .map(|a| a.mul(a)?.add(1.0)?.sum(&[1], false))
+                .collect()
+        };
+        let g = traced(chains, &args).expect("a graph");
+        let (compared, cones) = compare(&Cuda::new(132), &g, "CUDA", |k| k.source.clone());
+        assert!(
+            cones >= super::PARALLEL_FROM,
+            "{cones} distinct cones of {compared}"
+        );
     }
 }
