@@ -177,6 +177,23 @@ pub(crate) fn passes(
     sched: &Schedule,
     roots: &[NodeId],
     loops: &RowLoops,
+    emit: impl FnMut(&Pass),
+) -> Option<()> {
+    passes_cached(b, g, sched, roots, loops, None, emit)
+}
+
+/// `passes`, where with `cache` (a C array expression over the walk's iteration, e.g.
+/// `row_x[it]`) the first member's operand, when the first member is a reduction, is read by
+/// the later members from that array: the emitter stores it there during the first pass
+/// (`Pass::operand`), so the row is loaded and its fused producers computed once, not once per
+/// member.
+pub(crate) fn passes_cached(
+    b: &mut Builder<'_>,
+    g: &Graph,
+    sched: &Schedule,
+    roots: &[NodeId],
+    loops: &RowLoops,
+    cache: Option<&str>,
     mut emit: impl FnMut(&Pass),
 ) -> Option<()> {
     let rank = loops.shape.len();
@@ -215,6 +232,11 @@ pub(crate) fn passes(
         if matches!(pass.computes, Computes::Reduction(_)) {
             b.registers
                 .insert(register_key(root, &row, &node.shape), format!("r{k}"));
+            if let (0, Some(cache)) = (k, cache) {
+                let src = node.args[0];
+                let key = register_key(src, &idx, &g.nodes[src].shape);
+                b.registers.insert(key, cache.to_string());
+            }
         }
     }
     (!roots.iter().any(|r| b.params.contains(r))).then_some(())

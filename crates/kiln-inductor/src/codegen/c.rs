@@ -264,6 +264,13 @@ impl<'a> Builder<'a> {
         if self.sched.realized[id] && !root {
             return self.load(id, idx);
         }
+        // a computed value a row kernel's thread keeps (`rows::passes_cached`)
+        if !self.registers.is_empty() {
+            let shape = &self.g.nodes[id].shape;
+            if let Some(r) = self.registers.get(&register_key(id, idx, shape)) {
+                return r.clone();
+            }
+        }
         let key = (id, idx.to_vec());
         if let Some(v) = self.memo.get(&key) {
             return v.clone();

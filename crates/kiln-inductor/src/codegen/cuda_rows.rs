@@ -14,17 +14,24 @@
 
 use std::fmt::Write;
 
-use kiln_compile::graph::{Graph, NodeId};
+use kiln_compile::graph::{Graph, NodeId, Op};
+use kiln_core::prim::Prim;
 
 use super::c::{split_index, ty, Builder};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
-use crate::rows::{outputs, passes, Computes, RowLoops};
+use crate::rows::{outputs, passes_cached, Computes, RowLoops};
 use crate::schedule::Schedule;
 
 /// A thread's walk over its row issues the loads of this many elements before it adds the
 /// first: rolled, each iteration waited a round trip to memory for one element, since the
 /// accumulation chains the iterations and the trip count depends on the thread.
 const UNROLL: &str = "#pragma unroll 8";
+
+/// Most elements of a row a thread keeps in registers (`ROW_CACHE`): layer norm over 768
+/// features on a warp keeps 24, softmax over 128 positions 4.
+const MAX_CACHED: usize = 32;
+/// The array a thread keeps its elements of the row's first operand in.
+const ROW_CACHE: &str = "row_x";
 
 /// Rows per multiprocessor below which a row gets a block: fewer warps than this per
 /// multiprocessor leave each warp's walk unhidden.
@@ -72,15 +79,43 @@ pub(super) fn row_kernel(
     let mut b = Builder::new(g, sched, loops.shape.iter().map(|&s| s as i64).collect());
     let mut members = String::new();
     let mut shared = String::new();
-    passes(&mut b, g, sched, roots, &loops, |p| {
+    // Each thread keeps its elements of the first reduction's operand in registers when they
+    // are few and the same count for every thread: layer norm's mean, variance and
+    // normalization then load the row and recompute its fused producers (a residual add, a
+    // bias) once instead of three times. The walk counts iterations so the array is indexed by
+    // constants once unrolled.
+    let per_thread = cols / stride as usize;
+    let cached = match &g.nodes[roots[0]].op {
+        Op::Prim(Prim::Reduce { .. }) => {
+            cols % stride as usize == 0 && (1..=MAX_CACHED).contains(&per_thread)
+        }
+        _ => false,
+    };
+    let walk = match cached {
+        true => format!(
+            "    #pragma unroll\n    for (int it = 0; it < {per_thread}; it++) {{\n      const int c \
+             = {first} + it * {stride};"
+        ),
+        false => format!("    {UNROLL}\n    for (int c = {first}; c < {cols}; c += {stride}) {{"),
+    };
+    if cached {
+        let src = g.nodes[roots[0]].args[0];
+        let _ = writeln!(
+            members,
+            "    {} {ROW_CACHE}[{per_thread}];",
+            ty(g.nodes[src].dtype)
+        );
+    }
+    let cache = format!("{ROW_CACHE}[it]");
+    let cache = cached.then_some(cache.as_str());
+    passes_cached(&mut b, g, sched, roots, &loops, cache, |p| {
         if p.k > 0 && matches!(group, Group::Warp) {
             members.push_str("    __syncwarp();\n");
         }
         let (k, out) = (p.k, format!("out{}", p.k));
-        let walk = format!("    for (int c = {first}; c < {cols}; c += {stride}) {{");
         let a = match &p.computes {
             Computes::Value(value) => {
-                let _ = writeln!(members, "    {UNROLL}\n{walk}");
+                let _ = writeln!(members, "{walk}");
                 split_index(&mut members, "c", &loops.reduced, "      ", "rem");
                 let _ = writeln!(
                     members,
@@ -93,11 +128,16 @@ pub(super) fn row_kernel(
         };
         let (acc_t, init, step) = (a.acc_t, &a.init, a.step);
         let acc = format!("acc{k}");
-        let _ = writeln!(members, "    {acc_t} {acc} = {init};\n    {UNROLL}\n{walk}");
+        let _ = writeln!(members, "    {acc_t} {acc} = {init};\n{walk}");
         split_index(&mut members, "c", &loops.reduced, "      ", "rem");
+        // the first pass keeps the operand for the later ones
+        let keep = match (k, cached) {
+            (0, true) => format!("      {ROW_CACHE}[it] = {};\n", a.value),
+            _ => String::new(),
+        };
         let _ = writeln!(
             members,
-            "{}      {acc} = {};\n    }}",
+            "{}{keep}      {acc} = {};\n    }}",
             p.body,
             step(&acc, &a.value)
         );
@@ -178,7 +218,7 @@ mod tests {
 
     /// Layer norm over 768 features and softmax over 128 positions: each one row kernel (a
     /// warp per row, shuffles to every lane, the later passes reading the earlier reductions
-    /// from registers), where there were three kernels each.
+    /// and the row itself from registers), where there were three kernels each.
     #[test]
     fn layer_norm_and_softmax_are_one_row_kernel_each() -> Result<()> {
         let x = Tensor::randn(&[256, 768], DType::F32)?;
@@ -206,6 +246,8 @@ mod tests {
             k.source.contains("__syncthreads") && k.block == 256,
             "256 rows on 132 multiprocessors: a block per row"
         );
+        // three features a thread, kept in registers for the variance and the normalization
+        assert!(k.source.contains("row_x[3]") && k.source.matches("row_x[it]").count() == 3);
         let s = Tensor::randn(&[32, 12, 128, 128], DType::F32)?;
         let sm = planned_kernels(
             &Cuda::new(132),
@@ -217,6 +259,7 @@ mod tests {
             !sm[0].0.source.contains("__syncthreads"),
             "49152 rows: a warp per row"
         );
+        assert!(sm[0].0.source.contains("row_x[4]"), "four positions a lane");
         Ok(())
     }
 }
