@@ -9,10 +9,11 @@ use std::fmt::Write;
 use std::sync::Arc;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
-use kiln_core::prim::{Prim, ReduceOp, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
+use kiln_core::prim::{Prim, ReduceOp, UnaryOp, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
 use kiln_core::DType;
 
 use super::c_horizontal::{Member, Threads};
+use super::c_trig;
 use crate::ir::index::Ix;
 use crate::ir::lower::{
     binary_c, c_dtype, float_literal, linear, reduce_c, unary_c, view_index, Kind,
@@ -80,6 +81,9 @@ pub(crate) struct Builder<'a> {
     /// Values already in a register at one index (a row kernel's reductions, at the row:
     /// `codegen/cuda_rows.rs`); a read at another index loads the buffer.
     pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String>,
+    /// The f32 operands of the sines and cosines computed in the loop body, for the blocks that
+    /// check their range (`codegen/c_trig.rs`).
+    trig_args: Vec<String>,
 }
 
 /// A four-element vector a lane-mode kernel loads before its lanes run.
@@ -130,6 +134,7 @@ impl<'a> Builder<'a> {
             lane_var: None,
             vector_reads: Vec::new(),
             registers: HashMap::new(),
+            trig_args: Vec::new(),
         }
     }
 
@@ -138,6 +143,7 @@ impl<'a> Builder<'a> {
     pub(crate) fn new_body(&mut self) -> String {
         let invariant = &self.invariant;
         self.memo.retain(|_, v| invariant.contains(v));
+        self.trig_args.clear();
         std::mem::take(&mut self.body)
     }
 
@@ -285,7 +291,13 @@ impl<'a> Builder<'a> {
             Prim::Unary(op) => {
                 let a = self.value(node.args[0], idx, false);
                 let e = unary_c(*op, &a, arg_dtype(0));
-                self.temp_where(node.dtype, e, self.invariant(&[&a]))
+                let invariant = self.invariant(&[&a]);
+                let trig = matches!(op, UnaryOp::Sin | UnaryOp::Cos);
+                if trig && arg_dtype(0) == DType::F32 && !invariant && !self.trig_args.contains(&a)
+                {
+                    self.trig_args.push(a.clone());
+                }
+                self.temp_where(node.dtype, e, invariant)
             }
             Prim::Binary(op) => {
                 let a = self.value(node.args[0], idx, false);
@@ -392,6 +404,17 @@ impl<'a> Builder<'a> {
 /// One loop per `(variable, extent)`, the outer ones shared among OpenMP threads as `threads`
 /// says (all but the innermost collapsed into one iteration space).
 pub(crate) fn loops(out: &mut String, vars: &[(usize, usize)], threads: Threads) {
+    blocked_loops(out, vars, threads, 1)
+}
+
+/// `loops` with the innermost one stepping `block` elements at a time (a block of them per
+/// iteration: `codegen/c_trig.rs`).
+pub(crate) fn blocked_loops(
+    out: &mut String,
+    vars: &[(usize, usize)],
+    threads: Threads,
+    block: usize,
+) {
     if threads != Threads::One && !vars.is_empty() {
         let collapse = if vars.len() >= 2 { vars.len() - 1 } else { 1 };
         let _ = match threads {
@@ -405,8 +428,12 @@ pub(crate) fn loops(out: &mut String, vars: &[(usize, usize)], threads: Threads)
             ),
         };
     }
-    for &(v, n) in vars {
-        let _ = writeln!(out, "  for (int64_t i{v} = 0; i{v} < {n}; i{v}++)");
+    for (k, &(v, n)) in vars.iter().enumerate() {
+        let step = match block > 1 && k + 1 == vars.len() {
+            true => format!(" += {block}"),
+            false => "++".into(),
+        };
+        let _ = writeln!(out, "  for (int64_t i{v} = 0; i{v} < {n}; i{v}{step})");
     }
 }
 
@@ -415,6 +442,8 @@ pub(crate) fn loops(out: &mut String, vars: &[(usize, usize)], threads: Threads)
 /// be work-shared inside another function's parallel region (`Member`).
 pub(super) struct Nest {
     pub(super) outer: Vec<(usize, usize)>,
+    /// Elements per iteration of the innermost of `outer`: 1, or a block (`codegen/c_trig.rs`).
+    pub(super) block: usize,
     pub(super) inner: String,
     pub(super) elements: usize,
     pub(super) shareable: bool,
@@ -449,6 +478,7 @@ pub(super) fn finish_outputs(
         inputs: b.params.len(),
         pre: b.pre,
         outer: nest.outer,
+        block: nest.block,
         inner: nest.inner,
         parallel,
         elements: nest.elements,
@@ -563,9 +593,18 @@ fn build_pointwise(
     } = pointwise_body(g, sched, roots, false);
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
+    let outer: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
+    let blocks = outer.last().and_then(|&last| {
+        c_trig::blocks(last, &b.body, &stores, &b.trig_args, !b.inplace.is_empty())
+    });
+    let (inner, block) = match blocks {
+        Some(text) => (text, c_trig::BLOCK),
+        None => (format!("  {{\n{}{stores}  }}\n", b.body), 1),
+    };
     let nest = Nest {
-        outer: shape.iter().copied().enumerate().collect(),
-        inner: format!("  {{\n{}{stores}  }}\n", b.body),
+        outer,
+        block,
+        inner,
         elements: numel,
         shareable: true,
     };
@@ -772,6 +811,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
     }
     let nest = Nest {
         outer: kept,
+        block: 1,
         inner: text,
         elements: numel,
         shareable,

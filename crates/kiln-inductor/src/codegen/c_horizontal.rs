@@ -31,7 +31,7 @@
 
 use std::fmt::Write;
 
-use super::c::{loops, Kernel, PARALLEL_THRESHOLD};
+use super::c::{blocked_loops, Kernel, PARALLEL_THRESHOLD};
 
 /// How a loop nest's outer loops are shared among OpenMP threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +56,8 @@ pub(crate) struct Member {
     pub(crate) pre: String,
     /// The loops OpenMP may share: (variable, extent), outermost first.
     pub(crate) outer: Vec<(usize, usize)>,
+    /// Elements per iteration of the innermost of `outer` (`codegen/c_trig.rs`'s blocks; else 1).
+    pub(crate) block: usize,
     /// The text inside `outer`: the body, or a reduction's inner loops.
     pub(crate) inner: String,
     /// Whether the kernel on its own runs `outer` on several threads.
@@ -85,7 +87,7 @@ impl Member {
     /// The values computed once, then the loops.
     pub(crate) fn nest(&self, out: &mut String, threads: Threads) {
         out.push_str(&self.pre);
-        loops(out, &self.outer, threads);
+        blocked_loops(out, &self.outer, threads, self.block);
         out.push_str(&self.inner);
     }
 

@@ -69,6 +69,7 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
     let elements = rows * row_loops.cols();
     let nest = Nest {
         outer: row_loops.kept.clone(),
+        block: 1,
         // one statement under the row loops
         inner: format!("  {{\n{text}  }}\n"),
         elements,

@@ -51,6 +51,7 @@ pub(crate) fn sibling_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> O
     let numel = rows * red;
     let nest = Nest {
         outer: kept,
+        block: 1,
         inner: text,
         elements: numel,
         shareable: true,

@@ -1,7 +1,8 @@
 //! Source generation from the schedule. `c`: C with OpenMP for the CPU (and the expression
 //! builder both targets share; `c_horizontal`: independent C kernels in one parallel region;
 //! `c_rows`: row kernels, a loop over the rows with each member's pass inside; `c_siblings`:
-//! sums over the same loops in one walk, a lane array each);
+//! sums over the same loops in one walk, a lane array each; `c_trig`: pointwise loops over f32
+//! sines and cosines in blocks, inline functions with a check of their range);
 //! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_compile`: graphs planned, built and
 //! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_rows`: reductions over a row and the
 //! values that read them, a warp per row; `cuda_sequential`: a whole small graph in one block; `cuda_units`: a
@@ -14,6 +15,7 @@ pub mod c;
 pub(crate) mod c_horizontal;
 pub(crate) mod c_rows;
 pub(crate) mod c_siblings;
+pub(crate) mod c_trig;
 pub mod cuda;
 pub mod cuda_compile;
 pub mod cuda_literals;

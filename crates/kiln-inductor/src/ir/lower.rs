@@ -225,7 +225,8 @@ pub fn unary_c(op: UnaryOp, a: &str, d: DType) -> String {
         UnaryOp::Log => format!("log{f}({a})"),
         UnaryOp::Log1p => format!("log1p{f}({a})"),
         UnaryOp::Sqrt => format!("sqrt{f}({a})"),
-        // through names the translation unit's header maps to libmvec where it can (runtime/cc.rs)
+        // through names the translation unit's header maps to libmvec where it can (runtime/cc.rs);
+        // a pointwise loop calls inline f32 ones where their range allows (codegen/c_trig.rs)
         UnaryOp::Sin => format!("kiln_sin{f}({a})"),
         UnaryOp::Cos => format!("kiln_cos{f}({a})"),
         UnaryOp::Tanh => format!("tanh{f}({a})"),

@@ -15,7 +15,9 @@ use std::sync::{Mutex, OnceLock};
 
 use kiln_core::{Error, Result};
 
+use super::trig::FAST_TRIG;
 use crate::codegen::c::Kernel;
+use crate::codegen::c_trig;
 
 pub type KernelFn = unsafe extern "C" fn(*const *mut c_void);
 
@@ -42,7 +44,9 @@ const HEADER: &str = "#include <math.h>\n#include <stdint.h>\n#include <stdlib.h
 /// own names the calls are also not merged into one scalar `sincosf`, which GCC does to `sinf(x)`
 /// and `cosf(x)` of one operand and which cannot be vectorized. libmvec is documented within
 /// 4 ulp of the exact result; the scalar functions are within 1, so vectorized results may differ
-/// from eager ones by a few ulp (measured on 2^24 inputs: 2 ulp in f32, 3 in f64).
+/// from eager ones by a few ulp (measured on 2^24 inputs: 2 ulp in f32, 3 in f64). A pointwise
+/// loop over f32 sines and cosines calls inline functions instead (`trig.rs`), and these
+/// declarations only for a block holding an argument beyond their range (`codegen/c_trig.rs`).
 const VECTOR_MATH: &str = "\
 #define KILN_VEC __attribute__((const, nothrow, simd(\"notinbranch\")))
 extern float kiln_sinf(float) __asm__(\"sinf\") KILN_VEC;
@@ -195,6 +199,10 @@ pub fn stats() -> KernelCacheStats {
 pub fn translation_unit(kernels: &[&Kernel], libmvec: bool) -> String {
     let mut s = String::from(HEADER);
     s.push_str(if libmvec { VECTOR_MATH } else { SCALAR_MATH });
+    // the inline sine and cosine, in the units of kernels whose loops call them
+    if kernels.iter().any(|k| k.source.contains(c_trig::MARK)) {
+        s.push_str(FAST_TRIG);
+    }
     for k in kernels {
         s.push_str(&k.source);
         s.push('\n');

@@ -6,3 +6,4 @@ pub mod cudagraph;
 pub mod exec;
 pub mod plan;
 pub mod pool;
+mod trig;
