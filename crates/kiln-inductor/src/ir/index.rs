@@ -13,7 +13,7 @@ pub enum Atom {
     Mod(Box<Ix>, i64),
     /// The index held into `lo..=hi`: where a pad reads its operand (the positions outside are
     /// replaced by the fill value, but the operand's expression is still evaluated there, and
-    /// must read inside its buffers).
+    /// must read inside its buffers). A side the index cannot cross is `i64::MIN` / `i64::MAX`.
     Clamp(Box<Ix>, i64, i64),
 }
 
@@ -205,6 +205,10 @@ impl Ix {
         if xlo >= hi {
             return Ix::constant(hi);
         }
+        // only the side it can cross: a pad's tap `i + 1` over `0..n` is held below `n`, and its
+        // generated index then compares once, not twice, per read
+        let lo = if xlo >= lo { i64::MIN } else { lo };
+        let hi = if xhi <= hi { i64::MAX } else { hi };
         Ix::atom(Atom::Clamp(Box::new(self.clone()), lo, hi))
     }
 
@@ -293,9 +297,14 @@ impl Atom {
             Atom::Var(v) => format!("{prefix}{v}"),
             Atom::Div(x, n) => format!("(({}) / {n})", x.to_c(prefix)),
             Atom::Mod(x, n) => format!("(({}) % {n})", x.to_c(prefix)),
+            // a side at i64::MIN / i64::MAX is one the value cannot cross (`Ix::held_in`)
             Atom::Clamp(x, lo, hi) => {
                 let x = x.to_c(prefix);
-                format!("(({x}) < {lo} ? {lo} : (({x}) > {hi} ? {hi} : ({x})))")
+                match (*lo == i64::MIN, *hi == i64::MAX) {
+                    (true, _) => format!("(({x}) > {hi} ? {hi} : ({x}))"),
+                    (_, true) => format!("(({x}) < {lo} ? {lo} : ({x}))"),
+                    _ => format!("(({x}) < {lo} ? {lo} : (({x}) > {hi} ? {hi} : ({x})))"),
+                }
             }
         }
     }
@@ -437,11 +446,18 @@ mod tests {
         assert_eq!(i.held_in(0, 3, &ext), i);
         let below = i.add_const(-1).held_in(0, 3, &ext);
         assert_eq!(below.bounds(&ext), (0, 2));
-        assert_eq!(
-            below.to_c("i"),
-            "((i0 + -1) < 0 ? 0 : ((i0 + -1) > 3 ? 3 : (i0 + -1)))"
-        );
-        assert_eq!(i.add_const(1).held_in(0, 3, &ext).bounds(&ext), (1, 3));
+        // held on the side it can cross only
+        assert_eq!(below.to_c("i"), "((i0 + -1) < 0 ? 0 : (i0 + -1))");
+        let above = i.add_const(1).held_in(0, 3, &ext);
+        assert_eq!(above.bounds(&ext), (1, 3));
+        assert_eq!(above.to_c("i"), "((i0 + 1) > 3 ? 3 : (i0 + 1))");
+        for v in 0..4 {
+            assert_eq!(below.eval(&[v]), (v - 1).clamp(0, 3));
+            assert_eq!(above.eval(&[v]), (v + 1).clamp(0, 3));
+        }
+        // both sides: an index over 0..6 held into 1..=3
+        let wide = Ix::var(0).held_in(1, 3, &[6]);
+        assert_eq!(wide.to_c("i"), "((i0) < 1 ? 1 : ((i0) > 3 ? 3 : (i0)))");
         // wholly outside: a constant
         assert_eq!(i.add_const(10).held_in(0, 3, &ext), Ix::constant(3));
         assert_eq!(i.add_const(-7).held_in(0, 3, &ext), Ix::constant(0));
