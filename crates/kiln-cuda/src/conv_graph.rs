@@ -45,6 +45,21 @@ impl Desc {
         unsafe { dsys::cudnnBackendCreateDescriptor(kind, &mut d) }.result()?;
         Ok(Desc(d))
     }
+    /// Reads up to `out.len()` elements of attribute `name` into `out` (none: a count query);
+    /// how many the attribute holds. The caller pairs `V` with the C type `ty` names, as `set`.
+    pub(crate) fn get<V>(&self, name: A, ty: T, out: &mut [V]) -> DnnResult<usize> {
+        let mut count = 0i64;
+        let ptr = match out.is_empty() {
+            true => std::ptr::null_mut(),
+            false => out.as_mut_ptr().cast::<c_void>(),
+        };
+        // SAFETY: `out` has room for `out.len()` elements of the type `ty` names
+        unsafe {
+            dsys::cudnnBackendGetAttribute(self.0, name, ty, out.len() as i64, &mut count, ptr)
+        }
+        .result()?;
+        Ok(count.max(0) as usize)
+    }
     pub(crate) fn set<V>(&self, name: A, ty: T, values: &[V]) -> DnnResult<()> {
         // SAFETY: `values` holds `len` elements of the C type `ty` names (the callers pair them)
         unsafe {
@@ -225,43 +240,27 @@ fn allowed(spec: &Spec, cfg: &Desc) -> DnnResult<bool> {
         return Ok(true);
     }
     let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
-    let mut n = 0i64;
-    let mut handle = engine.0;
-    // SAFETY: one pre-created engine descriptor receives the config's engine
-    unsafe {
-        dsys::cudnnBackendGetAttribute(
-            cfg.0,
-            A::CUDNN_ATTR_ENGINECFG_ENGINE,
-            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            1,
-            &mut n,
-            (&mut handle as *mut dsys::cudnnBackendDescriptor_t).cast::<c_void>(),
-        )
-    }
-    .result()?;
+    cfg.get(
+        A::CUDNN_ATTR_ENGINECFG_ENGINE,
+        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        &mut [engine.0],
+    )?;
     // read as u32: a note this binding does not know stays a number, not an invalid enum
     let mut notes = [0u32; 32];
-    let mut count = 0i64;
-    // SAFETY: `notes` holds 32 enum-sized slots
-    unsafe {
-        dsys::cudnnBackendGetAttribute(
-            engine.0,
-            A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
-            T::CUDNN_TYPE_NUMERICAL_NOTE,
-            notes.len() as i64,
-            &mut count,
-            notes.as_mut_ptr().cast(),
-        )
-    }
-    .result()?;
+    let count = engine.get(
+        A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
+        T::CUDNN_TYPE_NUMERICAL_NOTE,
+        &mut notes,
+    )?;
     use dsys::cudnnBackendNumericalNote_t::*;
     let banned = [
         CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32,
         CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS as u32,
         CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
     ];
-    let count = count.clamp(0, notes.len() as i64) as usize;
-    Ok(!notes[..count].iter().any(|n| banned.contains(n)))
+    Ok(!notes[..count.min(notes.len())]
+        .iter()
+        .any(|n| banned.contains(n)))
 }
 
 /// Engine configs for `graph` from the heuristics of `mode`, best first.
@@ -278,39 +277,25 @@ fn configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> DnnResult<Vec<De
         &[mode],
     )?;
     let heur = heur.finalize()?;
-    let mut count = 0i64;
-    // SAFETY: a count query (no elements requested)
-    unsafe {
-        dsys::cudnnBackendGetAttribute(
-            heur.0,
+    let count = heur
+        .get::<dsys::cudnnBackendDescriptor_t>(
             A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
             T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            0,
-            &mut count,
-            std::ptr::null_mut(),
-        )
-    }
-    .result()?;
-    let count = count.clamp(0, 64) as usize;
+            &mut [],
+        )?
+        .min(64);
     let cfgs: Vec<Desc> = (0..count)
         .map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
         .collect::<DnnResult<_>>()?;
     let mut raw: Vec<dsys::cudnnBackendDescriptor_t> = cfgs.iter().map(|d| d.0).collect();
-    let mut got = 0i64;
-    // SAFETY: `raw` holds `count` pre-created engine-config descriptors
-    unsafe {
-        dsys::cudnnBackendGetAttribute(
-            heur.0,
-            A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
-            T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-            count as i64,
-            &mut got,
-            raw.as_mut_ptr().cast(),
-        )
-    }
-    .result()?;
+    // the pre-created engine-config descriptors receive the results
+    let got = heur.get(
+        A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        &mut raw,
+    )?;
     let mut cfgs = cfgs;
-    cfgs.truncate(got.clamp(0, count as i64) as usize);
+    cfgs.truncate(got.min(count));
     Ok(cfgs)
 }
 
@@ -401,22 +386,14 @@ fn choose_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<Gra
 /// The workspace a finalized plan needs, or `None` when it cannot be read or exceeds
 /// `spec.max_workspace`.
 fn workspace(plan: &Desc, spec: &Spec) -> Option<usize> {
-    let mut ws = 0i64;
-    let mut n = 0i64;
-    // SAFETY: one int64 out of a finalized plan
-    unsafe {
-        dsys::cudnnBackendGetAttribute(
-            plan.0,
-            A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
-            T::CUDNN_TYPE_INT64,
-            1,
-            &mut n,
-            (&mut ws as *mut i64).cast(),
-        )
-    }
-    .result()
+    let mut ws = [0i64];
+    plan.get(
+        A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+        T::CUDNN_TYPE_INT64,
+        &mut ws,
+    )
     .ok()?;
-    (ws >= 0 && ws as usize <= spec.max_workspace).then_some(ws as usize)
+    (ws[0] >= 0 && ws[0] as usize <= spec.max_workspace).then_some(ws[0] as usize)
 }
 
 impl GraphPlan {

@@ -82,39 +82,20 @@ pub(crate) fn store(plan: &GraphPlan, (path, sum_path): &(PathBuf, PathBuf)) {
 
 /// A finalized plan's JSON text.
 fn serialize(plan: &Desc) -> Option<Vec<u8>> {
-    let mut len = 0i64;
-    // SAFETY: a size query (no elements requested)
-    unsafe {
-        dsys::cudnnBackendGetAttribute(
-            plan.0,
+    let json = |out: &mut [u8]| {
+        plan.get(
             A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION,
             T::CUDNN_TYPE_CHAR,
-            0,
-            &mut len,
-            std::ptr::null_mut(),
+            out,
         )
-    }
-    .result()
-    .ok()?;
-    if len <= 0 {
+    };
+    let len = json(&mut []).ok()?;
+    if len == 0 {
         return None;
     }
-    let mut buf = vec![0u8; len as usize];
-    let mut got = 0i64;
-    // SAFETY: `buf` holds `len` bytes
-    unsafe {
-        dsys::cudnnBackendGetAttribute(
-            plan.0,
-            A::CUDNN_ATTR_EXECUTION_PLAN_JSON_REPRESENTATION,
-            T::CUDNN_TYPE_CHAR,
-            len,
-            &mut got,
-            buf.as_mut_ptr().cast(),
-        )
-    }
-    .result()
-    .ok()?;
-    buf.truncate(got.clamp(0, len) as usize);
+    let mut buf = vec![0u8; len];
+    let got = json(&mut buf).ok()?;
+    buf.truncate(got.min(len));
     // the text ends at its NUL, if cuDNN counted one
     if let Some(end) = buf.iter().position(|&b| b == 0) {
         buf.truncate(end);
