@@ -8,6 +8,7 @@ mod backend;
 pub mod channels_last;
 pub mod codegen;
 mod cudagraphs;
+mod fast_hash;
 mod footprint;
 mod horizontal;
 pub mod ir;

@@ -12,6 +12,7 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
 
+use crate::fast_hash::Fast;
 use crate::schedule::Schedule;
 
 /// What a step's kernel is generated from: the fused ops from its root down to the buffers it
@@ -31,7 +32,7 @@ impl Cone {
     /// graphs takes one, and formatted shapes made it a fifth of their planning.
     pub(crate) fn of(g: &Graph, sched: &Schedule, root: NodeId) -> Cone {
         let mut key = Vec::new();
-        let mut canonical: HashMap<NodeId, u32, NodeIds> = HashMap::default();
+        let mut canonical: HashMap<NodeId, u32, Fast> = HashMap::default();
         let mut buffers = Vec::new();
         let mut op = String::new();
         let shape = |key: &mut Vec<u8>, dims: &[usize]| {
@@ -73,34 +74,6 @@ impl Cone {
             canonical.insert(id, canonical.len() as u32);
         }
         Cone { key, buffers }
-    }
-}
-
-/// A hasher for node ids (small distinct integers): one multiply, where the default hasher's
-/// SipHash was most of a cone's walk.
-#[derive(Clone, Copy, Default)]
-struct NodeIds;
-
-impl std::hash::BuildHasher for NodeIds {
-    type Hasher = NodeIdHasher;
-    fn build_hasher(&self) -> NodeIdHasher {
-        NodeIdHasher(0)
-    }
-}
-
-struct NodeIdHasher(u64);
-
-impl std::hash::Hasher for NodeIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        self.0 = (self.0.rotate_left(5) ^ n as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
     }
 }
 

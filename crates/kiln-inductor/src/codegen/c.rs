@@ -14,6 +14,7 @@ use kiln_core::DType;
 
 use super::c_horizontal::{Member, Threads};
 use super::c_trig;
+use crate::fast_hash::Fast;
 use crate::ir::index::Ix;
 use crate::ir::lower::{
     binary_c, c_dtype, float_literal, linear, reduce_c, unary_c, view_index, Kind,
@@ -59,7 +60,7 @@ pub(crate) struct Builder<'a> {
     pub(crate) body: String,
     /// The values (temporaries and literals) that `pre` holds or that need no loop.
     invariant: HashSet<String>,
-    memo: HashMap<(NodeId, Vec<Ix>), String>,
+    memo: HashMap<(NodeId, Vec<Ix>), String, Fast>,
     temps: usize,
     /// In an in-place kernel: each input whose storage an output is, the index written and that
     /// output's name. The input is read through the output, only sound at the index written.
@@ -80,7 +81,7 @@ pub(crate) struct Builder<'a> {
     pub(crate) vector_reads: Vec<VectorRead>,
     /// Values already in a register at one index (a row kernel's reductions, at the row:
     /// `codegen/cuda_rows.rs`); a read at another index loads the buffer.
-    pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String>,
+    pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String, Fast>,
     /// The f32 operands of the sines and cosines computed in the loop body, for the blocks that
     /// check their range (`codegen/c_trig.rs`).
     trig_args: Vec<String>,
@@ -126,14 +127,14 @@ impl<'a> Builder<'a> {
             pre: String::new(),
             body: String::new(),
             invariant: HashSet::new(),
-            memo: HashMap::new(),
+            memo: HashMap::default(),
             temps: 0,
             inplace: Vec::new(),
             inplace_ok: true,
             lanes_at: None,
             lane_var: None,
             vector_reads: Vec::new(),
-            registers: HashMap::new(),
+            registers: HashMap::default(),
             trig_args: Vec::new(),
         }
     }
