@@ -10,6 +10,9 @@ use std::sync::Mutex;
 
 /// The scope in force: its folder and id.
 static SCOPE: Mutex<Option<(PathBuf, u64)>> = Mutex::new(None);
+/// The id of the scope in force (0: none), set with `SCOPE`: read without the lock, since
+/// every convolution's plan lookup reads it (`kiln-cuda`'s `conv.rs`).
+static SCOPE_ID: AtomicU64 = AtomicU64::new(0);
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// The cache folder in force: the scope's, else `$KILN_CACHE_DIR`, else `~/.cache/kiln`.
@@ -28,25 +31,25 @@ pub fn cache_root() -> PathBuf {
 
 /// 0 outside a fresh-cache scope, the scope's own id inside one.
 pub fn scope_id() -> u64 {
-    SCOPE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .map_or(0, |s| s.1)
+    SCOPE_ID.load(Ordering::Acquire)
+}
+
+/// Puts `scope` in force, its id with it; returns the one it replaces.
+fn set_scope(scope: Option<(PathBuf, u64)>) -> Option<(PathBuf, u64)> {
+    let mut s = SCOPE.lock().unwrap_or_else(|e| e.into_inner());
+    SCOPE_ID.store(scope.as_ref().map_or(0, |s| s.1), Ordering::Release);
+    std::mem::replace(&mut *s, scope)
 }
 
 /// Runs `f` with `dir` as the cache folder and a new scope id; the previous ones come back after.
 pub fn with_root<R>(dir: PathBuf, f: impl FnOnce() -> R) -> R {
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-    let prev = SCOPE
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .replace((dir, id));
+    let prev = set_scope(Some((dir, id)));
     // restored on unwind too: a panicking measurement must not leave the process in the scope
     struct Restore(Option<(PathBuf, u64)>);
     impl Drop for Restore {
         fn drop(&mut self) {
-            *SCOPE.lock().unwrap_or_else(|e| e.into_inner()) = self.0.take();
+            set_scope(self.0.take());
         }
     }
     let _restore = Restore(prev);

@@ -21,6 +21,8 @@ impl FastHasher {
     }
 }
 
+/// Words come through `write_u64` and `write_usize` (node ids, `Ix`'s coefficients and
+/// constants: `write_i64` defaults to `write_u64`); other bytes a word or a byte at a time.
 impl Hasher for FastHasher {
     #[inline]
     fn finish(&self) -> u64 {
@@ -38,23 +40,11 @@ impl Hasher for FastHasher {
         }
     }
     #[inline]
-    fn write_u8(&mut self, n: u8) {
-        self.add(n as u64);
-    }
-    #[inline]
-    fn write_u32(&mut self, n: u32) {
-        self.add(n as u64);
-    }
-    #[inline]
     fn write_u64(&mut self, n: u64) {
         self.add(n);
     }
     #[inline]
     fn write_usize(&mut self, n: usize) {
-        self.add(n as u64);
-    }
-    #[inline]
-    fn write_i64(&mut self, n: i64) {
         self.add(n as u64);
     }
 }

@@ -79,8 +79,9 @@ pub(crate) struct Builder<'a> {
     pub(crate) lane_var: Option<usize>,
     /// The vectors read in lane mode, in first-read order.
     pub(crate) vector_reads: Vec<VectorRead>,
-    /// Values already in a register at one index (a row kernel's reductions, at the row:
-    /// `codegen/cuda_rows.rs`); a read at another index loads the buffer.
+    /// Values already in a register at one index (a row kernel's reductions at the row, and
+    /// the row's operand a thread keeps: `rows::passes_cached`); a read at another index loads
+    /// or computes the value.
     pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String, Fast>,
     /// The f32 operands of the sines and cosines computed in the loop body, for the blocks that
     /// check their range (`codegen/c_trig.rs`).
@@ -184,12 +185,6 @@ impl<'a> Builder<'a> {
     /// GCC 12 miscompiles vectorized masked loads in unrolled loops (every lane group used the
     /// first group's mask), so selects pick between values that were loaded unconditionally.
     fn load(&mut self, id: NodeId, idx: &[Ix]) -> String {
-        if let Some(r) = self
-            .registers
-            .get(&register_key(id, idx, &self.g.nodes[id].shape))
-        {
-            return r.clone();
-        }
         let key = (id, idx.to_vec());
         if let Some(v) = self.memo.get(&key) {
             return v.clone();
@@ -268,15 +263,16 @@ impl<'a> Builder<'a> {
 
     /// The C expression for node `id` at index `idx` (buffers are loaded unless `id` is the root).
     pub(crate) fn value(&mut self, id: NodeId, idx: &[Ix], root: bool) -> String {
-        if self.sched.realized[id] && !root {
-            return self.load(id, idx);
-        }
-        // a computed value a row kernel's thread keeps (`rows::passes_cached`)
-        if !self.registers.is_empty() {
+        // a value a row kernel's thread holds: a reduction's result at the row, or the row's
+        // operand it keeps (`rows::passes_cached`)
+        if !root && !self.registers.is_empty() {
             let shape = &self.g.nodes[id].shape;
             if let Some(r) = self.registers.get(&register_key(id, idx, shape)) {
                 return r.clone();
             }
+        }
+        if self.sched.realized[id] && !root {
+            return self.load(id, idx);
         }
         let key = (id, idx.to_vec());
         if let Some(v) = self.memo.get(&key) {
