@@ -2,8 +2,9 @@
 //! mean, and a normalization reading both; softmax a max, a sum of exponentials reading it, and
 //! a division. As separate kernels each pass reads the row from memory; here one group of
 //! threads owns a row and walks it once per member: the first pass reads it from memory, the
-//! later ones from cache, and each reduction's result is held in a register (every thread of
-//! the group gets it) where the later members read it. Member `k` writes `out<k>`: a reduction
+//! later ones from registers where each thread holds few of its elements (else from cache),
+//! and each reduction's result is held in a register (every thread of the group gets it) where
+//! the later members read it. Member `k` writes `out<k>`: a reduction
 //! one value per row (by the group's first thread), a full-shape value at every element.
 //!
 //! The group is a warp (a butterfly of shuffles gives every lane the row's value) when there
