@@ -358,9 +358,14 @@ fn group<T: Target>(
 /// joint graph was rewritten before its partition: `channels_last::wanted` finds nothing left
 /// to rewrite); one size of a symbolic graph too: the rewrite follows the graph's structure, so
 /// every size is rewritten alike and its kernels still fit the size-generic templates. Then
-/// per-channel and per-row arithmetic on broadcast values runs on the small shape.
+/// per-channel and per-row arithmetic on broadcast values runs on the small shape. First, a
+/// gather of one element per row out of a computed value becomes a sum over the row
+/// (`one_hot.rs`; in a joint graph, before its partition, with its gradient's scatter_add).
 pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     let mut g = std::borrow::Cow::Borrowed(graph);
+    if let Some(picked) = crate::one_hot::one_hot(&g) {
+        g = std::borrow::Cow::Owned(picked);
+    }
     if let Some(nhwc) = crate::channels_last::channels_last(&g) {
         g = std::borrow::Cow::Owned(nhwc);
     }
@@ -368,6 +373,17 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
         g = std::borrow::Cow::Owned(sunk);
     }
     g
+}
+
+/// A joint graph (forward and backward, before AOT autograd partitions it) rewritten as the
+/// code generators want it: one-per-row gathers and their gradients' scatter_adds as sums and
+/// selects over the row (`one_hot.rs`), then NHWC values for cuDNN on a device
+/// (`channels_last.rs`). `None` when neither rewrites anything. Tests that capture graphs call
+/// it to see what the `kiln` backend partitions.
+pub fn prepare_joint(joint: &Graph) -> Option<Graph> {
+    let picked = crate::one_hot::one_hot(joint);
+    let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(joint));
+    nhwc.or(picked)
 }
 
 /// How `ctx` asks for CUDA graphs to be compiled. torch.compile's modes: reduce-overhead and
@@ -388,7 +404,7 @@ impl Backend for CpuCodegen {
     }
 
     fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
-        crate::channels_last::channels_last(joint)
+        prepare_joint(joint)
     }
 
     /// On a CUDA device both graphs' kernels are built by one pool of NVRTC threads: built one

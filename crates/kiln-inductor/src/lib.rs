@@ -12,6 +12,7 @@ mod fast_hash;
 mod footprint;
 mod horizontal;
 pub mod ir;
+mod one_hot;
 mod repeats;
 mod rows;
 pub mod runtime;
@@ -29,7 +30,7 @@ use std::sync::{Arc, Once};
 use kiln_compile::aot::AotBackend;
 use kiln_compile::logs::{self, Channel};
 
-pub use backend::{generate, CpuCodegen, INLINE_SMALL_MATMULS};
+pub use backend::{generate, prepare_joint, CpuCodegen, INLINE_SMALL_MATMULS};
 pub use codegen::cuda_literals::shared_kernels;
 pub use cudagraphs::CudaGraphsBackend;
 pub use runtime::cc::{

@@ -50,6 +50,9 @@ pub(crate) fn joins_rows(
 
 /// Most kernels one row kernel runs.
 const MAX_ROW_MEMBERS: usize = 6;
+/// Most kernels a row kernel's run moves ahead of itself to go on past them (a loss's index
+/// arithmetic between log_softmax and its pick).
+const MAX_HOISTED: usize = 4;
 
 /// Runs of consecutive kernels that walk the same rows, as one row kernel where the target
 /// makes them (`Target::rows`): a reduction over the trailing dims of an operand opens a run,
@@ -86,21 +89,30 @@ pub(crate) fn group_rows<T: Target>(
         };
         let mut run = vec![p];
         let mut roots: Vec<NodeId> = vec![first];
+        // kernels between members that read none of the run: they run before it, so the run
+        // goes on past them (`hoisted`); those after the last member stay after it (`pending`)
+        let (mut hoisted, mut pending) = (Vec::new(), Vec::new());
         while run.len() < MAX_ROW_MEMBERS {
             let Some(next) = rest.peek() else { break };
             let Some((&(root, _), kernel)) = single(next) else {
                 break;
             };
             let reads_run = t.inputs(kernel).iter().any(|i| roots.contains(i));
+            if !reads_run && pending.len() < MAX_HOISTED {
+                pending.extend(rest.next());
+                continue;
+            }
             if !reads_run || !joins_rows(graph, sched, root, &domain) {
                 break;
             }
             roots.push(root);
+            hoisted.append(&mut pending);
             run.extend(rest.next());
         }
         let fused = (run.len() > 1)
             .then(|| t.rows(graph, sched, &roots))
             .flatten();
+        out.append(&mut hoisted);
         match fused {
             Some(kernel) => {
                 let outs = run.iter().filter_map(single).map(|(&out, _)| out);
@@ -109,6 +121,7 @@ pub(crate) fn group_rows<T: Target>(
             }
             None => out.extend(run),
         }
+        out.append(&mut pending);
     }
     out
 }
@@ -229,6 +242,12 @@ pub(crate) fn passes_cached(
             }
         };
         emit(&pass);
+        // a later member reading this value computes it again (its operands are in registers
+        // or loaded anyway) rather than loading what this kernel's other threads may not
+        // have written yet: log_softmax's `x - max`, kept for the backward, read by the sum
+        if matches!(pass.computes, Computes::Value(_)) && sched.kinds[root] == Kind::Pointwise {
+            b.recompute.push(root);
+        }
         if matches!(pass.computes, Computes::Reduction(_)) {
             b.registers
                 .insert(register_key(root, &row, &node.shape), format!("r{k}"));

@@ -23,7 +23,7 @@ impl Backend for Capture {
         "capture"
     }
     fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
-        kiln::inductor::channels_last::channels_last(joint)
+        kiln::inductor::prepare_joint(joint)
     }
     fn compile(&self, graph: &Graph, _ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
         self.0
@@ -107,6 +107,65 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
     assert!(
         moved <= 9.5,
         "the backward's kernels move {moved:.2} activations:\n{table}"
+    );
+    Ok(())
+}
+
+/// Bytes every step of `g` reads and writes, generated kernels and extern calls alike.
+fn all_bytes(g: &Graph) -> usize {
+    let steps = kiln::inductor::traffic::cuda_traffic(g, SMS);
+    steps.iter().map(|s| s.read + s.written).sum()
+}
+
+/// Cross-entropy on [256, 1000] logits, forward and backward. The forward reads the logits once
+/// and writes one [256, 1000] value the backward keeps (`x - max`): max, sum of exponentials
+/// and each row's picked log-probability are one row kernel, and the target's range is checked
+/// by a gather out of a 1000-element zero row. The backward is one kernel (softmax minus the
+/// one-hot target, times the gradient). Before the pick became a sum over the row (one_hot.rs),
+/// the log-probabilities were written out for an extern gather, and the gradient went through
+/// an extern scatter_add into a saved [256, 1000] tensor of zeros: 5 logits' worth of bytes in
+/// the forward and 5 in the backward.
+#[test]
+fn cross_entropy_reads_the_logits_once() -> Result<()> {
+    setup();
+    let capture = Arc::new(Capture(Mutex::new(Vec::new())));
+    let aot = Arc::new(kiln::compiler::aot::AotBackend::new(
+        "capture",
+        capture.clone(),
+    ));
+    let loss = kiln::compile_fn(
+        |a: &[Tensor]| {
+            Ok(vec![a[0].cross_entropy(
+                &a[1],
+                None,
+                0.0,
+                Reduction::Mean,
+            )?])
+        },
+        CompileOptions::default().custom_backend(aot),
+    )?;
+    let (rows, classes) = (256usize, 1000usize);
+    let x = Tensor::randn(&[rows, classes], DType::F32)?
+        .to(DEV)?
+        .with_grad()?;
+    let targets: Vec<i64> = (0..rows as i64).map(|i| (i * 7) % classes as i64).collect();
+    let t = Tensor::from_vec(targets, &[rows])?.to(DEV)?;
+    loss.call(&[x.clone(), t])?.remove(0).backward()?;
+    let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    assert_eq!(graphs.len(), 2, "a forward and a backward graph");
+    let logits = rows * classes * 4;
+    for (g, name, most) in [(&graphs[0], "forward", 2.1), (&graphs[1], "backward", 2.1)] {
+        let moved = all_bytes(g) as f64 / logits as f64;
+        let (_, table) = generated_bytes(g);
+        assert!(
+            moved <= most,
+            "the {name} moves {moved:.2} logits' worth of bytes:\n{table}"
+        );
+    }
+    let (_, table) = generated_bytes(&graphs[1]);
+    assert!(
+        !table.contains("extern"),
+        "the backward runs no extern call:\n{table}"
     );
     Ok(())
 }

@@ -10,6 +10,8 @@ use std::sync::Mutex;
 
 #[path = "gpu_compile/autotune.rs"]
 mod autotune;
+#[path = "gpu_compile/losses.rs"]
+mod losses;
 
 use kiln::inductor::exec_stats;
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
@@ -950,7 +952,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 23] = [
+    let tests: [(&str, Check); 24] = [
+        (
+            "cross_entropy_compiled_and_bad_targets",
+            losses::cross_entropy_compiled_and_bad_targets,
+        ),
         (
             "literal_sharing_matches_eager",
             literal_sharing_matches_eager,

@@ -83,6 +83,10 @@ pub(crate) struct Builder<'a> {
     /// the row's operand a thread keeps: `rows::passes_cached`); a read at another index loads
     /// or computes the value.
     pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String, Fast>,
+    /// Realized values computed again where read instead of loaded: a row kernel's earlier
+    /// value members (`rows::passes_cached`), which its later members would otherwise read from
+    /// memory the kernel is still writing.
+    pub(crate) recompute: Vec<NodeId>,
     /// The f32 operands of the sines and cosines computed in the loop body, for the blocks that
     /// check their range (`codegen/c_trig.rs`).
     trig_args: Vec<String>,
@@ -136,6 +140,7 @@ impl<'a> Builder<'a> {
             lane_var: None,
             vector_reads: Vec::new(),
             registers: HashMap::default(),
+            recompute: Vec::new(),
             trig_args: Vec::new(),
         }
     }
@@ -271,7 +276,7 @@ impl<'a> Builder<'a> {
                 return r.clone();
             }
         }
-        if self.sched.realized[id] && !root {
+        if self.sched.realized[id] && !root && !self.recompute.contains(&id) {
             return self.load(id, idx);
         }
         let key = (id, idx.to_vec());

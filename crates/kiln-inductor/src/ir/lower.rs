@@ -103,6 +103,9 @@ pub fn kind(g: &Graph, n: &Node) -> Kind {
         Prim::Unary(UnaryOp::Not) => Kind::Pointwise,
         Prim::Unary(_) if float_in => Kind::Pointwise,
         Prim::Binary(b) if b.is_logical() => Kind::Pointwise,
+        // a comparison is exact on any dtype (integer arithmetic is not generated: C's overflow
+        // and division differ from the core's)
+        Prim::Binary(b) if b.is_comparison() => Kind::Pointwise,
         Prim::Binary(_) if float_in => Kind::Pointwise,
         Prim::Where => Kind::Pointwise,
         // float -> int conversion saturates in Rust and is undefined out of range in C

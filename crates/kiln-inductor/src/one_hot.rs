@@ -1,0 +1,232 @@
+//! Picking one element per row out of a computed value, as a sum over the row. `nll_loss` and
+//! `cross_entropy` read each row's target class out of `log_softmax(x)` with a `gather`; a
+//! gather is an extern call, so the log-probabilities were realized as a whole tensor just to
+//! read one element of each row, and its gradient, a `scatter_add` into zeros, was an extern
+//! call too. This pass rewrites
+//!
+//! - `gather(src, d, idx)` with one index per row (`idx` of size 1 along `d`, the other dims
+//!   `src`'s) and `src` computed elementwise, into `sum_d(where(iota_d == idx, src, 0))`: every
+//!   term but the picked one is an exact zero, so the sum is the picked value; the scheduler then
+//!   fuses it into the kernel that computes the row (log_softmax's row kernel: max, sum of
+//!   exponentials and the picked log-probability in one walk over the row);
+//! - `scatter_add(zeros, d, idx, g)` with the same `idx` into `where(iota_d == idx, g, 0) + 0`
+//!   (the `+ 0` makes a `-0.0` gradient `+0.0`, as adding it to zeros did), an elementwise value
+//!   the backward's kernels fuse.
+//!
+//! An index out of range must still be an `Err` naming the gather, its dim and its size, as in
+//! eager code. The rewritten gather keeps a gather of the same indices out of a zero row of the
+//! source's length along `d` (a few bytes: the index check of the core's kernel, deferred to the
+//! next synchronization on a GPU as eager gathers are), added to the sum. A `scatter_add` is
+//! rewritten only when its indices are those of a gather checked this way, which runs first.
+
+use kiln_compile::graph::{Graph, Node, NodeId, Op};
+use kiln_core::prim::{BinaryOp, Prim, ReduceOp};
+use kiln_core::DType;
+
+use crate::ir::lower::{kind, Kind};
+
+/// Whether `idx` holds one index per row of `base` along `dim`: of `base`'s rank, size 1 along
+/// `dim`, `base`'s size along every other dim, an integer dtype, on `base`'s device.
+fn one_per_row(base: &Node, idx: &Node, dim: usize) -> bool {
+    base.shape.len() == idx.shape.len()
+        && dim < base.shape.len()
+        && idx.shape[dim] == 1
+        && base.shape[dim] > 0
+        && base
+            .shape
+            .iter()
+            .zip(&idx.shape)
+            .enumerate()
+            .all(|(d, (b, i))| d == dim || b == i)
+        && matches!(idx.dtype, DType::I64 | DType::I32)
+        && matches!(base.dtype, DType::F32 | DType::F64)
+        && base.device == idx.device
+}
+
+/// Whether `id` is zero everywhere: a zero `Full`, or a reshape or broadcast of one.
+fn is_zero(g: &Graph, mut id: NodeId) -> bool {
+    loop {
+        match &g.nodes[id].op {
+            Op::Prim(Prim::Full { value, .. }) => return *value == 0.0,
+            Op::Prim(Prim::Expand(_) | Prim::Reshape(_)) => id = g.nodes[id].args[0],
+            _ => return false,
+        }
+    }
+}
+
+/// Appends nodes to the rewritten graph, each on `like`'s device and grad mode.
+struct Builder<'a> {
+    out: &'a mut Graph,
+    like: Node,
+}
+
+impl Builder<'_> {
+    fn push(&mut self, prim: Prim, args: Vec<NodeId>, shape: &[usize], dtype: DType) -> NodeId {
+        self.out.push(Node {
+            op: Op::Prim(prim),
+            args,
+            shape: shape.to_vec(),
+            dtype,
+            requires_grad: false,
+            ..self.like.clone()
+        })
+    }
+
+    fn zeros(&mut self, shape: &[usize], dtype: DType) -> NodeId {
+        let full = Prim::Full {
+            shape: shape.to_vec(),
+            value: 0.0,
+            dtype,
+        };
+        self.push(full, vec![], shape, dtype)
+    }
+
+    /// `iota_dim == expand(idx)` over `shape`: true at each row's indexed element.
+    fn picked(&mut self, shape: &[usize], dim: usize, idx: NodeId) -> NodeId {
+        let idx_dtype = self.out.nodes[idx].dtype;
+        let n = shape[dim];
+        let iota = self.push(
+            Prim::Iota {
+                n,
+                dtype: idx_dtype,
+            },
+            vec![],
+            &[n],
+            idx_dtype,
+        );
+        let mut line = vec![1; shape.len()];
+        line[dim] = n;
+        let line = self.push(Prim::Reshape(line.clone()), vec![iota], &line, idx_dtype);
+        let iota = self.push(Prim::Expand(shape.to_vec()), vec![line], shape, idx_dtype);
+        let idx = self.push(Prim::Expand(shape.to_vec()), vec![idx], shape, idx_dtype);
+        self.push(
+            Prim::Binary(BinaryOp::Eq),
+            vec![iota, idx],
+            shape,
+            DType::Bool,
+        )
+    }
+
+    /// `gather(src, dim, idx)` as a sum over the row, plus the index check's zeros.
+    fn gather(&mut self, src: NodeId, dim: usize, idx: NodeId) -> NodeId {
+        let (shape, dtype) = (self.out.nodes[src].shape.clone(), self.out.nodes[src].dtype);
+        let idx_shape = self.out.nodes[idx].shape.clone();
+        let picked = self.picked(&shape, dim, idx);
+        let zeros = self.zeros(&shape, dtype);
+        let terms = self.push(Prim::Where, vec![picked, src, zeros], &shape, dtype);
+        let sum = Prim::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![dim],
+        };
+        let sum = self.push(sum, vec![terms], &idx_shape, dtype);
+        // the check: the same indices gathered out of a zero row as long as `src`'s
+        let mut row = vec![1; shape.len()];
+        row[dim] = shape[dim];
+        let row = self.zeros(&row, dtype);
+        let mut along = vec![1; shape.len()];
+        along[dim] = idx_shape.iter().product();
+        let flat = self.push(
+            Prim::Reshape(along.clone()),
+            vec![idx],
+            &along,
+            self.out.nodes[idx].dtype,
+        );
+        let check = self.push(Prim::Gather { dim }, vec![row, flat], &along, dtype);
+        let check = self.push(
+            Prim::Reshape(idx_shape.clone()),
+            vec![check],
+            &idx_shape,
+            dtype,
+        );
+        self.push(
+            Prim::Binary(BinaryOp::Add),
+            vec![sum, check],
+            &idx_shape,
+            dtype,
+        )
+    }
+
+    /// `scatter_add(zeros, dim, idx, g)` as `where(picked, g, 0) + 0`.
+    fn scatter(
+        &mut self,
+        shape: &[usize],
+        dtype: DType,
+        dim: usize,
+        idx: NodeId,
+        g: NodeId,
+    ) -> NodeId {
+        let picked = self.picked(shape, dim, idx);
+        let g = self.push(Prim::Expand(shape.to_vec()), vec![g], shape, dtype);
+        let zeros = self.zeros(shape, dtype);
+        let terms = self.push(Prim::Where, vec![picked, g, zeros], shape, dtype);
+        let zeros = self.zeros(shape, dtype);
+        self.push(
+            Prim::Binary(BinaryOp::Add),
+            vec![terms, zeros],
+            shape,
+            dtype,
+        )
+    }
+}
+
+/// `g` with its one-per-row gathers out of computed values (and the scatter_adds of their
+/// gradients) rewritten as sums and selects over the row, or `None` when there is none.
+pub fn one_hot(g: &Graph) -> Option<Graph> {
+    let wanted = g.nodes.iter().any(|n| match (&n.op, n.args.as_slice()) {
+        (Op::Prim(Prim::Gather { dim }), &[src, idx]) => {
+            one_per_row(&g.nodes[src], &g.nodes[idx], *dim)
+                && kind(g, &g.nodes[src]) == Kind::Pointwise
+        }
+        _ => false,
+    });
+    if !wanted {
+        return None;
+    }
+    let mut out = Graph {
+        nodes: Vec::with_capacity(g.nodes.len() + 32),
+        ..g.clone()
+    };
+    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
+    // the (rewritten graph's) index nodes whose range a check gather covers
+    let mut checked: Vec<NodeId> = Vec::new();
+    for node in &g.nodes {
+        let args: Vec<NodeId> = node.args.iter().map(|&a| map[a]).collect();
+        let rewritten = match (&node.op, args.as_slice()) {
+            (Op::Prim(Prim::Gather { dim }), &[src, idx])
+                if one_per_row(&out.nodes[src], &out.nodes[idx], *dim)
+                    && kind(&out, &out.nodes[src]) == Kind::Pointwise =>
+            {
+                checked.push(idx);
+                let mut b = Builder {
+                    out: &mut out,
+                    like: node.clone(),
+                };
+                Some(b.gather(src, *dim, idx))
+            }
+            (Op::Prim(Prim::ScatterAdd { dim }), &[base, idx, grad])
+                if checked.contains(&idx)
+                    && is_zero(&out, base)
+                    && out.nodes[base].dtype == node.dtype
+                    && out.nodes[grad].shape == out.nodes[idx].shape
+                    && out.nodes[grad].dtype == node.dtype
+                    && one_per_row(&out.nodes[base], &out.nodes[idx], *dim) =>
+            {
+                let mut b = Builder {
+                    out: &mut out,
+                    like: node.clone(),
+                };
+                Some(b.scatter(&node.shape, node.dtype, *dim, idx, grad))
+            }
+            _ => None,
+        };
+        map.push(match rewritten {
+            Some(id) => id,
+            None => out.push(Node {
+                args,
+                ..node.clone()
+            }),
+        });
+    }
+    out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
+    Some(out)
+}
