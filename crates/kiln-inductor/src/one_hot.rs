@@ -26,7 +26,8 @@ use kiln_core::DType;
 use crate::ir::lower::{kind, Kind};
 
 /// Whether `idx` holds one index per row of `base` along `dim`: of `base`'s rank, size 1 along
-/// `dim`, `base`'s size along every other dim, an integer dtype, on `base`'s device.
+/// `dim`, `base`'s size along every other dim, int64 (as gather and scatter_add take them), on
+/// `base`'s device.
 fn one_per_row(base: &Node, idx: &Node, dim: usize) -> bool {
     base.shape.len() == idx.shape.len()
         && dim < base.shape.len()
@@ -38,7 +39,7 @@ fn one_per_row(base: &Node, idx: &Node, dim: usize) -> bool {
             .zip(&idx.shape)
             .enumerate()
             .all(|(d, (b, i))| d == dim || b == i)
-        && matches!(idx.dtype, DType::I64 | DType::I32)
+        && idx.dtype == DType::I64
         && matches!(base.dtype, DType::F32 | DType::F64)
         && base.device == idx.device
 }
@@ -229,4 +230,175 @@ pub fn one_hot(g: &Graph) -> Option<Graph> {
     }
     out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::backends::Interpreter;
+    use kiln_compile::CompiledGraph;
+    use kiln_core::prim::UnaryOp;
+    use kiln_core::{Device, Tensor};
+
+    use super::*;
+    use crate::test_graphs::cpu::{input, push};
+
+    /// An integer input of `shape` and `dtype` on the CPU.
+    fn index_input(g: &mut Graph, shape: &[usize], dtype: DType) -> NodeId {
+        let id = input(g, shape);
+        g.nodes[id].dtype = dtype;
+        id
+    }
+
+    /// `gather(exp(x), dim, idx)`, `x` of `shape`, one index per row along `dim`; and with
+    /// `scatter`, `scatter_add(zeros, dim, idx, picked)` of the picked values.
+    fn graph(shape: &[usize], dim: usize, dtype: DType, scatter: bool) -> Graph {
+        let mut g = Graph::default();
+        let x = input(&mut g, shape);
+        let mut idx_shape = shape.to_vec();
+        idx_shape[dim] = 1;
+        let idx = index_input(&mut g, &idx_shape, dtype);
+        let e = push(&mut g, Op::Prim(Prim::Unary(UnaryOp::Exp)), vec![x], shape);
+        let picked = push(
+            &mut g,
+            Op::Prim(Prim::Gather { dim }),
+            vec![e, idx],
+            &idx_shape,
+        );
+        g.outputs = vec![picked];
+        if scatter {
+            let zeros = Prim::Full {
+                shape: shape.to_vec(),
+                value: 0.0,
+                dtype: DType::F32,
+            };
+            let zeros = push(&mut g, Op::Prim(zeros), vec![], shape);
+            let back = Op::Prim(Prim::ScatterAdd { dim });
+            let back = push(&mut g, back, vec![zeros, idx, picked], shape);
+            g.outputs.push(back);
+        }
+        g
+    }
+
+    /// Indices for `graph`'s second input: row `r`'s is `(3 r + 1) % n`, or `bad` at row 0.
+    fn indices(shape: &[usize], dim: usize, dtype: DType, bad: Option<i64>) -> Tensor {
+        let mut idx_shape = shape.to_vec();
+        idx_shape[dim] = 1;
+        let rows: usize = idx_shape.iter().product();
+        let mut v: Vec<i64> = (0..rows as i64)
+            .map(|r| (3 * r + 1) % shape[dim] as i64)
+            .collect();
+        if let Some(b) = bad {
+            v[0] = b;
+        }
+        let t = Tensor::from_vec(v, &idx_shape).expect("indices");
+        t.to_dtype(dtype).expect("cast")
+    }
+
+    /// Along a middle dim, the last and the first: the rewrite gives the gather's values and
+    /// the scatter's, bit for bit.
+    #[test]
+    fn sums_over_the_row_give_the_gathered_values() -> kiln_core::Result<()> {
+        for (shape, dim, dtype) in [
+            (&[3usize, 5, 4][..], 1usize, DType::I64),
+            (&[6, 7][..], 1, DType::I64),
+            (&[5, 2, 1][..], 0, DType::I64),
+        ] {
+            let g = graph(shape, dim, dtype, true);
+            let r = one_hot(&g).expect("a gather to rewrite");
+            assert!(
+                !r.nodes.iter().any(|n| {
+                    matches!(n.op, Op::Prim(Prim::ScatterAdd { .. }))
+                        || matches!(&n.op, Op::Prim(Prim::Gather { .. }) if n.args.first().is_some_and(|&a| r.nodes[a].numel() > shape[dim]))
+                }),
+                "only the check gather is left"
+            );
+            let args = [
+                Tensor::randn(shape, DType::F32)?,
+                indices(shape, dim, dtype, None),
+            ];
+            let want = Interpreter::new(g).run(&args)?;
+            let got = Interpreter::new(r).run(&args)?;
+            for (w, o) in want.iter().zip(&got) {
+                assert_eq!(w.shape(), o.shape());
+                assert_eq!(
+                    w.to_vec::<f32>()?,
+                    o.to_vec::<f32>()?,
+                    "{shape:?} dim {dim}"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// An index out of range is the gather's error, naming its dim and size.
+    #[test]
+    fn the_check_gather_reports_a_bad_index() {
+        let (shape, dim) = ([4usize, 6], 1);
+        let r = one_hot(&graph(&shape, dim, DType::I64, false)).expect("a gather to rewrite");
+        for bad in [6, -1] {
+            let args = [
+                Tensor::randn(&shape, DType::F32).expect("x"),
+                indices(&shape, dim, DType::I64, Some(bad)),
+            ];
+            let e = Interpreter::new(r.clone()).run(&args).map(|_| ());
+            let msg = e.expect_err("a bad index").to_string();
+            assert!(msg.contains("gather") && msg.contains("size 6"), "{msg}");
+        }
+    }
+
+    /// Left alone: a gather out of a buffer (a graph input: reading one element beats walking
+    /// the row), one of several indices per row, and a scatter_add whose indices no checked
+    /// gather read.
+    #[test]
+    fn other_gathers_and_scatters_are_left_alone() {
+        let mut g = Graph::default();
+        let x = input(&mut g, &[4, 6]);
+        let idx = index_input(&mut g, &[4, 1], DType::I64);
+        let picked = push(
+            &mut g,
+            Op::Prim(Prim::Gather { dim: 1 }),
+            vec![x, idx],
+            &[4, 1],
+        );
+        g.outputs = vec![picked];
+        assert!(one_hot(&g).is_none(), "out of a buffer");
+
+        let mut g = Graph::default();
+        let x = input(&mut g, &[4, 6]);
+        let idx = index_input(&mut g, &[4, 2], DType::I64);
+        let e = push(
+            &mut g,
+            Op::Prim(Prim::Unary(UnaryOp::Exp)),
+            vec![x],
+            &[4, 6],
+        );
+        let picked = push(
+            &mut g,
+            Op::Prim(Prim::Gather { dim: 1 }),
+            vec![e, idx],
+            &[4, 2],
+        );
+        g.outputs = vec![picked];
+        assert!(one_hot(&g).is_none(), "two indices per row");
+
+        // a rewritten gather beside a scatter_add of other indices: the scatter stays
+        let mut g = graph(&[4, 6], 1, DType::I64, false);
+        let other = index_input(&mut g, &[4, 1], DType::I64);
+        let zeros = Prim::Full {
+            shape: vec![4, 6],
+            value: 0.0,
+            dtype: DType::F32,
+        };
+        let zeros = push(&mut g, Op::Prim(zeros), vec![], &[4, 6]);
+        let picked = g.outputs[0];
+        let back = Op::Prim(Prim::ScatterAdd { dim: 1 });
+        let back = push(&mut g, back, vec![zeros, other, picked], &[4, 6]);
+        g.outputs.push(back);
+        let r = one_hot(&g).expect("the gather is rewritten");
+        assert!(r
+            .nodes
+            .iter()
+            .any(|n| matches!(n.op, Op::Prim(Prim::ScatterAdd { .. }))));
+        assert_eq!(r.nodes[r.outputs[1]].device, Device::Cpu);
+    }
 }
