@@ -12,6 +12,7 @@ mod cache;
 mod compiled_fn;
 pub mod debug;
 mod explain;
+pub mod fast_hash;
 pub mod graph;
 pub mod guards;
 pub mod logs;

@@ -8,7 +8,6 @@ mod backend;
 pub mod channels_last;
 pub mod codegen;
 mod cudagraphs;
-mod fast_hash;
 mod footprint;
 mod horizontal;
 pub mod ir;

@@ -12,8 +12,8 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId, Op};
 
-use crate::fast_hash::Fast;
 use crate::schedule::Schedule;
+use kiln_compile::fast_hash::Fast;
 
 /// What a step's kernel is generated from: the fused ops from its root down to the buffers it
 /// reads, in a canonical order — each op with its parameters, shape, dtype, kind and operands

@@ -13,6 +13,7 @@ use kiln_core::intercept::{self, Deferred, Interceptor};
 use kiln_core::prim::{OutMeta, Prim};
 use kiln_core::{Device, Error, Result, Tensor};
 
+use crate::fast_hash::Fast;
 use crate::graph::{Graph, Node, NodeId, Op};
 
 /// A joint graph and how its inputs and outputs line up with the forward graph's.
@@ -54,7 +55,8 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
     if diff_outputs.is_empty() {
         return Ok(None);
     }
-    let rec = Recorder::new();
+    // the joint graph: every forward node again, and about as many backward nodes again
+    let rec = Recorder::new(2 * fwd.nodes.len());
     let _on = intercept::install(Some(rec.clone()));
     let _grad = GradModeGuard::new(true);
     let mut vals: Vec<Option<Tensor>> = vec![None; fwd.nodes.len()];
@@ -139,7 +141,8 @@ fn internal(msg: &str) -> Error {
 #[derive(Default)]
 struct RecState {
     graph: Graph,
-    known: HashMap<u64, NodeId>,
+    /// Tensor id -> the joint node that holds it.
+    known: HashMap<u64, NodeId, Fast>,
 }
 
 /// Records every prim into the joint graph; unlike the capture tracer it asks the dispatcher to keep
@@ -150,10 +153,14 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn new() -> Arc<Recorder> {
+    /// A recorder with room for `nodes` nodes (a hint).
+    fn new(nodes: usize) -> Arc<Recorder> {
+        let mut state = RecState::default();
+        state.graph.nodes.reserve(nodes);
+        state.known.reserve(nodes);
         Arc::new_cyclic(|me| Recorder {
             me: me.clone(),
-            state: Mutex::new(RecState::default()),
+            state: Mutex::new(state),
         })
     }
 
@@ -201,6 +208,9 @@ impl Interceptor for Recorder {
         meta: &OutMeta,
         device: Device,
     ) -> Option<Result<Tensor>> {
+        // made before taking the lock, so one lock covers the operands' lookups, the new node
+        // and its id
+        let out = self.deferred(&meta.shape, meta.dtype, device)?;
         let mut st = self.lock();
         let mut args = Vec::with_capacity(inputs.len());
         for t in inputs {
@@ -226,9 +236,7 @@ impl Interceptor for Recorder {
             requires_grad: false,
             device,
         });
-        drop(st);
-        let out = self.deferred(&meta.shape, meta.dtype, device)?;
-        self.lock().known.insert(out.id(), id);
+        st.known.insert(out.id(), id);
         Some(Ok(out))
     }
 

@@ -51,7 +51,15 @@ impl Backend for AotBackend {
                     if let Some(g) = self.inner.prepare_joint(&joint.graph) {
                         joint.graph = g;
                     }
-                    Some((partition::partition(&joint)?, joint))
+                    if debug::enabled() {
+                        debug::dump("aot_joint", &joint.graph.to_code("joint"));
+                    }
+                    // the partition takes the joint graph's nodes
+                    let g = std::mem::take(&mut joint.graph);
+                    Some((
+                        partition::partition(g, joint.num_primals, joint.num_fwd_outputs)?,
+                        joint,
+                    ))
                 }
                 None => None,
             }
@@ -70,7 +78,6 @@ impl Backend for AotBackend {
             )
         });
         if debug::enabled() {
-            debug::dump("aot_joint", &joint.graph.to_code("joint"));
             debug::dump("aot_forward", &part.forward.to_code("forward"));
             debug::dump("aot_backward", &part.backward.to_code("backward"));
         }

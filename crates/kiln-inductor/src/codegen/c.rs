@@ -14,12 +14,12 @@ use kiln_core::DType;
 
 use super::c_horizontal::{Member, Threads};
 use super::c_trig;
-use crate::fast_hash::Fast;
 use crate::ir::index::Ix;
 use crate::ir::lower::{
     binary_c, c_dtype, float_literal, linear, reduce_c, unary_c, view_index, Kind,
 };
 use crate::schedule::Schedule;
+use kiln_compile::fast_hash::Fast;
 
 /// Elements below which a kernel runs on one thread.
 pub(crate) const PARALLEL_THRESHOLD: usize = 32 * 1024;

@@ -352,6 +352,32 @@ fn normalize(constant: i64, mut terms: Vec<(i64, Atom)>) -> Ix {
 mod tests {
     use super::*;
 
+    /// Keys that differ in one word hash apart, and a map keyed by index expressions finds what
+    /// it holds.
+    #[test]
+    fn index_keys_find_their_values() {
+        let mut m: std::collections::HashMap<
+            (usize, Vec<Ix>),
+            usize,
+            kiln_compile::fast_hash::Fast,
+        > = Default::default();
+        for n in 0..200usize {
+            let idx = vec![
+                Ix::var(n % 7).add_const(n as i64),
+                Ix::constant(n as i64 / 3),
+            ];
+            m.insert((n, idx), n);
+        }
+        assert_eq!(m.len(), 200);
+        for n in 0..200usize {
+            let idx = vec![
+                Ix::var(n % 7).add_const(n as i64),
+                Ix::constant(n as i64 / 3),
+            ];
+            assert_eq!(m.get(&(n, idx)), Some(&n));
+        }
+    }
+
     #[test]
     fn reshape_round_trip_collapses_to_the_flat_index() {
         // a [6] buffer viewed as [2, 3] and read back flat: (i/3)*3 + i%3 == i
