@@ -100,6 +100,20 @@ impl Graph {
             .is_some()
     }
 
+    /// A graph with this one's inputs count, outputs, random span, in-place updates and static
+    /// inputs but no nodes yet (room for `capacity`): what a rewriting pass fills. Cheaper than
+    /// `Graph { nodes: .., ..g.clone() }`, which copies every node only to drop them.
+    pub fn empty_like(&self, capacity: usize) -> Graph {
+        Graph {
+            nodes: Vec::with_capacity(capacity),
+            num_inputs: self.num_inputs,
+            outputs: self.outputs.clone(),
+            rng_span: self.rng_span,
+            mutated_inputs: self.mutated_inputs.clone(),
+            static_inputs: self.static_inputs.clone(),
+        }
+    }
+
     pub fn push(&mut self, node: Node) -> NodeId {
         self.nodes.push(node);
         self.nodes.len() - 1

@@ -200,10 +200,7 @@ pub fn channels_last(g: &Graph) -> Option<Graph> {
 fn rewrite(g: &Graph) -> Graph {
     let n = g.nodes.len();
     let mut r = Rewrite {
-        out: Graph {
-            nodes: Vec::with_capacity(2 * n),
-            ..g.clone()
-        },
+        out: g.empty_like(2 * n),
         plain: vec![None; n],
         twin: vec![None; n],
         computed_nhwc: vec![false; n],

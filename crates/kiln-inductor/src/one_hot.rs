@@ -183,10 +183,7 @@ pub fn one_hot(g: &Graph) -> Option<Graph> {
     if !wanted {
         return None;
     }
-    let mut out = Graph {
-        nodes: Vec::with_capacity(g.nodes.len() + 32),
-        ..g.clone()
-    };
+    let mut out = g.empty_like(g.nodes.len() + 32);
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     // the (rewritten graph's) index nodes whose range a check gather covers
     let mut checked: Vec<NodeId> = Vec::new();

@@ -48,10 +48,7 @@ pub fn sink_expands(g: &Graph) -> Option<Graph> {
     for &o in &g.outputs {
         is_output[o] = true;
     }
-    let mut out = Graph {
-        nodes: Vec::with_capacity(g.nodes.len()),
-        ..g.clone()
-    };
+    let mut out = g.empty_like(g.nodes.len());
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     let mut changed = false;
     for (id, node) in g.nodes.iter().enumerate() {

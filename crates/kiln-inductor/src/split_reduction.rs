@@ -174,10 +174,7 @@ pub fn split_reductions(g: &Graph, policy: ReduceSplit) -> Option<Graph> {
     if plans.iter().all(Option::is_none) {
         return None;
     }
-    let mut out = Graph {
-        nodes: Vec::with_capacity(g.nodes.len() + 3),
-        ..g.clone()
-    };
+    let mut out = g.empty_like(g.nodes.len() + 3);
     // where each old node's value is in the new graph
     let mut at: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     for (node, plan) in g.nodes.iter().zip(plans) {
