@@ -60,7 +60,22 @@ pub fn compile(graph: &Graph, flags: CudaFlags) -> Result<Arc<dyn CompiledGraph>
 }
 
 /// `compile` for each graph (all on one device), their units built by one pool of threads.
+/// Meanwhile another thread runs each distinct convolution of the graphs once
+/// (`runtime/conv_warmup.rs`: cuDNN's kernels load at a convolution's first execution).
 pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn CompiledGraph>>> {
+    if !crate::runtime::conv_warmup::wanted(graphs) {
+        return compile_graphs(graphs, flags);
+    }
+    std::thread::scope(|s| {
+        let warmup = s.spawn(|| crate::runtime::conv_warmup::run(graphs));
+        let compiled = compile_graphs(graphs, flags);
+        // best effort: a failed warm-up leaves the first call to load what it needs
+        let _ = warmup.join();
+        compiled
+    })
+}
+
+fn compile_graphs(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = graphs.first() else {
         return Ok(Vec::new());
     };

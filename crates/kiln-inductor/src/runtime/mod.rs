@@ -2,6 +2,7 @@
 
 pub mod autotune;
 pub mod cc;
+pub(crate) mod conv_warmup;
 pub mod cudagraph;
 pub mod exec;
 pub mod plan;
