@@ -29,7 +29,7 @@ pub(crate) enum Direction {
 const IDS: [i64; 3] = [1, 2, 3];
 
 /// A backend descriptor, destroyed on drop.
-pub(crate) struct Desc(pub(crate) dsys::cudnnBackendDescriptor_t);
+pub(crate) struct Desc(dsys::cudnnBackendDescriptor_t);
 
 impl Drop for Desc {
     fn drop(&mut self) {

@@ -160,7 +160,6 @@ impl Builder<'_> {
         let g = self.push(Prim::Expand(shape.to_vec()), vec![g], shape, dtype);
         let zeros = self.zeros(shape, dtype);
         let terms = self.push(Prim::Where, vec![picked, g, zeros], shape, dtype);
-        let zeros = self.zeros(shape, dtype);
         self.push(
             Prim::Binary(BinaryOp::Add),
             vec![terms, zeros],

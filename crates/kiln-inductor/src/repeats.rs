@@ -94,7 +94,7 @@ pub(crate) fn kernels<K: Clone + Send>(
     inputs: impl Fn(&K) -> &[NodeId],
     rebind: impl Fn(&K, Vec<NodeId>) -> K,
 ) -> Vec<Option<K>> {
-    let mut first: HashMap<&[u8], usize> = HashMap::new();
+    let mut first: HashMap<&[u8], usize, Fast> = HashMap::default();
     let mut distinct = Vec::new();
     for (i, c) in cones.iter().enumerate() {
         if let Some(c) = c {

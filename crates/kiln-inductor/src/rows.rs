@@ -181,26 +181,13 @@ pub(crate) enum Computes {
 }
 
 /// Builds each member's pass in order with `b` (a builder over `loops.shape`), handing each to
-/// `emit`; a reduction's later readers read it from `r<k>` at the row. `None` when a member
-/// would read another from memory (at another row or element: another warp's or thread's
-/// work, not written yet).
+/// `emit`; a reduction's later readers read it from `r<k>` at the row. With `cache` (a C array
+/// expression over the walk's iteration, e.g. `row_x[it]`), when the first member is a
+/// reduction, the later members read its operand from that array, which the emitter fills
+/// during the first pass: the row is loaded and its fused producers computed once, not once per
+/// member. `None` when a member would read another from memory (at another row or element:
+/// another warp's or thread's work, not written yet).
 pub(crate) fn passes(
-    b: &mut Builder<'_>,
-    g: &Graph,
-    sched: &Schedule,
-    roots: &[NodeId],
-    loops: &RowLoops,
-    emit: impl FnMut(&Pass),
-) -> Option<()> {
-    passes_cached(b, g, sched, roots, loops, None, emit)
-}
-
-/// `passes`, where with `cache` (a C array expression over the walk's iteration, e.g.
-/// `row_x[it]`) the first member's operand, when the first member is a reduction, is read by
-/// the later members from that array: the emitter stores it there during the first pass
-/// (`Pass::operand`), so the row is loaded and its fused producers computed once, not once per
-/// member.
-pub(crate) fn passes_cached(
     b: &mut Builder<'_>,
     g: &Graph,
     sched: &Schedule,

@@ -80,11 +80,11 @@ pub(crate) struct Builder<'a> {
     /// The vectors read in lane mode, in first-read order.
     pub(crate) vector_reads: Vec<VectorRead>,
     /// Values already in a register at one index (a row kernel's reductions at the row, and
-    /// the row's operand a thread keeps: `rows::passes_cached`); a read at another index loads
+    /// the row's operand a thread keeps: `rows::passes`); a read at another index loads
     /// or computes the value.
     pub(crate) registers: HashMap<(NodeId, Vec<Ix>), String, Fast>,
     /// Realized values computed again where read instead of loaded: a row kernel's earlier
-    /// value members (`rows::passes_cached`), which its later members would otherwise read from
+    /// value members (`rows::passes`), which its later members would otherwise read from
     /// memory the kernel is still writing.
     pub(crate) recompute: Vec<NodeId>,
     /// The f32 operands of the sines and cosines computed in the loop body, for the blocks that
@@ -269,7 +269,7 @@ impl<'a> Builder<'a> {
     /// The C expression for node `id` at index `idx` (buffers are loaded unless `id` is the root).
     pub(crate) fn value(&mut self, id: NodeId, idx: &[Ix], root: bool) -> String {
         // a value a row kernel's thread holds: a reduction's result at the row, or the row's
-        // operand it keeps (`rows::passes_cached`)
+        // operand it keeps (`rows::passes`)
         if !root && !self.registers.is_empty() {
             let shape = &self.g.nodes[id].shape;
             if let Some(r) = self.registers.get(&register_key(id, idx, shape)) {

@@ -24,7 +24,7 @@ pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Optio
         row_loops.shape.iter().map(|&s| s as i64).collect(),
     );
     let mut text = String::new();
-    passes(&mut b, g, sched, roots, &row_loops, |p| {
+    passes(&mut b, g, sched, roots, &row_loops, None, |p| {
         let (k, out) = (p.k, format!("out{}", p.k));
         let acc = match &p.computes {
             Computes::Value(value) => {

@@ -20,7 +20,7 @@ use kiln_core::prim::Prim;
 
 use super::c::{split_index, ty, Builder};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
-use crate::rows::{outputs, passes_cached, Computes, RowLoops};
+use crate::rows::{outputs, passes, Computes, RowLoops};
 use crate::schedule::Schedule;
 
 /// A thread's walk over its row issues the loads of this many elements before it adds the
@@ -109,7 +109,7 @@ pub(super) fn row_kernel(
     }
     let cache = format!("{ROW_CACHE}[it]");
     let cache = cached.then_some(cache.as_str());
-    passes_cached(&mut b, g, sched, roots, &loops, cache, |p| {
+    passes(&mut b, g, sched, roots, &loops, cache, |p| {
         if p.k > 0 && matches!(group, Group::Warp) {
             members.push_str("    __syncwarp();\n");
         }

@@ -14,16 +14,7 @@
 use std::collections::HashSet;
 
 use kiln_compile::graph::{Graph, Op};
-use kiln_core::prim::Prim;
 use kiln_core::{Device, Result, Tensor};
-
-/// Whether `p` is a convolution (forward or either gradient).
-fn is_conv(p: &Prim) -> bool {
-    matches!(
-        p,
-        Prim::Conv2d(_) | Prim::Conv2dGradInput { .. } | Prim::Conv2dGradWeight { .. }
-    )
-}
 
 /// Whether any of `graphs` runs a convolution on a device (the warm-up has something to do).
 pub(crate) fn wanted(graphs: &[&Graph]) -> bool {
@@ -31,7 +22,7 @@ pub(crate) fn wanted(graphs: &[&Graph]) -> bool {
         g.device() != Device::Cpu
             && g.nodes
                 .iter()
-                .any(|n| matches!(&n.op, Op::Prim(p) if is_conv(p)))
+                .any(|n| matches!(&n.op, Op::Prim(p) if p.conv_params().is_some()))
     })
 }
 
@@ -46,7 +37,7 @@ pub(crate) fn run(graphs: &[&Graph]) -> Result<()> {
         }
         for node in &g.nodes {
             let Op::Prim(p) = &node.op else { continue };
-            if !is_conv(p) {
+            if p.conv_params().is_none() {
                 continue;
             }
             let args: Vec<(&[usize], kiln_core::DType, Device)> = node
