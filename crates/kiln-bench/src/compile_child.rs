@@ -33,12 +33,15 @@ pub struct Measured {
     /// CUDA kernels compiled by NVRTC / found as PTX on disk.
     pub nvrtc_builds: u64,
     pub nvrtc_disk_hits: u64,
+    /// Compiles read from the compiled-graph cache on disk (AOT autograd's splits, plans).
+    pub graph_disk_hits: u64,
 }
 
-fn counters() -> [u64; 4] {
+fn counters() -> [u64; 5] {
     let cc = kiln::inductor::kernel_cache_stats();
     let (nvrtc, nvrtc_hits) = kiln::cuda::kernel_cache_stats();
-    [cc.compiles, cc.disk_hits, nvrtc, nvrtc_hits]
+    let graphs = kiln::compiler::disk_cache::stats().hits;
+    [cc.compiles, cc.disk_hits, nvrtc, nvrtc_hits, graphs]
 }
 
 /// A measured compile longer than this prints where the process's CPU time went
@@ -81,6 +84,7 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
             cc_disk_hits: after[1] - before[1],
             nvrtc_builds: after[2] - before[2],
             nvrtc_disk_hits: after[3] - before[3],
+            graph_disk_hits: after[4] - before[4],
         },
     ))
 }
@@ -105,6 +109,7 @@ pub fn child_main(key: &str, dev: Device, mode: Mode, quick: bool) -> BenchResul
             "cc_disk_hits": m.cc_disk_hits,
             "nvrtc_builds": m.nvrtc_builds,
             "nvrtc_disk_hits": m.nvrtc_disk_hits,
+            "graph_disk_hits": m.graph_disk_hits,
         })
     );
     Ok(())
@@ -173,6 +178,7 @@ fn run_child(
         cc_disk_hits: count("cc_disk_hits"),
         nvrtc_builds: count("nvrtc_builds"),
         nvrtc_disk_hits: count("nvrtc_disk_hits"),
+        graph_disk_hits: count("graph_disk_hits"),
     })
 }
 

@@ -13,6 +13,7 @@ use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
 use crate::codegen::cuda_compile::{self, CudaFlags};
 use crate::codegen::template;
 use crate::ir::lower::{small_matmul, Kind, MatmulDims};
+use crate::plan_cache::{Plan, PlanStep};
 use crate::repeats::{self, Cone};
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
@@ -407,6 +408,10 @@ impl Backend for CpuCodegen {
         prepare_joint(joint)
     }
 
+    fn cache_id(&self) -> Option<String> {
+        Some(crate::plan_cache::build_and_settings())
+    }
+
     /// On a CUDA device both graphs' kernels are built by one pool of NVRTC threads: built one
     /// graph after the other, each ended in a tail of a few large units on a few threads.
     /// Anything that fails there goes through `compile` graph by graph (its fallbacks apply).
@@ -418,8 +423,8 @@ impl Backend for CpuCodegen {
     ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
         let device = forward.device();
         if device != kiln_core::Device::Cpu && backward.device() == device {
-            let (f, b) = (prepare(forward), prepare(backward));
-            if let Ok(mut both) = cuda_compile::compile_many(&[&f, &b], cuda_flags(ctx)?) {
+            if let Ok(mut both) = cuda_compile::compile_many(&[forward, backward], cuda_flags(ctx)?)
+            {
                 if let (Some(bc), Some(fc)) = (both.pop(), both.pop()) {
                     return Ok((fc, bc));
                 }
@@ -429,8 +434,6 @@ impl Backend for CpuCodegen {
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
-        let prepared = prepare(graph);
-        let graph: &Graph = &prepared;
         if graph.device() != kiln_core::Device::Cpu {
             return match cuda_compile::compile(graph, cuda_flags(ctx)?) {
                 Ok(compiled) => Ok(compiled),
@@ -476,48 +479,120 @@ impl Backend for CpuCodegen {
             // names
             horizontal: sizes.is_none(),
         };
-        let planned = plan_graph(&c, graph);
-        let kernels: Vec<&Kernel> = planned
-            .iter()
-            .filter_map(|p| match p {
-                Planned::Kernel { kernel, .. } => Some(kernel),
-                Planned::Extern { .. } => None,
-            })
-            .collect();
-        let wanted: Vec<(Kernel, Vec<i64>)> = kernels
-            .iter()
-            .enumerate()
-            .map(|(i, kernel)| match &sizes {
-                Some(ctx) => template::resolve(
-                    ctx,
-                    template::place(graph.nodes.len(), kernels.len(), i),
-                    kernel,
-                    template::SizeArgs::Array,
+        // a symbolic graph's kernels are fitted across sizes: not cached
+        let key = match sizes {
+            None => crate::plan_cache::key(
+                CPU_KIND,
+                &format!(
+                    "inline_matmul={} {} libmvec={}",
+                    c.inline_matmul, tc.identity, tc.libmvec
                 ),
-                None => ((*kernel).clone(), Vec::new()),
+                graph,
+            ),
+            Some(_) => None,
+        };
+        let plan = match key.and_then(|k| crate::plan_cache::load(CPU_KIND, k)) {
+            Some(plan) => plan,
+            None => {
+                let _span =
+                    kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
+                        "inductor: plan and generate C".into()
+                    });
+                let plan = plan_c(&c, &prepare(graph), sizes.as_ref());
+                if let Some(k) = key {
+                    crate::plan_cache::store(CPU_KIND, k, &plan);
+                }
+                plan
+            }
+        };
+        // one kernel per kernel step, in step order (a unit holds one kernel)
+        let wanted: Vec<Kernel> = plan
+            .units
+            .iter()
+            .map(|(source, names)| Kernel {
+                name: names.first().cloned().unwrap_or_default(),
+                source: source.clone(),
+                inputs: Vec::new(),
+                member: None,
             })
             .collect();
-        let (wanted, mut sizes): (Vec<Kernel>, Vec<Vec<i64>>) = wanted.into_iter().unzip();
-        let fns = cc::load(tc, &wanted)?;
-        let mut fns = fns.into_iter().zip(wanted).zip(sizes.drain(..));
-        let exec = planned
+        let mut fns = {
+            let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
+                format!("inductor: build and load {} C kernels", wanted.len()).into()
+            });
+            cc::load(tc, &wanted)?.into_iter()
+        };
+        let exec = plan
+            .steps
             .into_iter()
             .map(|p| match p {
-                Planned::Kernel { outs, .. } => {
-                    let ((f, kernel), sizes) = fns.next().ok_or_else(|| {
+                PlanStep::Kernel {
+                    outs,
+                    inputs,
+                    name,
+                    sizes,
+                    ..
+                } => {
+                    let f = fns.next().ok_or_else(|| {
                         kiln_core::Error::arg("kiln backend", "kernel count mismatch")
                     })?;
                     Ok(Exec::Kernel {
                         outs,
                         f: Launch::Cpu(f),
-                        inputs: kernel.inputs,
-                        name: kernel.name.into(),
+                        inputs,
+                        name: name.into(),
                         sizes,
                     })
                 }
-                Planned::Extern { node } => Ok(Exec::Extern { node }),
+                PlanStep::Extern { node } => Ok(Exec::Extern { node }),
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Arc::new(CompiledCpu::new(graph.clone(), exec)))
+        Ok(Arc::new(CompiledCpu::new(plan.graph, exec)))
+    }
+}
+
+/// The disk cache's kind for C plans.
+const CPU_KIND: &str = "c";
+
+/// The C plan of `graph` (rewritten for the code generators): its steps, each kernel resolved
+/// for the size context `sizes` (`codegen/template.rs`), and one unit per kernel.
+fn plan_c(c: &C, graph: &Graph, sizes: Option<&symbolic::context::SizeContext>) -> Plan {
+    let planned = plan_graph(c, graph);
+    let count = planned
+        .iter()
+        .filter(|p| matches!(p, Planned::Kernel { .. }))
+        .count();
+    let mut units = Vec::with_capacity(count);
+    let mut i = 0;
+    let steps = planned
+        .into_iter()
+        .map(|p| match p {
+            Planned::Kernel { kernel, outs } => {
+                let (kernel, sizes) = match sizes {
+                    Some(ctx) => template::resolve(
+                        ctx,
+                        template::place(graph.nodes.len(), count, i),
+                        &kernel,
+                        template::SizeArgs::Array,
+                    ),
+                    None => (kernel, Vec::new()),
+                };
+                i += 1;
+                units.push((kernel.source, vec![kernel.name.clone()]));
+                PlanStep::Kernel {
+                    outs,
+                    inputs: kernel.inputs,
+                    name: kernel.name,
+                    sizes,
+                    launch: ([0; 3], 0, 0),
+                }
+            }
+            Planned::Extern { node } => PlanStep::Extern { node },
+        })
+        .collect();
+    Plan {
+        graph: graph.clone(),
+        steps,
+        units,
     }
 }

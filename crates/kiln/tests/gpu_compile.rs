@@ -10,6 +10,8 @@ use std::sync::Mutex;
 
 #[path = "gpu_compile/autotune.rs"]
 mod autotune;
+#[path = "gpu_compile/graph_cache.rs"]
+mod graph_cache;
 #[path = "gpu_compile/losses.rs"]
 mod losses;
 
@@ -952,7 +954,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 24] = [
+    let tests: [(&str, Check); 25] = [
+        (
+            "plans_read_back_from_disk",
+            graph_cache::plans_read_back_from_disk,
+        ),
         (
             "cross_entropy_compiled_and_bad_targets",
             losses::cross_entropy_compiled_and_bad_targets,

@@ -42,16 +42,21 @@ pub fn requires_grad(g: &Graph) -> Vec<bool> {
     rg
 }
 
-/// Builds the joint graph of `fwd`, or `None` when no output needs a gradient (an inference graph).
-pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
+/// The outputs of `fwd` that carry a gradient (float, depending on an input that requires grad);
+/// none for an inference graph.
+pub fn diff_outputs(fwd: &Graph) -> Vec<usize> {
     let rg = requires_grad(fwd);
-    let diff_outputs: Vec<usize> = fwd
-        .outputs
+    fwd.outputs
         .iter()
         .enumerate()
         .filter(|(_, &o)| rg[o] && fwd.nodes[o].dtype.is_float())
         .map(|(k, _)| k)
-        .collect();
+        .collect()
+}
+
+/// Builds the joint graph of `fwd`, or `None` when no output needs a gradient (an inference graph).
+pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
+    let diff_outputs = diff_outputs(fwd);
     if diff_outputs.is_empty() {
         return Ok(None);
     }

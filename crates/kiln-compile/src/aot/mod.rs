@@ -4,6 +4,7 @@
 //! backward and a backward graph, and both are compiled by an inner backend. At run time the forward
 //! records one `Function` node on the eager tape whose backward runs the compiled backward graph.
 
+mod cache;
 pub mod joint;
 mod maxflow;
 pub mod partition;
@@ -42,65 +43,95 @@ impl Backend for AotBackend {
     }
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
-        let split = {
-            let _span = profiler::span(profiler::Category::Compile, || {
-                "aot autograd: joint graph and partition".into()
-            });
-            match joint::build(graph)? {
-                Some(mut joint) => {
-                    if let Some(g) = self.inner.prepare_joint(&joint.graph) {
-                        joint.graph = g;
-                    }
-                    if debug::enabled() {
-                        debug::dump("aot_joint", &joint.graph.to_code("joint"));
-                    }
-                    // the partition takes the joint graph's nodes
-                    let g = std::mem::take(&mut joint.graph);
-                    Some((
-                        partition::partition(g, joint.num_primals, joint.num_fwd_outputs)?,
-                        joint,
-                    ))
-                }
-                None => None,
-            }
-        };
         // nothing needs a gradient: an inference graph
-        let Some((mut part, joint)) = split else {
+        if joint::diff_outputs(graph).is_empty() {
             return self.inner.compile(graph, ctx);
-        };
-        // the forward's inputs are the graph's, in order; the backward's are its own buffers
-        part.forward.static_inputs = graph.static_inputs.clone();
+        }
+        let split = self.split(graph)?;
         logs::emit(Channel::GraphCode, || {
             format!(
                 "{}{}",
-                part.forward.to_code("aot_forward"),
-                part.backward.to_code("aot_backward")
+                split.forward.to_code("aot_forward"),
+                split.backward.to_code("aot_backward")
             )
         });
         if debug::enabled() {
-            debug::dump("aot_forward", &part.forward.to_code("forward"));
-            debug::dump("aot_backward", &part.backward.to_code("backward"));
+            debug::dump("aot_forward", &split.forward.to_code("forward"));
+            debug::dump("aot_backward", &split.backward.to_code("backward"));
         }
-        let out_meta = joint.diff_outputs.iter().map(|&k| {
+        let out_meta = split.diff_outputs.iter().map(|&k| {
             let n = &graph.nodes[graph.outputs[k]];
             (n.shape.clone(), n.dtype)
         });
         let (forward, backward) = self
             .inner
-            .compile_pair(&part.forward, &part.backward, ctx)?;
+            .compile_pair(&split.forward, &split.backward, ctx)?;
         Ok(Arc::new(AotCompiled {
             forward,
             backward,
             rng_span: graph.rng_span,
+            num_fwd_outputs: split.num_fwd_outputs,
+            num_saved: split.num_saved,
+            diff_meta: out_meta.collect::<Vec<_>>().into(),
+            diff_outputs: split.diff_outputs,
+            grad_inputs: split.grad_inputs,
+            saved_bytes: split.saved_bytes,
+            forward_draws: split.forward.rng_span > 0,
+            backward_draws: split.backward.rng_span > 0,
+        }))
+    }
+
+    fn cache_id(&self) -> Option<String> {
+        self.inner.cache_id()
+    }
+}
+
+impl AotBackend {
+    /// The forward and backward graphs of `graph` (one that needs a backward): from the cache on
+    /// disk when the inner backend has a cache id and the graph was split before, else built
+    /// (the joint graph, the inner backend's rewrite of it, the min-cut) and stored.
+    fn split(&self, graph: &Graph) -> Result<cache::Split> {
+        let key = match self.inner.cache_id() {
+            Some(id) if crate::disk_cache::enabled() => Some(cache::key(graph, &id)),
+            _ => None,
+        };
+        if let Some(key) = key {
+            let _span = profiler::span(profiler::Category::Compile, || {
+                "aot autograd: split read from the disk cache".into()
+            });
+            if let Some(split) = cache::load(key) {
+                return Ok(split);
+            }
+        }
+        let _span = profiler::span(profiler::Category::Compile, || {
+            "aot autograd: joint graph and partition".into()
+        });
+        let mut joint = joint::build(graph)?
+            .ok_or_else(|| Error::arg("aot autograd", "no output of the graph needs a gradient"))?;
+        if let Some(g) = self.inner.prepare_joint(&joint.graph) {
+            joint.graph = g;
+        }
+        if debug::enabled() {
+            debug::dump("aot_joint", &joint.graph.to_code("joint"));
+        }
+        // the partition takes the joint graph's nodes
+        let g = std::mem::take(&mut joint.graph);
+        let mut part = partition::partition(g, joint.num_primals, joint.num_fwd_outputs)?;
+        // the forward's inputs are the graph's, in order; the backward's are its own buffers
+        part.forward.static_inputs = graph.static_inputs.clone();
+        let split = cache::Split {
+            forward: part.forward,
+            backward: part.backward,
             num_fwd_outputs: joint.num_fwd_outputs,
             num_saved: part.num_saved,
-            diff_outputs: joint.diff_outputs.clone(),
-            diff_meta: out_meta.collect::<Vec<_>>().into(),
-            grad_inputs: joint.grad_inputs.clone(),
             saved_bytes: part.saved_bytes,
-            forward_draws: part.forward.rng_span > 0,
-            backward_draws: part.backward.rng_span > 0,
-        }))
+            diff_outputs: joint.diff_outputs,
+            grad_inputs: joint.grad_inputs,
+        };
+        if let Some(key) = key {
+            cache::store(key, &split);
+        }
+        Ok(split)
     }
 }
 

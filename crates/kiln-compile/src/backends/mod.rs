@@ -48,6 +48,15 @@ pub trait Backend: Send + Sync {
         let _ = joint;
         None
     }
+    /// An id for what this backend makes of a graph, part of every key it and AOT autograd
+    /// around it use in the compiled-graph cache on disk (`disk_cache.rs`). It must change
+    /// whenever the result for the same graph and options could: a hash of the sources of the
+    /// backend and of everything below it (the core's VJP rules, AOT autograd's partition), and
+    /// the settings its rewrites read (environment variables).
+    /// `None`, the default: nothing of this backend's compiles is cached on disk.
+    fn cache_id(&self) -> Option<String> {
+        None
+    }
     /// Compiles a graph with symbolic sizes into code that runs at every size its guards admit
     /// (sizes read off the inputs at run time). `None`, the default: this backend compiles
     /// concrete graphs only, and kiln compiles the graph once per size for it.

@@ -138,6 +138,8 @@ impl TuneConfig {
 
 /// The CUDA target for a device with `sm_count` multiprocessors (grid-stride loops launch a few
 /// waves of blocks, not one block per element), generating kernels of launch shape `cfg`.
+/// Its `Debug` text keys plans in the disk cache (`plan_cache.rs`): every field is in it.
+#[derive(Debug)]
 pub struct Cuda {
     pub sm_count: u32,
     /// Small matmuls as generated reductions (`Target::inline_matmul`).

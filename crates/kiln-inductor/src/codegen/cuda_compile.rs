@@ -4,6 +4,7 @@
 //! threads: built one after the other, each graph's compile ended in a tail where a few large
 //! units ran on a few threads while the other cores waited.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -15,6 +16,7 @@ use kiln_core::{profiler, Device, Result};
 use super::cuda::{plan, Cuda, CudaKernel, PRELUDE};
 use super::{cuda_literals, cuda_sizes, cuda_tune, cuda_units};
 use crate::backend::Planned;
+use crate::plan_cache::{self, Plan, PlanStep};
 use crate::runtime::autotune::{Candidate, Tuned};
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Exec, Launch};
@@ -30,16 +32,15 @@ pub struct CudaFlags {
     pub autotune: bool,
 }
 
-/// A graph planned and its kernels generated, waiting for its units to be built.
+/// A graph planned and its kernels generated (or its plan read from the disk cache), waiting for
+/// its units to be built.
 struct Prepared {
-    graph: Graph,
+    /// The graph the steps run, the steps, and the units to build (taken by `compile_graphs`).
+    plan: Plan,
     device: Device,
     device_key: Option<String>,
-    planned: Vec<Planned<CudaKernel>>,
+    /// Per step, under max-autotune: the launch shapes its kernel is timed in.
     choices: Vec<Option<Vec<CudaKernel>>>,
-    resolved: Vec<cuda_sizes::Resolved>,
-    /// Its translation units (source, kernel names), until `compile_many` builds them.
-    units: Vec<(String, Vec<String>)>,
     cuda_graphs: bool,
 }
 
@@ -53,29 +54,35 @@ struct Prepared {
 /// generated in the other launch shapes (`codegen/cuda_tune.rs`), compiled in the same units,
 /// and the fastest chosen at its first launch (`runtime/autotune.rs`), unless a choice kept on
 /// disk says which; not for one size of a symbolic graph, whose kernels serve every size.
+/// `graph` is as the backend was handed it: the rewrites for the code generators
+/// (`backend::prepare`) happen here, unless its plan comes from the disk cache (`plan_cache.rs`).
 pub fn compile(graph: &Graph, flags: CudaFlags) -> Result<Arc<dyn CompiledGraph>> {
     let mut out = compile_many(&[graph], flags)?;
     out.pop()
         .ok_or_else(|| kiln_core::Error::arg("kiln backend", "no graph was compiled"))
 }
 
+/// Where a graph's plan comes from.
+enum Source<'g> {
+    /// Read from the disk cache.
+    Cached(Plan),
+    /// To plan: the graph rewritten for the code generators, and the key to store its plan under.
+    Fresh(Cow<'g, Graph>, Option<u128>),
+}
+
+impl Source<'_> {
+    fn graph(&self) -> &Graph {
+        match self {
+            Source::Cached(p) => &p.graph,
+            Source::Fresh(g, _) => g,
+        }
+    }
+}
+
 /// `compile` for each graph (all on one device), their units built by one pool of threads.
 /// Meanwhile another thread runs each distinct convolution of the graphs once
 /// (`runtime/conv_warmup.rs`: cuDNN's kernels load at a convolution's first execution).
 pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn CompiledGraph>>> {
-    if !crate::runtime::conv_warmup::wanted(graphs) {
-        return compile_graphs(graphs, flags);
-    }
-    std::thread::scope(|s| {
-        let warmup = s.spawn(|| crate::runtime::conv_warmup::run(graphs));
-        let compiled = compile_graphs(graphs, flags);
-        // best effort: a failed warm-up leaves the first call to load what it needs
-        let _ = warmup.join();
-        compiled
-    })
-}
-
-fn compile_graphs(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = graphs.first() else {
         return Ok(Vec::new());
     };
@@ -83,18 +90,110 @@ fn compile_graphs(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn Com
     let rt = runtime_for("compile", device)?;
     // the size context is the calling thread's
     let sizes = symbolic::context::current();
-    let mut prepared = match graphs {
-        [g] => vec![prepare(&rt, g, flags, sizes)?],
+    let target = target(&rt, device, flags, sizes.is_none())?;
+    let device_key = rt.device_key(device);
+    // a symbolic graph's kernels are fitted across sizes, a tuned one's chosen when it runs
+    let describe = || format!("{target:?} {device_key:?}");
+    let cache = (sizes.is_none() && !flags.autotune).then(describe);
+    let sources: Vec<Source<'_>> = graphs
+        .iter()
+        .map(|&g| {
+            let key = cache.as_ref().and_then(|t| plan_cache::key(KIND, t, g));
+            let cached = key.and_then(|k| {
+                let _span = profiler::span(profiler::Category::Compile, || {
+                    "inductor: CUDA plan read from the disk cache".into()
+                });
+                plan_cache::load(KIND, k)
+            });
+            match cached {
+                Some(plan) => Source::Cached(plan),
+                None => Source::Fresh(crate::backend::prepare(g), key),
+            }
+        })
+        .collect();
+    let rewritten: Vec<&Graph> = sources.iter().map(Source::graph).collect();
+    let convs = crate::runtime::conv_warmup::distinct(&rewritten);
+    let compile = || compile_graphs(&rt, &target, device_key.as_deref(), sources, flags, sizes);
+    if convs.is_empty() {
+        return compile();
+    }
+    std::thread::scope(|s| {
+        let warmup = s.spawn(|| crate::runtime::conv_warmup::run(&convs));
+        let compiled = compile();
+        // best effort: a failed warm-up leaves the first call to load what it needs
+        let _ = warmup.join();
+        compiled
+    })
+}
+
+/// The disk cache's kind for CUDA plans.
+const KIND: &str = "cuda";
+
+/// The CUDA target for `device` under `flags`; `fused`: not one size of a symbolic graph.
+fn target(
+    rt: &Arc<dyn DeviceRuntime>,
+    device: Device,
+    flags: CudaFlags,
+    fused: bool,
+) -> Result<Cuda> {
+    Ok(Cuda {
+        inline_matmul: flags.inline_matmul,
+        horizontal: fused,
+        shared_per_block: rt.shared_memory_per_block(device)?,
+        int_index: fused,
+        ..Cuda::new(rt.multiprocessors(device)?)
+    })
+}
+
+fn compile_graphs(
+    rt: &Arc<dyn DeviceRuntime>,
+    target: &Cuda,
+    device_key: Option<&str>,
+    sources: Vec<Source<'_>>,
+    flags: CudaFlags,
+    sizes: Option<symbolic::context::SizeContext>,
+) -> Result<Vec<Arc<dyn CompiledGraph>>> {
+    let Some(first) = sources.first() else {
+        return Ok(Vec::new());
+    };
+    let (device, count) = (first.graph().device(), sources.len());
+    let ready = |src: Source<'_>| -> Result<Prepared> {
+        match src {
+            Source::Cached(plan) => {
+                for (source, _) in &plan.units {
+                    crate::log_output_code(source);
+                }
+                Ok(Prepared {
+                    choices: vec![None; plan.steps.len()],
+                    plan,
+                    device,
+                    device_key: device_key.map(str::to_string),
+                    cuda_graphs: flags.cuda_graphs,
+                })
+            }
+            Source::Fresh(graph, key) => {
+                let p = prepare(target, &graph, device_key, flags, sizes.clone())?;
+                if let Some(key) = key {
+                    plan_cache::store(KIND, key, &p.plan);
+                }
+                Ok(p)
+            }
+        }
+    };
+    let fresh = sources
+        .iter()
+        .filter(|s| matches!(s, Source::Fresh(..)))
+        .count();
+    let mut prepared = match fresh {
+        0 | 1 => sources.into_iter().map(ready).collect::<Result<Vec<_>>>()?,
         // planning and generating are single-threaded and the graphs independent: a training
         // step's forward and backward are prepared side by side (ResNet-18's: 35-54 ms one after
         // the other, most of a warm start)
         _ => std::thread::scope(|s| {
-            let threads: Vec<_> = graphs
-                .iter()
-                .map(|g| {
-                    let (rt, sizes) = (&rt, sizes.clone());
-                    s.spawn(move || prepare(rt, g, flags, sizes))
-                })
+            let ready = &ready;
+            let threads: Vec<_> = sources
+                .into_iter()
+                .map(|src| s.spawn(move || ready(src)))
                 .collect();
             threads
                 .into_iter()
@@ -105,7 +204,7 @@ fn compile_graphs(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn Com
     // the sources are only built: moved out, not copied
     let mut all_units: Vec<(String, Vec<String>)> = prepared
         .iter_mut()
-        .flat_map(|p| std::mem::take(&mut p.units))
+        .flat_map(|p| std::mem::take(&mut p.plan.units))
         .collect();
     // the threads take units in order: the largest first, so none is left for the end alone
     all_units.sort_by_key(|(src, _)| std::cmp::Reverse(src.len()));
@@ -114,20 +213,21 @@ fn compile_graphs(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn Com
             format!(
                 "inductor: build and load {} units (NVRTC) of {} graph(s)",
                 all_units.len(),
-                graphs.len()
+                count
             )
             .into()
         });
-        cuda_units::load(&rt, device, &all_units)?
+        cuda_units::load(rt, device, &all_units)?
     };
     prepared.into_iter().map(|p| finish(p, &loaded)).collect()
 }
 
-/// Plans `graph` and generates its kernels as translation units; `sizes`: the size context it is
-/// compiled in (`symbolic::context`).
+/// Plans `graph` (rewritten for the code generators) and generates its kernels as translation
+/// units; `sizes`: the size context it is compiled in (`symbolic::context`).
 fn prepare(
-    rt: &Arc<dyn DeviceRuntime>,
+    target: &Cuda,
     graph: &Graph,
+    device_key: Option<&str>,
     flags: CudaFlags,
     sizes: Option<symbolic::context::SizeContext>,
 ) -> Result<Prepared> {
@@ -135,15 +235,7 @@ fn prepare(
     let _span = profiler::span(profiler::Category::Compile, || {
         "inductor: plan and generate CUDA C".into()
     });
-    let sm_count = rt.multiprocessors(device)?;
-    let target = Cuda {
-        inline_matmul: flags.inline_matmul,
-        horizontal: sizes.is_none(),
-        shared_per_block: rt.shared_memory_per_block(device)?,
-        int_index: sizes.is_none(),
-        ..Cuda::new(sm_count)
-    };
-    let (graph, planned) = plan(graph, &target, sizes.is_some());
+    let (graph, planned) = plan(graph, target, sizes.is_some());
     let graph: Graph = graph.into_owned();
     let mut resolved = cuda_sizes::resolve(&graph, &planned, sizes.as_ref());
     // a large static graph's repeats at other sizes built once (not where each kernel is
@@ -151,9 +243,8 @@ fn prepare(
     if sizes.is_none() && !flags.autotune {
         cuda_literals::share_literals(&mut resolved, cuda_literals::share_from());
     }
-    let device_key = rt.device_key(device);
     let choices = match flags.autotune && sizes.is_none() {
-        true => cuda_tune::candidates(&graph, &target, &planned, device_key.as_deref()),
+        true => cuda_tune::candidates(&graph, target, &planned, device_key),
         false => vec![None; planned.len()],
     };
     // the kernels to build: each step's (resolved) kernel, and the other launch shapes tried
@@ -167,14 +258,36 @@ fn prepare(
     for (source, _) in &units {
         crate::log_output_code(source);
     }
+    let mut resolved = resolved.into_iter();
+    let steps = planned
+        .into_iter()
+        .map(|step| match step {
+            Planned::Kernel { kernel, outs } => {
+                let r = resolved.next().ok_or_else(|| {
+                    kiln_core::Error::arg("kiln backend", "kernel count mismatch")
+                })?;
+                Ok(PlanStep::Kernel {
+                    outs,
+                    inputs: kernel.inputs,
+                    name: r.name,
+                    sizes: r.sizes,
+                    // the static kernel's grid, computed for this size: a size-generic kernel is
+                    // a grid-stride loop like it, correct for any grid
+                    launch: (kernel.grid, kernel.block, kernel.shared),
+                })
+            }
+            Planned::Extern { node } => Ok(PlanStep::Extern { node }),
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(Prepared {
-        graph,
+        plan: Plan {
+            graph,
+            steps,
+            units,
+        },
         device,
-        device_key,
-        planned,
+        device_key: device_key.map(str::to_string),
         choices,
-        resolved,
-        units,
         cuda_graphs: flags.cuda_graphs,
     })
 }
@@ -190,18 +303,20 @@ fn finish(
         })
     };
     let (device, device_key) = (p.device, p.device_key.as_deref());
-    let mut resolved = p.resolved.into_iter();
+    let graph = p.plan.graph;
     let steps = p
-        .planned
+        .plan
+        .steps
         .into_iter()
         .zip(p.choices)
         .map(|(step, choice)| match step {
-            Planned::Kernel { kernel, outs } => {
-                let r = resolved.next().ok_or_else(|| {
-                    kiln_core::Error::arg("kiln backend", "kernel count mismatch")
-                })?;
-                // the static kernel's grid, computed for this size: a size-generic kernel is a
-                // grid-stride loop like it, correct for any grid
+            PlanStep::Kernel {
+                outs,
+                inputs,
+                name,
+                sizes,
+                launch: (grid, block, shared),
+            } => {
                 let f = match choice {
                     Some(cands) if cands.len() > 1 => Launch::Tuned(Arc::new(Tuned::new(
                         device,
@@ -231,29 +346,29 @@ fn finish(
                         }
                     }
                     _ => Launch::Device {
-                        kernel: handle(&r.name)?,
-                        grid: kernel.grid,
-                        block: kernel.block,
-                        shared: kernel.shared,
+                        kernel: handle(&name)?,
+                        grid,
+                        block,
+                        shared,
                     },
                 };
                 // every candidate reads the same inputs (`cuda_tune.rs` matched them)
                 Ok(Exec::Kernel {
                     outs,
                     f,
-                    inputs: kernel.inputs,
-                    name: r.name.into(),
-                    sizes: r.sizes,
+                    inputs,
+                    name: name.into(),
+                    sizes,
                 })
             }
-            Planned::Extern { node } => Ok(Exec::Extern { node }),
+            PlanStep::Extern { node } => Ok(Exec::Extern { node }),
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(match p.cuda_graphs {
         true => {
-            let compiled = Arc::new(CompiledCpu::new(p.graph.clone(), steps));
-            Arc::new(CudaGraphed::new(compiled, &p.graph))
+            let compiled = Arc::new(CompiledCpu::new(graph.clone(), steps));
+            Arc::new(CudaGraphed::new(compiled, &graph))
         }
-        false => Arc::new(CompiledCpu::new(p.graph, steps)),
+        false => Arc::new(CompiledCpu::new(graph, steps)),
     })
 }

@@ -68,9 +68,9 @@ const SCALAR_MATH: &str = "\
 pub struct Toolchain {
     cc: String,
     /// glibc's vector math library links (x86_64): see `VECTOR_MATH`.
-    libmvec: bool,
+    pub(crate) libmvec: bool,
     /// `cc --version`'s first line and the CPU model: part of every cache key.
-    identity: String,
+    pub(crate) identity: String,
 }
 
 /// The C compiler (`$CC`, else `cc`), if one runs.

@@ -14,22 +14,20 @@
 use std::collections::HashSet;
 
 use kiln_compile::graph::{Graph, Op};
-use kiln_core::{Device, Result, Tensor};
+use kiln_core::prim::Prim;
+use kiln_core::{DType, Device, Result, Tensor};
 
-/// Whether any of `graphs` runs a convolution on a device (the warm-up has something to do).
-pub(crate) fn wanted(graphs: &[&Graph]) -> bool {
-    graphs.iter().any(|g| {
-        g.device() != Device::Cpu
-            && g.nodes
-                .iter()
-                .any(|n| matches!(&n.op, Op::Prim(p) if p.conv_params().is_some()))
-    })
+/// One convolution to run: the prim, its operands' shapes and dtypes, and the device.
+pub(crate) struct Conv {
+    prim: Prim,
+    operands: Vec<(Vec<usize>, DType)>,
+    device: Device,
 }
 
-/// Runs each distinct convolution of `graphs` (prim and operand shapes) once on zeros, in graph
-/// order, stopping at the first error.
-pub(crate) fn run(graphs: &[&Graph]) -> Result<()> {
+/// The distinct convolutions (prim and operand shapes) `graphs` run on a device, in graph order.
+pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
     let mut seen: HashSet<String> = HashSet::new();
+    let mut out = Vec::new();
     for g in graphs {
         let device = g.device();
         if device == Device::Cpu {
@@ -40,24 +38,37 @@ pub(crate) fn run(graphs: &[&Graph]) -> Result<()> {
             if p.conv_params().is_none() {
                 continue;
             }
-            let args: Vec<(&[usize], kiln_core::DType, Device)> = node
+            let operands: Vec<(Vec<usize>, DType)> = node
                 .args
                 .iter()
-                .map(|&a| {
-                    let n = &g.nodes[a];
-                    (n.shape.as_slice(), n.dtype, n.device)
-                })
+                .map(|&a| (g.nodes[a].shape.clone(), g.nodes[a].dtype))
                 .collect();
-            if !seen.insert(format!("{p:?}{args:?}")) {
-                continue;
+            if seen.insert(format!("{p:?}{operands:?}")) {
+                out.push(Conv {
+                    prim: p.clone(),
+                    operands,
+                    device,
+                });
             }
-            let operands = args
-                .iter()
-                .map(|&(shape, dtype, dev)| Tensor::full_on(shape, 0.0, dtype, dev))
-                .collect::<Result<Vec<_>>>()?;
-            let refs: Vec<&Tensor> = operands.iter().collect();
-            drop(kiln_core::dispatch::apply_on(p.clone(), &refs, device)?);
         }
+    }
+    out
+}
+
+/// Runs each of `convs` once on zeros, stopping at the first error.
+pub(crate) fn run(convs: &[Conv]) -> Result<()> {
+    for c in convs {
+        let operands = c
+            .operands
+            .iter()
+            .map(|(shape, dtype)| Tensor::full_on(shape, 0.0, *dtype, c.device))
+            .collect::<Result<Vec<_>>>()?;
+        let refs: Vec<&Tensor> = operands.iter().collect();
+        drop(kiln_core::dispatch::apply_on(
+            c.prim.clone(),
+            &refs,
+            c.device,
+        )?);
     }
     Ok(())
 }

@@ -1,0 +1,162 @@
+//! The compiled-graph cache on disk (PyTorch's FX graph cache and AOTAutograd cache): what a
+//! compiler derived from a captured graph — AOT autograd's forward and backward graphs, a code
+//! generator's planned steps and kernel sources — kept under the kiln cache folder
+//! (`kiln_core::cache::cache_root()/graphs/<kind>/<key>.bin`), so a new process that captures
+//! the same graph skips the work. The kernels themselves stay in their own caches (compiled C
+//! libraries, NVRTC's cubins), which the stored sources hit.
+//!
+//! Rules, as for every kiln cache: written atomically (a temporary file, then a rename); each
+//! entry starts with a magic word and a checksum of its payload, and an entry that fails either
+//! is removed and counts as a miss (then rebuilt and stored again). A key covers everything the
+//! stored result depends on: the graph's bytes (`codec::graph_bytes`, random seeds left out), the
+//! compiler's build id (a hash of its sources: a rebuilt compiler never reads an older one's
+//! entries) and its options. `KILN_GRAPH_CACHE=0` turns the cache off.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+
+const MAGIC: &[u8; 8] = b"KILNGRF1";
+
+static HITS: AtomicU64 = AtomicU64::new(0);
+static MISSES: AtomicU64 = AtomicU64::new(0);
+static STORES: AtomicU64 = AtomicU64::new(0);
+static DAMAGED: AtomicU64 = AtomicU64::new(0);
+static TEMP: AtomicU64 = AtomicU64::new(0);
+
+/// Counters since the process started (all kinds together).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiskCacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub stores: u64,
+    /// Entries found damaged (removed; each also counts as a miss).
+    pub damaged: u64,
+}
+
+pub fn stats() -> DiskCacheStats {
+    DiskCacheStats {
+        hits: HITS.load(Ordering::Relaxed),
+        misses: MISSES.load(Ordering::Relaxed),
+        stores: STORES.load(Ordering::Relaxed),
+        damaged: DAMAGED.load(Ordering::Relaxed),
+    }
+}
+
+/// Whether the cache is on (`KILN_GRAPH_CACHE=0` turns it off).
+pub fn enabled() -> bool {
+    std::env::var_os("KILN_GRAPH_CACHE").map_or(true, |v| v != "0")
+}
+
+/// The key of a record: a hash of its parts, each length-prefixed (so parts never run together).
+pub fn key(parts: &[&[u8]]) -> u128 {
+    let mut h = Xxh3::new();
+    for p in parts {
+        h.update(&(p.len() as u64).to_le_bytes());
+        h.update(p);
+    }
+    h.digest128()
+}
+
+fn path(kind: &str, key: u128) -> PathBuf {
+    kiln_core::cache::cache_root()
+        .join("graphs")
+        .join(kind)
+        .join(format!("{key:032x}.bin"))
+}
+
+/// The payload stored under (`kind`, `key`), or `None` (absent, damaged: then removed).
+pub fn load(kind: &str, key: u128) -> Option<Vec<u8>> {
+    let file = path(kind, key);
+    let Ok(bytes) = std::fs::read(&file) else {
+        MISSES.fetch_add(1, Ordering::Relaxed);
+        return None;
+    };
+    match payload(&bytes) {
+        Some(p) => {
+            HITS.fetch_add(1, Ordering::Relaxed);
+            Some(p.to_vec())
+        }
+        None => {
+            forget_damaged(kind, key);
+            None
+        }
+    }
+}
+
+/// Removes an entry whose payload could not be used (a bad checksum here, or a payload its
+/// reader rejects), counting it as damaged and as a miss (`load` counted a hit for it).
+pub fn forget_damaged(kind: &str, key: u128) {
+    let _ = std::fs::remove_file(path(kind, key));
+    DAMAGED.fetch_add(1, Ordering::Relaxed);
+    MISSES.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A file's payload, if its magic word and checksum hold.
+fn payload(bytes: &[u8]) -> Option<&[u8]> {
+    let rest = bytes.strip_prefix(MAGIC)?;
+    let (sum, payload) = rest.split_at_checked(16)?;
+    (u128::from_le_bytes(sum.try_into().ok()?) == xxh3_128(payload)).then_some(payload)
+}
+
+/// Stores `payload` under (`kind`, `key`). Best effort: a cache that cannot be written leaves
+/// compiles as they were.
+pub fn store(kind: &str, key: u128, payload: &[u8]) {
+    let file = path(kind, key);
+    let Some(dir) = file.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let mut bytes = Vec::with_capacity(MAGIC.len() + 16 + payload.len());
+    bytes.extend_from_slice(MAGIC);
+    bytes.extend_from_slice(&xxh3_128(payload).to_le_bytes());
+    bytes.extend_from_slice(payload);
+    // a name no other writer (thread or process) uses, renamed over the entry in one step
+    let tmp = dir.join(format!(
+        ".{key:032x}.{}.{}.tmp",
+        std::process::id(),
+        TEMP.fetch_add(1, Ordering::Relaxed)
+    ));
+    if std::fs::write(&tmp, &bytes).is_ok() && std::fs::rename(&tmp, &file).is_ok() {
+        STORES.fetch_add(1, Ordering::Relaxed);
+    } else {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_entry_reads_back_and_a_damaged_one_is_removed() {
+        let dir = std::env::temp_dir().join(format!("kiln-disk-cache-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        kiln_core::cache::with_root(dir.clone(), || {
+            let k = key(&[b"test", b"graph bytes"]);
+            assert_ne!(
+                k,
+                key(&[b"testgraph", b" bytes"]),
+                "parts must not run together"
+            );
+            assert_eq!(load("t", k), None);
+            store("t", k, b"payload");
+            assert_eq!(load("t", k).as_deref(), Some(&b"payload"[..]));
+            // flip a payload byte: the checksum fails, the entry is gone
+            let file = path("t", k);
+            let mut bytes = std::fs::read(&file).unwrap();
+            let last = bytes.len() - 1;
+            bytes[last] ^= 1;
+            std::fs::write(&file, &bytes).unwrap();
+            let before = stats().damaged;
+            assert_eq!(load("t", k), None);
+            assert!(stats().damaged > before);
+            assert!(!file.exists());
+            // a truncated header is a miss too
+            std::fs::write(&file, &MAGIC[..5]).unwrap();
+            assert_eq!(load("t", k), None);
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
