@@ -884,11 +884,26 @@ fn lane_loops(
         })
         .collect();
     let lane = format!("    const int64_t i{d} = c + l;\n{body}{adds}");
+    let _ = writeln!(text, "  int64_t c = {start};");
+    // a run known to be shorter than a group has no full group: the vector loop would be dead
+    // code that the C compiler still optimizes. Not for one size of a symbolic graph, whose
+    // kernels must read alike at every size to become one size-generic kernel
+    let short = match (start.parse::<usize>(), end.parse::<usize>()) {
+        (Ok(a), Ok(b)) => {
+            b.saturating_sub(a) < l && kiln_compile::symbolic::context::current().is_none()
+        }
+        _ => false,
+    };
+    if !short {
+        let _ = writeln!(
+            text,
+            "  for (; c + {l} <= {end}; c += {l}) {{\n  #pragma omp simd\n  for (int64_t l = 0; \
+             l < {l}; l++)\n  {{\n{lane}  }}\n  }}"
+        );
+    }
     let _ = writeln!(
         text,
-        "  int64_t c = {start};\n  for (; c + {l} <= {end}; c += {l}) {{\n  #pragma omp simd\n  \
-         for (int64_t l = 0; l < {l}; l++)\n  {{\n{lane}  }}\n  }}\n  for (int64_t l = 0; c + l < \
-         {end}; l++)\n  {{\n{lane}  }}"
+        "  for (int64_t l = 0; c + l < {end}; l++)\n  {{\n{lane}  }}"
     );
 }
 
