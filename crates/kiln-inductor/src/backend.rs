@@ -415,6 +415,7 @@ impl Backend for CpuCodegen {
     /// On a CUDA device both graphs' kernels are built by one pool of NVRTC threads: built one
     /// graph after the other, each ended in a tail of a few large units on a few threads.
     /// Anything that fails there goes through `compile` graph by graph (its fallbacks apply).
+    /// On the CPU both graphs' C is built in one load, its units spread over the cores.
     fn compile_pair(
         &self,
         forward: &Graph,
@@ -428,6 +429,13 @@ impl Backend for CpuCodegen {
                 if let (Some(bc), Some(fc)) = (both.pop(), both.pop()) {
                     return Ok((fc, bc));
                 }
+            }
+        }
+        if device == kiln_core::Device::Cpu && backward.device() == device {
+            // both graphs' C built together: their units share the cores
+            let mut both = compile_c(&[forward, backward], ctx)?;
+            if let (Some(bc), Some(fc)) = (both.pop(), both.pop()) {
+                return Ok((fc, bc));
             }
         }
         Ok((self.compile(forward, ctx)?, self.compile(backward, ctx)?))
@@ -451,104 +459,123 @@ impl Backend for CpuCodegen {
                 Err(e) => Err(e),
             };
         }
-        let Some(tc) = toolchain() else {
-            if ctx.fullgraph {
-                return Err(kiln_core::Error::Unsupported {
-                    op: "compile(backend=kiln, fullgraph=true)",
-                    msg: "no C compiler found for the generated kernels: install gcc or clang, or \
-                          set CC (without fullgraph, kiln falls back to its interpreter)"
-                        .into(),
-                });
-            }
-            static WARN: Once = Once::new();
-            WARN.call_once(|| {
-                eprintln!(
-                    "kiln: no C compiler found (set CC or install gcc/clang); compiled graphs run \
-                     on the interpreter instead of generated kernels"
-                )
-            });
-            return Ok(Arc::new(Interpreter::new(graph.clone())));
-        };
-        // one size of a symbolic graph: kernels that differ between sizes only in constants
-        // become one size-generic kernel (`codegen/template.rs`)
-        let sizes = symbolic::context::current();
-        let c = C {
-            inline_matmul: inline_small_matmuls(ctx, false)?,
-            // not under a size context: a horizontal kernel's member functions are named by
-            // the hash of their static text, which a size-generic kernel rewrites under the same
-            // names
-            horizontal: sizes.is_none(),
-        };
-        // a symbolic graph's kernels are fitted across sizes: not cached
-        let key = match sizes {
-            None => crate::plan_cache::key(
-                CPU_KIND,
-                &format!(
-                    "inline_matmul={} {} libmvec={}",
-                    c.inline_matmul, tc.identity, tc.libmvec
-                ),
-                graph,
-            ),
-            Some(_) => None,
-        };
-        let plan = match key.and_then(|k| crate::plan_cache::load(CPU_KIND, k)) {
-            Some(plan) => plan,
-            None => {
-                let _span =
-                    kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
-                        "inductor: plan and generate C".into()
-                    });
-                let plan = plan_c(&c, &prepare(graph), sizes.as_ref());
-                if let Some(k) = key {
-                    crate::plan_cache::store(CPU_KIND, k, &plan);
-                }
-                plan
-            }
-        };
-        // one kernel per kernel step, in step order (a unit holds one kernel)
-        let wanted: Vec<Kernel> = plan
-            .units
-            .iter()
-            .map(|(source, names)| Kernel {
-                name: names.first().cloned().unwrap_or_default(),
-                source: source.clone(),
-                inputs: Vec::new(),
-                member: None,
-            })
-            .collect();
-        let mut fns = {
-            let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
-                format!("inductor: build and load {} C kernels", wanted.len()).into()
-            });
-            cc::load(tc, &wanted)?.into_iter()
-        };
-        let exec = plan
-            .steps
-            .into_iter()
-            .map(|p| match p {
-                PlanStep::Kernel {
-                    outs,
-                    inputs,
-                    name,
-                    sizes,
-                    ..
-                } => {
-                    let f = fns.next().ok_or_else(|| {
-                        kiln_core::Error::arg("kiln backend", "kernel count mismatch")
-                    })?;
-                    Ok(Exec::Kernel {
-                        outs,
-                        f: Launch::Cpu(f),
-                        inputs,
-                        name: name.into(),
-                        sizes,
-                    })
-                }
-                PlanStep::Extern { node } => Ok(Exec::Extern { node }),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Arc::new(CompiledCpu::new(plan.graph, exec)))
+        let mut compiled = compile_c(&[graph], ctx)?;
+        compiled
+            .pop()
+            .ok_or_else(|| kiln_core::Error::arg("kiln backend", "no graph was compiled"))
     }
+}
+
+/// The C kernels of `graphs` (all on the CPU), planned (or read from the disk cache) graph by
+/// graph and built together (`cc::load`: the units of all of them share the cores).
+fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn CompiledGraph>>> {
+    let Some(tc) = toolchain() else {
+        if ctx.fullgraph {
+            return Err(kiln_core::Error::Unsupported {
+                op: "compile(backend=kiln, fullgraph=true)",
+                msg: "no C compiler found for the generated kernels: install gcc or clang, or \
+                      set CC (without fullgraph, kiln falls back to its interpreter)"
+                    .into(),
+            });
+        }
+        static WARN: Once = Once::new();
+        WARN.call_once(|| {
+            eprintln!(
+                "kiln: no C compiler found (set CC or install gcc/clang); compiled graphs run on \
+                 the interpreter instead of generated kernels"
+            )
+        });
+        return Ok(graphs
+            .iter()
+            .map(|&g| Arc::new(Interpreter::new(g.clone())) as Arc<dyn CompiledGraph>)
+            .collect());
+    };
+    // one size of a symbolic graph: kernels that differ between sizes only in constants
+    // become one size-generic kernel (`codegen/template.rs`)
+    let sizes = symbolic::context::current();
+    let c = C {
+        inline_matmul: inline_small_matmuls(ctx, false)?,
+        // not under a size context: a horizontal kernel's member functions are named by
+        // the hash of their static text, which a size-generic kernel rewrites under the same
+        // names
+        horizontal: sizes.is_none(),
+    };
+    let plans: Vec<Plan> = graphs
+        .iter()
+        .map(|&graph| {
+            // a symbolic graph's kernels are fitted across sizes: not cached
+            let key = match sizes {
+                None => crate::plan_cache::key(
+                    CPU_KIND,
+                    &format!(
+                        "inline_matmul={} {} libmvec={}",
+                        c.inline_matmul, tc.identity, tc.libmvec
+                    ),
+                    graph,
+                ),
+                Some(_) => None,
+            };
+            if let Some(plan) = key.and_then(|k| crate::plan_cache::load(CPU_KIND, k)) {
+                return plan;
+            }
+            let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
+                "inductor: plan and generate C".into()
+            });
+            let plan = plan_c(&c, &prepare(graph), sizes.as_ref());
+            if let Some(k) = key {
+                crate::plan_cache::store(CPU_KIND, k, &plan);
+            }
+            plan
+        })
+        .collect();
+    // one kernel per kernel step, in step order (a unit of a plan holds one kernel)
+    let wanted: Vec<Kernel> = plans
+        .iter()
+        .flat_map(|p| &p.units)
+        .map(|(source, names)| Kernel {
+            name: names.first().cloned().unwrap_or_default(),
+            source: source.clone(),
+            inputs: Vec::new(),
+            member: None,
+        })
+        .collect();
+    let mut fns = {
+        let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
+            format!("inductor: build and load {} C kernels", wanted.len()).into()
+        });
+        cc::load(tc, &wanted)?.into_iter()
+    };
+    plans
+        .into_iter()
+        .map(|plan| {
+            let exec = plan
+                .steps
+                .into_iter()
+                .map(|p| match p {
+                    PlanStep::Kernel {
+                        outs,
+                        inputs,
+                        name,
+                        sizes,
+                        ..
+                    } => {
+                        let f = fns.next().ok_or_else(|| {
+                            kiln_core::Error::arg("kiln backend", "kernel count mismatch")
+                        })?;
+                        Ok(Exec::Kernel {
+                            outs,
+                            f: Launch::Cpu(f),
+                            inputs,
+                            name: name.into(),
+                            sizes,
+                        })
+                    }
+                    PlanStep::Extern { node } => Ok(Exec::Extern { node }),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Arc::new(CompiledCpu::new(plan.graph, exec)) as Arc<dyn CompiledGraph>)
+        })
+        .collect()
 }
 
 /// The disk cache's kind for C plans.
