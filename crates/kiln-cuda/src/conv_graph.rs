@@ -308,9 +308,11 @@ pub(crate) fn make_plan(
     device: &str,
 ) -> DnnResult<Option<GraphPlan>> {
     let entry = conv_plan_cache::entry(spec, device);
+    let read = profiler::span(Category::Compile, || "cuDNN: plan read from disk".into());
     if let Some(plan) = conv_plan_cache::load(handle, spec, &entry) {
         return Ok(Some(plan));
     }
+    drop(read);
     let plan = choose_plan(handle, spec)?;
     if let Some(plan) = &plan {
         conv_plan_cache::store(plan, &entry);
