@@ -12,7 +12,7 @@ use crate::debug;
 use crate::graph::Graph;
 use crate::logs::{self, Channel};
 
-type Key = (String, String, String);
+type Key = (String, String, Vec<u8>);
 
 fn cache() -> &'static Mutex<HashMap<Key, Arc<dyn CompiledGraph>>> {
     static C: OnceLock<Mutex<HashMap<Key, Arc<dyn CompiledGraph>>>> = OnceLock::new();
@@ -66,7 +66,9 @@ pub(crate) fn compile_cached(
     logs::emit(Channel::GraphCode, || {
         graph.to_code(&format!("{name}_graph{n}"))
     });
-    debug::dump(&format!("{name}_graph{n}"), &graph.to_code(name));
+    if debug::enabled() {
+        debug::dump(&format!("{name}_graph{n}"), &graph.to_code(name));
+    }
     let compiled = {
         let _span = profiler::span(profiler::Category::Compile, || {
             format!("compile {name} ({})", backend.name()).into()

@@ -151,49 +151,11 @@ impl Graph {
     }
 
     /// A key equal for structurally identical graphs: the ops with their attributes, the wiring, the
-    /// input and output metadata. Random seeds and offsets are excluded: they are runtime values.
-    pub fn structure_key(&self) -> String {
-        let mut k = String::with_capacity(self.nodes.len() * 48);
-        for n in &self.nodes {
-            match &n.op {
-                Op::Input(i) => {
-                    let _ = write!(k, "I{i}");
-                }
-                Op::Prim(Prim::Rand {
-                    shape,
-                    dtype,
-                    dist,
-                    offset,
-                    ..
-                }) => {
-                    let _ = write!(k, "Rand{shape:?}{dtype:?}{dist:?}@{offset}");
-                }
-                Op::Prim(Prim::Full {
-                    shape,
-                    value,
-                    dtype,
-                }) => {
-                    let _ = write!(k, "Full{shape:?}{:x}{dtype:?}", value.to_bits());
-                }
-                Op::Prim(Prim::Pad { pads, value }) => {
-                    let _ = write!(k, "Pad{pads:?}{:x}", value.to_bits());
-                }
-                Op::Prim(p) => {
-                    let _ = write!(k, "{p:?}");
-                }
-            }
-            let _ = write!(
-                k,
-                "{:?}{:?}{:?}{}{}{};",
-                n.args, n.shape, n.dtype, n.grad_enabled as u8, n.requires_grad as u8, n.device
-            );
-        }
-        let _ = write!(
-            k,
-            "->{:?}rng{}mut{:?}static{:?}",
-            self.outputs, self.rng_span, self.mutated_inputs, self.static_inputs
-        );
-        k
+    /// input and output metadata. Random seeds are excluded: they are runtime values (offsets,
+    /// relative to a run's base, are structure). The graph's bytes (`codec::graph_bytes`), so a
+    /// key costs a walk over the nodes, no formatting.
+    pub fn structure_key(&self) -> Vec<u8> {
+        crate::codec::graph_bytes(self, crate::codec::Seeds::Zero)
     }
 
     /// For each node, the last node that reads it (outputs live to the end).

@@ -15,6 +15,7 @@ use kiln_core::{Device, Error, Result, Tensor, WeakTensor};
 use crate::alias::{scatter_maps, Root, Views};
 use crate::backends::{Backend, BackendContext, CompiledGraph};
 use crate::cache;
+use crate::fast_hash::Fast;
 use crate::graph::{Graph, Node, NodeId, Op};
 use crate::logs::{self, Channel};
 
@@ -123,8 +124,10 @@ pub struct CapturedGraph {
 struct Segment {
     graph: Graph,
     sources: Vec<Source>,
-    known: HashMap<u64, NodeId>,
+    known: HashMap<u64, NodeId, Fast>,
     pending: Vec<(WeakTensor, NodeId, u64)>,
+    /// Where each traced tensor's entry of `pending` is, by tensor id.
+    pending_at: HashMap<u64, usize, Fast>,
     mutations: Vec<(Tensor, NodeId)>,
     /// Traced tensors eager execution would have made views, for writes through them.
     views: Views,
@@ -411,6 +414,7 @@ impl Interceptor for Tracer {
         });
         let out = Tensor::deferred(&meta.shape, meta.dtype, device, me);
         seg.known.insert(out.id(), id);
+        seg.pending_at.insert(out.id(), seg.pending.len());
         seg.pending.push((out.downgrade(), id, out.id()));
         let view_prim = match &seg.graph.nodes[id].op {
             Op::Prim(
@@ -580,8 +584,8 @@ fn set_value(seg: &mut Segment, root: Root, node: NodeId) -> Result<bool> {
 /// Points tensor `id` at graph value `node`, for later reads and for filling it in at the end.
 fn rebind(seg: &mut Segment, id: u64, node: NodeId) {
     seg.known.insert(id, node);
-    for p in seg.pending.iter_mut().filter(|p| p.2 == id) {
-        p.1 = node;
+    if let Some(&at) = seg.pending_at.get(&id) {
+        seg.pending[at].1 = node;
     }
 }
 

@@ -127,7 +127,7 @@ pub fn with_slots(g: &Graph, values: &[i64]) -> Option<Graph> {
 }
 
 /// A key equal for two graphs that differ only in slot values.
-pub fn erased_key(g: &Graph) -> String {
+pub fn erased_key(g: &Graph) -> Vec<u8> {
     let mut g = g.clone();
     let _ = visit_slots(&mut g, &mut |_, x| *x = 0);
     g.structure_key()

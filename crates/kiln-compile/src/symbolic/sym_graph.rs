@@ -31,7 +31,7 @@ pub struct SymGraph {
     pub guards: Vec<SymGuard>,
     /// The symbol values of `graph`.
     pub example_values: Vec<i64>,
-    erased: String,
+    erased: Vec<u8>,
     /// Slot index of each symbol's first binding.
     binding_slots: Vec<usize>,
 }

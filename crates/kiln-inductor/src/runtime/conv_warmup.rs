@@ -58,7 +58,11 @@ pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
 /// Runs each of `convs` once on zeros, stopping at the first error.
 pub(crate) fn run(convs: &[Conv]) -> Result<()> {
     let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
-        format!("inductor: {} convolutions run once (cuDNN warm-up)", convs.len()).into()
+        format!(
+            "inductor: {} convolutions run once (cuDNN warm-up)",
+            convs.len()
+        )
+        .into()
     });
     for c in convs {
         let operands = c
