@@ -1,8 +1,9 @@
 //! The compiled-graph cache on disk (issue 5's warm start; PyTorch's FX graph and AOTAutograd
 //! caches): a new process that captures a graph compiled before reads AOT autograd's split and
 //! each graph's plan from disk, builds nothing, and computes what the first compile computed,
-//! bit for bit; a damaged entry is replaced. The checks share process-wide counters, so they
-//! run as one test, in order.
+//! bit for bit; a damaged entry is replaced; `KILN_GRAPH_CACHE=0` turns it off. The checks
+//! share process-wide counters (and set an environment variable), so they run as one test, in
+//! order, the only one of this binary.
 
 use kiln::compiler::disk_cache::{self, DiskCacheStats};
 use kiln::inductor::{forget_loaded_kernels, kernel_cache_stats, with_fresh_cache};
@@ -141,6 +142,19 @@ fn a_training_step_compiled_in_a_new_process_comes_from_the_disk_cache() -> Resu
         y.sum_all()?.backward()?;
         let s4 = disk_cache::stats();
         assert_eq!(delta(s3, s4).1, 3, "a new graph misses");
+
+        // KILN_GRAPH_CACHE=0: nothing read or stored, the same results (this binary's only
+        // test, so the variable reaches no other)
+        std::env::set_var("KILN_GRAPH_CACHE", "0");
+        as_a_new_process();
+        let off = step(&compile()?, &m, &x, &state);
+        std::env::remove_var("KILN_GRAPH_CACHE");
+        assert_eq!(off?, first);
+        assert_eq!(
+            delta(s4, disk_cache::stats()),
+            (0, 0, 0, 0),
+            "the cache is off"
+        );
         Ok(())
     })
 }
