@@ -12,7 +12,7 @@ use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::{Prim, ReduceOp, UnaryOp, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
 use kiln_core::DType;
 
-use super::c_horizontal::{Member, Threads};
+use super::c_horizontal::{member_fn, Member, Threads};
 use super::c_trig;
 use crate::ir::index::Ix;
 use crate::ir::lower::{
@@ -494,8 +494,23 @@ pub(super) fn finish_outputs(
     member.nest(&mut text, threads);
     let hash = xxhash_rust::xxh3::xxh3_64(format!("{parallel}{text}").as_bytes());
     let name = format!("k_{hash:016x}");
+    // a nest on one thread is also how a horizontal kernel runs a small member: as the same
+    // member function, which a unit holding both then compiles once (a 64-layer model's eight
+    // bias-gradient sums are a kernel of their own and a member of three). Not under a size
+    // context: a size-generic kernel rewrites literals, which a member function named by the
+    // hash of its static text must not hold
+    let shared_fn = !parallel && kiln_compile::symbolic::context::current().is_none();
+    let source = match shared_fn {
+        false => format!("void {name}(void **args) {{\n{text}}}\n"),
+        true => {
+            let mut fns = Vec::new();
+            let f = member_fn(&mut fns, &member, Threads::One);
+            let defs: String = fns.into_iter().map(|f| f.1).collect();
+            format!("{defs}void {name}(void **args) {{ {f}(args); }}\n")
+        }
+    };
     Kernel {
-        source: format!("void {name}(void **args) {{\n{text}}}\n"),
+        source,
         name,
         inputs: b.params,
         member: nest.shareable.then(|| Arc::new(member)),
@@ -907,9 +922,30 @@ fn lane_loops(
     );
 }
 
-/// The lanes of the array `acc` folded in halves into `acc[0]`.
+/// The function folding a `double` lane array of a sum in halves into its element 0
+/// (`fold_sum_definition`), which a unit defines once for all its kernels' sums.
+pub(crate) const FOLD_SUM: &str = "kiln_fold_sum";
+
+/// `FOLD_SUM`'s definition: the fold `fold_lanes` writes for a sum, as a function of its own.
+/// Not inlined: a unit of many small sums (a model's bias gradients, eight to a kernel) compiled
+/// a fold loop per sum, a fifth of its build.
+pub(crate) fn fold_sum_definition() -> String {
+    format!(
+        "__attribute__((noinline, unused)) static void {FOLD_SUM}(double *acc) {{\n  for \
+         (int64_t h = {}; h > 0; h /= 2)\n    for (int64_t l = 0; l < h; l++) acc[l] = acc[l] + \
+         acc[l + h];\n}}\n",
+        SUM_LANES / 2
+    )
+}
+
+/// The lanes of the array `acc` folded in halves into `acc[0]`: through `FOLD_SUM` for a sum
+/// (the same adds in the same order), in place otherwise.
 fn fold_lanes(text: &mut String, acc: &str, step: fn(&str, &str) -> String) {
     let fold = step(&format!("{acc}[l]"), &format!("{acc}[l + h]"));
+    if fold == format!("{acc}[l] + (double){acc}[l + h]") {
+        let _ = writeln!(text, "  {FOLD_SUM}({acc});");
+        return;
+    }
     let _ = writeln!(text, "  for (int64_t h = {}; h > 0; h /= 2)", SUM_LANES / 2);
     let _ = writeln!(
         text,

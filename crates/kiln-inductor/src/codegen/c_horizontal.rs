@@ -164,8 +164,10 @@ pub(crate) fn horizontal(kernels: &[&Kernel]) -> Option<Kernel> {
 /// The name of `m`'s nest as a `static void m_<hash>(void **args)` (its inputs, then its
 /// outputs), with its outer loops shared as `threads` says; its definition added to `fns`
 /// (name, text) unless there. Named by the hash of its text and defined under a guard of that
-/// name, so that a translation unit holding several horizontal kernels defines it once.
-fn member_fn(fns: &mut Vec<(String, String)>, m: &Member, threads: Threads) -> String {
+/// name, so that a translation unit holding several kernels that run it (horizontal kernels, and
+/// the single-threaded kernel of the same nest: `c.rs` `finish_outputs`) defines it once, and
+/// `noinline` so that the C compiler also compiles it once, not once per caller.
+pub(crate) fn member_fn(fns: &mut Vec<(String, String)>, m: &Member, threads: Threads) -> String {
     let mut text = String::new();
     m.declare(&mut text, 0, m.inputs);
     m.nest(&mut text, threads);
@@ -174,7 +176,8 @@ fn member_fn(fns: &mut Vec<(String, String)>, m: &Member, threads: Threads) -> S
     if !fns.iter().any(|f| f.0 == name) {
         let guard = format!("KILN_{}", name.to_uppercase());
         let def = format!(
-            "#ifndef {guard}\n#define {guard}\nstatic void {name}(void **args) {{\n{text}}}\n#endif\n"
+            "#ifndef {guard}\n#define {guard}\n__attribute__((noinline)) static void {name}(void \
+             **args) {{\n{text}}}\n#endif\n"
         );
         fns.push((name.clone(), def));
     }
