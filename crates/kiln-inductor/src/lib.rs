@@ -12,6 +12,7 @@ mod footprint;
 mod horizontal;
 pub mod ir;
 mod one_hot;
+mod parallel;
 mod plan_cache;
 mod repeats;
 mod rows;

@@ -180,26 +180,18 @@ fn compile_graphs(
             }
         }
     };
-    let fresh = sources
+    // planning and generating are single-threaded and the graphs independent: a training step's
+    // forward and backward are prepared side by side (ResNet-18's: 35-54 ms one after the
+    // other, most of a warm start); plans read from disk need no thread
+    let mut prepared = match sources
         .iter()
         .filter(|s| matches!(s, Source::Fresh(..)))
-        .count();
-    let mut prepared = match fresh {
+        .count()
+    {
         0 | 1 => sources.into_iter().map(ready).collect::<Result<Vec<_>>>()?,
-        // planning and generating are single-threaded and the graphs independent: a training
-        // step's forward and backward are prepared side by side (ResNet-18's: 35-54 ms one after
-        // the other, most of a warm start)
-        _ => std::thread::scope(|s| {
-            let ready = &ready;
-            let threads: Vec<_> = sources
-                .into_iter()
-                .map(|src| s.spawn(move || ready(src)))
-                .collect();
-            threads
-                .into_iter()
-                .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect::<Result<Vec<_>>>()
-        })?,
+        _ => crate::parallel::map_threads(sources, ready)
+            .into_iter()
+            .collect::<Result<Vec<_>>>()?,
     };
     // the sources are only built: moved out, not copied
     let mut all_units: Vec<(String, Vec<String>)> = prepared

@@ -59,21 +59,11 @@ pub(crate) fn units(
     let weight = |k: &KernelSource<'_>| {
         k.source.len() + k.device_fns.iter().map(|(_, d)| d.len()).sum::<usize>()
     };
-    let mut order: Vec<usize> = (0..kernels.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(weight(&kernels[i])));
-    let mut members: Vec<Vec<usize>> = vec![Vec::new(); n];
-    let mut sizes = vec![0usize; n];
-    for i in order {
-        let u = (0..n).min_by_key(|&u| sizes[u]).unwrap_or(0);
-        sizes[u] += weight(&kernels[i]);
-        members[u].push(i);
-    }
-    members
+    let weights: Vec<usize> = kernels.iter().map(weight).collect();
+    // each unit in the graph's order: its text does not depend on how the sizes tied
+    crate::parallel::deal(&weights, n)
         .into_iter()
-        .filter(|m| !m.is_empty())
-        .map(|mut m| {
-            // in the graph's order: the unit's text does not depend on how the sizes tied
-            m.sort_unstable();
+        .map(|m| {
             let mut src = prelude.to_string();
             let mut fns: Vec<&str> = Vec::new();
             for &i in &m {

@@ -226,24 +226,11 @@ const MAX_UNITS: usize = 8;
 /// kernels first onto the lightest unit, each unit's kernels in their original order (so a
 /// unit's source, and its cache key, depend on the kernels alone).
 fn units<'k>(missing: &[&'k Kernel], cores: usize) -> Vec<Vec<&'k Kernel>> {
-    let total: usize = missing.iter().map(|k| k.source.len()).sum();
-    let n = (total / UNIT_BYTES).clamp(1, cores.clamp(1, MAX_UNITS));
-    let mut order: Vec<usize> = (0..missing.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(missing[i].source.len()));
-    let mut bytes = vec![0usize; n];
-    let mut groups: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for i in order {
-        let lightest = (0..n).min_by_key(|&u| bytes[u]).unwrap_or(0);
-        bytes[lightest] += missing[i].source.len();
-        groups[lightest].push(i);
-    }
-    groups
+    let weights: Vec<usize> = missing.iter().map(|k| k.source.len()).collect();
+    let n = (weights.iter().sum::<usize>() / UNIT_BYTES).clamp(1, cores.clamp(1, MAX_UNITS));
+    crate::parallel::deal(&weights, n)
         .into_iter()
-        .filter(|g| !g.is_empty())
-        .map(|mut g| {
-            g.sort_unstable();
-            g.into_iter().map(|i| missing[i]).collect()
-        })
+        .map(|unit| unit.into_iter().map(|i| missing[i]).collect())
         .collect()
 }
 
@@ -286,19 +273,7 @@ pub fn load(tc: &Toolchain, kernels: &[Kernel]) -> Result<Vec<KernelFn>> {
     if !missing.is_empty() {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let groups = units(&missing, cores);
-        let libs: Vec<Result<(libloading::Library, bool)>> = match groups.as_slice() {
-            [one] => vec![unit_library(tc, one)],
-            _ => std::thread::scope(|s| {
-                let threads: Vec<_> = groups
-                    .iter()
-                    .map(|g| s.spawn(move || unit_library(tc, g)))
-                    .collect();
-                threads
-                    .into_iter()
-                    .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                    .collect()
-            }),
-        };
+        let libs = crate::parallel::map_threads(groups.iter().collect(), |g| unit_library(tc, g));
         for (lib, group) in libs.into_iter().zip(&groups) {
             let (lib, built) = lib?;
             match built {
