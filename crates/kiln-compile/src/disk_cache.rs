@@ -10,12 +10,15 @@
 //! is removed and counts as a miss (then rebuilt and stored again). A key covers everything the
 //! stored result depends on: the graph's bytes (`codec::graph_bytes`, random seeds left out), the
 //! compiler's build id (a hash of its sources: a rebuilt compiler never reads an older one's
-//! entries) and its options. `KILN_GRAPH_CACHE=0` turns the cache off.
+//! entries) and its options. `KILN_GRAPH_CACHE=0` turns the cache off; `KILN_LOGS=graph_cache`
+//! prints each read and write.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::{xxh3_128, Xxh3};
+
+use crate::logs::{self, Channel};
 
 const MAGIC: &[u8; 8] = b"KILNGRF1";
 
@@ -71,11 +74,17 @@ pub fn load(kind: &str, key: u128) -> Option<Vec<u8>> {
     let file = path(kind, key);
     let Ok(bytes) = std::fs::read(&file) else {
         MISSES.fetch_add(1, Ordering::Relaxed);
+        logs::emit(Channel::GraphCache, || {
+            format!("{kind} miss {}", file.display())
+        });
         return None;
     };
     match payload(&bytes) {
         Some(p) => {
             HITS.fetch_add(1, Ordering::Relaxed);
+            logs::emit(Channel::GraphCache, || {
+                format!("{kind} hit {} ({} bytes)", file.display(), p.len())
+            });
             Some(p.to_vec())
         }
         None => {
@@ -88,7 +97,11 @@ pub fn load(kind: &str, key: u128) -> Option<Vec<u8>> {
 /// Removes an entry whose payload could not be used (a bad checksum here, or a payload its
 /// reader rejects), counting it as damaged and as a miss (`load` counted a hit for it).
 pub fn forget_damaged(kind: &str, key: u128) {
-    let _ = std::fs::remove_file(path(kind, key));
+    let file = path(kind, key);
+    logs::emit(Channel::GraphCache, || {
+        format!("{kind} damaged, removed: {}", file.display())
+    });
+    let _ = std::fs::remove_file(file);
     DAMAGED.fetch_add(1, Ordering::Relaxed);
     MISSES.fetch_add(1, Ordering::Relaxed);
 }
@@ -120,6 +133,9 @@ pub fn store(kind: &str, key: u128, payload: &[u8]) {
     ));
     if std::fs::write(&tmp, &bytes).is_ok() && std::fs::rename(&tmp, &file).is_ok() {
         STORES.fetch_add(1, Ordering::Relaxed);
+        logs::emit(Channel::GraphCache, || {
+            format!("{kind} stored {} ({} bytes)", file.display(), payload.len())
+        });
     } else {
         let _ = std::fs::remove_file(&tmp);
     }

@@ -1,4 +1,4 @@
-//! `KILN_LOGS=graph_code,graph_breaks,recompiles,guards,output_code,perf_hints` (a comma list, or
+//! `KILN_LOGS=graph_code,graph_breaks,recompiles,guards,output_code,perf_hints,graph_cache` (a comma list, or
 //! `all`): each channel is a `tracing` target `kiln::<channel>`, printed to stderr.
 
 use std::sync::OnceLock;
@@ -11,16 +11,19 @@ pub enum Channel {
     Guards,
     OutputCode,
     PerfHints,
+    /// Reads and writes of the compiled-graph cache on disk (`disk_cache.rs`).
+    GraphCache,
 }
 
 impl Channel {
-    const ALL: [Channel; 6] = [
+    const ALL: [Channel; 7] = [
         Channel::GraphCode,
         Channel::GraphBreaks,
         Channel::Recompiles,
         Channel::Guards,
         Channel::OutputCode,
         Channel::PerfHints,
+        Channel::GraphCache,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -30,6 +33,7 @@ impl Channel {
             Channel::Guards => "guards",
             Channel::OutputCode => "output_code",
             Channel::PerfHints => "perf_hints",
+            Channel::GraphCache => "graph_cache",
         }
     }
     fn bit(self) -> u32 {
@@ -86,5 +90,6 @@ pub fn emit(c: Channel, msg: impl FnOnce() -> String) {
         Channel::Guards => tracing::info!(target: "kiln::guards", "{m}"),
         Channel::OutputCode => tracing::info!(target: "kiln::output_code", "\n{m}"),
         Channel::PerfHints => tracing::info!(target: "kiln::perf_hints", "{m}"),
+        Channel::GraphCache => tracing::info!(target: "kiln::graph_cache", "{m}"),
     }
 }
