@@ -143,6 +143,24 @@ fn a_training_step_compiled_in_a_new_process_comes_from_the_disk_cache() -> Resu
         let s4 = disk_cache::stats();
         assert_eq!(delta(s3, s4).1, 3, "a new graph misses");
 
+        // an inference graph (no AOT autograd): its one plan stored, then read back
+        let infer = || -> Result<Vec<u64>> {
+            as_a_new_process();
+            let y =
+                kiln::no_grad(|| kiln::compile(&wider, CompileOptions::default())?.forward(&z))?;
+            Ok(y.to_vec_f64()?.iter().map(|v| v.to_bits()).collect())
+        };
+        let (cold, s5) = (infer()?, disk_cache::stats());
+        assert_eq!(
+            delta(s4, s5),
+            (0, 1, 1, 0),
+            "inference cold: one plan stored"
+        );
+        let (warm, s6) = (infer()?, disk_cache::stats());
+        assert_eq!(delta(s5, s6), (1, 0, 0, 0), "inference warm: one plan read");
+        assert_eq!(warm, cold);
+        let s4 = s6;
+
         // KILN_GRAPH_CACHE=0: nothing read or stored, the same results (this binary's only
         // test, so the variable reaches no other)
         std::env::set_var("KILN_GRAPH_CACHE", "0");
