@@ -81,7 +81,9 @@ impl Source<'_> {
 
 /// `compile` for each graph (all on one device), their units built by one pool of threads.
 /// Meanwhile another thread runs each distinct convolution of the graphs once
-/// (`runtime/conv_warmup.rs`: cuDNN's kernels load at a convolution's first execution).
+/// (`runtime/conv_warmup.rs`: cuDNN's kernels load at a convolution's first execution), from
+/// the start where the convolutions are already in their final (channels-last) form, else once
+/// the graphs are rewritten.
 pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = graphs.first() else {
         return Ok(Vec::new());
@@ -95,33 +97,43 @@ pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn C
     // a symbolic graph's kernels are fitted across sizes, a tuned one's chosen when it runs
     let describe = || format!("{target:?} {device_key:?}");
     let cache = (sizes.is_none() && !flags.autotune).then(describe);
-    let sources: Vec<Source<'_>> = graphs
-        .iter()
-        .map(|&g| {
-            let key = cache.as_ref().and_then(|t| plan_cache::key(KIND, t, g));
-            let cached = key.and_then(|k| {
-                let _span = profiler::span(profiler::Category::Compile, || {
-                    "inductor: CUDA plan read from the disk cache".into()
-                });
-                plan_cache::load(KIND, k)
-            });
-            match cached {
-                Some(plan) => Source::Cached(plan),
-                None => Source::Fresh(crate::backend::prepare(g), key),
-            }
-        })
-        .collect();
-    let rewritten: Vec<&Graph> = sources.iter().map(Source::graph).collect();
-    let convs = crate::runtime::conv_warmup::distinct(&rewritten);
-    let compile = || compile_graphs(&rt, &target, device_key.as_deref(), sources, flags, sizes);
-    if convs.is_empty() {
-        return compile();
-    }
     std::thread::scope(|s| {
-        let warmup = s.spawn(|| crate::runtime::conv_warmup::run(&convs));
-        let compiled = compile();
+        let warm = |convs: Vec<crate::runtime::conv_warmup::Conv>| {
+            (!convs.is_empty()).then(|| s.spawn(move || crate::runtime::conv_warmup::run(&convs)))
+        };
+        // graphs whose convolutions are already in their final form (a training step's
+        // halves: AOT autograd rewrote the joint graph) start the warm-up before their plans
+        // are read or made
+        let early = !graphs.iter().any(|g| crate::channels_last::wanted(g));
+        let mut warmup = match early {
+            true => warm(crate::runtime::conv_warmup::distinct(graphs)),
+            false => None,
+        };
+        let sources: Vec<Source<'_>> = graphs
+            .iter()
+            .map(|&g| {
+                let key = cache.as_ref().and_then(|t| plan_cache::key(KIND, t, g));
+                let cached = key.and_then(|k| {
+                    let _span = profiler::span(profiler::Category::Compile, || {
+                        "inductor: CUDA plan read from the disk cache".into()
+                    });
+                    plan_cache::load(KIND, k)
+                });
+                match cached {
+                    Some(plan) => Source::Cached(plan),
+                    None => Source::Fresh(crate::backend::prepare(g), key),
+                }
+            })
+            .collect();
+        if !early {
+            let rewritten: Vec<&Graph> = sources.iter().map(Source::graph).collect();
+            warmup = warm(crate::runtime::conv_warmup::distinct(&rewritten));
+        }
+        let compiled = compile_graphs(&rt, &target, device_key.as_deref(), sources, flags, sizes);
         // best effort: a failed warm-up leaves the first call to load what it needs
-        let _ = warmup.join();
+        if let Some(w) = warmup {
+            let _ = w.join();
+        }
         compiled
     })
 }
