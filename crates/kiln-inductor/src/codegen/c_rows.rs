@@ -9,8 +9,9 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{finish_outputs, lane_sums, loops, parallel_rows, ty, Builder, Kernel, Nest};
+use super::c::{finish_outputs, loops, parallel_rows, ty, Builder, Kernel, Nest};
 use super::c_horizontal::Threads;
+use super::c_sums::lane_sums;
 use crate::rows::{outputs, passes, Computes, RowLoops};
 use crate::schedule::Schedule;
 

@@ -1,7 +1,8 @@
 //! Source generation from the schedule. `c`: C with OpenMP for the CPU (and the expression
 //! builder both targets share; `c_horizontal`: independent C kernels in one parallel region;
 //! `c_rows`: row kernels, a loop over the rows with each member's pass inside; `c_siblings`:
-//! sums over the same loops in one walk, a lane array each; `c_trig`: pointwise loops over f32
+//! sums over the same loops in one walk, a lane array each; `c_sums`: float sums in the eager
+//! kernel's order (lane arrays and their fold, long sums in chunks); `c_trig`: pointwise loops over f32
 //! sines and cosines in blocks, inline functions with a check of their range);
 //! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_compile`: graphs planned, built and
 //! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_rows`: reductions over a row and the
@@ -15,6 +16,7 @@ pub mod c;
 pub(crate) mod c_horizontal;
 pub(crate) mod c_rows;
 pub(crate) mod c_siblings;
+pub(crate) mod c_sums;
 pub(crate) mod c_trig;
 pub mod cuda;
 pub mod cuda_compile;

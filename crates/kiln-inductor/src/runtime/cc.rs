@@ -17,7 +17,8 @@ use std::sync::{Mutex, OnceLock};
 use kiln_core::{Error, Result};
 
 use super::trig::FAST_TRIG;
-use crate::codegen::c::{self, Kernel};
+use crate::codegen::c::Kernel;
+use crate::codegen::c_sums;
 use crate::codegen::c_trig;
 
 pub type KernelFn = unsafe extern "C" fn(*const *mut c_void);
@@ -204,8 +205,8 @@ pub fn translation_unit(kernels: &[&Kernel], libmvec: bool) -> String {
     if kernels.iter().any(|k| k.source.contains(c_trig::MARK)) {
         s.push_str(FAST_TRIG);
     }
-    if kernels.iter().any(|k| k.source.contains(c::FOLD_SUM)) {
-        s.push_str(&c::fold_sum_definition());
+    if kernels.iter().any(|k| k.source.contains(c_sums::FOLD_SUM)) {
+        s.push_str(&c_sums::fold_sum_definition());
     }
     for k in kernels {
         s.push_str(&k.source);
