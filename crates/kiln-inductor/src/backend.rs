@@ -529,14 +529,12 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
         })
         .collect();
     // one kernel per kernel step, in step order (a unit of a plan holds one kernel)
-    let wanted: Vec<Kernel> = plans
+    let wanted: Vec<cc::CKernel<'_>> = plans
         .iter()
         .flat_map(|p| &p.units)
-        .map(|(source, names)| Kernel {
-            name: names.first().cloned().unwrap_or_default(),
-            source: source.clone(),
-            inputs: Vec::new(),
-            member: None,
+        .map(|(source, names)| cc::CKernel {
+            name: names.first().map_or("", String::as_str),
+            source,
         })
         .collect();
     let mut fns = {

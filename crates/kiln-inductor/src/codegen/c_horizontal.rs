@@ -349,7 +349,7 @@ mod tests {
         };
         let first = super::horizontal(&[add, mul]).expect("members of a horizontal kernel");
         let second = super::horizontal(&[add, sub]).expect("members of a horizontal kernel");
-        let fns = crate::runtime::cc::load(tc, &[first, second])?;
+        let fns = crate::runtime::cc::load(tc, &[(&first).into(), (&second).into()])?;
         let xs: Vec<f32> = (0..10).map(|i| i as f32).collect();
         let zs: Vec<f32> = (0..14).map(|i| i as f32 + 0.5).collect();
         let (mut ys, mut ws) = (vec![0f32; 10], vec![1f32; 14]);

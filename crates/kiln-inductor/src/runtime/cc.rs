@@ -196,9 +196,26 @@ pub fn stats() -> KernelCacheStats {
     }
 }
 
+/// A kernel as the C compiler takes it: its symbol and its whole definition (what a plan read
+/// from the disk cache keeps of a generated `Kernel`).
+#[derive(Clone, Copy, Debug)]
+pub struct CKernel<'a> {
+    pub name: &'a str,
+    pub source: &'a str,
+}
+
+impl<'a> From<&'a Kernel> for CKernel<'a> {
+    fn from(k: &'a Kernel) -> Self {
+        CKernel {
+            name: &k.name,
+            source: &k.source,
+        }
+    }
+}
+
 /// The full source of a translation unit holding `kernels`, for a compiler with or without
 /// libmvec.
-pub fn translation_unit(kernels: &[&Kernel], libmvec: bool) -> String {
+pub fn translation_unit(kernels: &[CKernel<'_>], libmvec: bool) -> String {
     let mut s = String::from(HEADER);
     s.push_str(if libmvec { VECTOR_MATH } else { SCALAR_MATH });
     // the inline sine and cosine, in the units of kernels whose loops call them
@@ -209,7 +226,7 @@ pub fn translation_unit(kernels: &[&Kernel], libmvec: bool) -> String {
         s.push_str(&c_sums::fold_sum_definition());
     }
     for k in kernels {
-        s.push_str(&k.source);
+        s.push_str(k.source);
         s.push('\n');
     }
     s
@@ -226,7 +243,7 @@ const MAX_UNITS: usize = 8;
 /// `missing` dealt into units: as many as the source's size and the cores allow, the largest
 /// kernels first onto the lightest unit, each unit's kernels in their original order (so a
 /// unit's source, and its cache key, depend on the kernels alone).
-fn units<'k>(missing: &[&'k Kernel], cores: usize) -> Vec<Vec<&'k Kernel>> {
+fn units<'k>(missing: &[CKernel<'k>], cores: usize) -> Vec<Vec<CKernel<'k>>> {
     let weights: Vec<usize> = missing.iter().map(|k| k.source.len()).collect();
     let n = (weights.iter().sum::<usize>() / UNIT_BYTES).clamp(1, cores.clamp(1, MAX_UNITS));
     crate::parallel::deal(&weights, n)
@@ -236,7 +253,7 @@ fn units<'k>(missing: &[&'k Kernel], cores: usize) -> Vec<Vec<&'k Kernel>> {
 }
 
 /// One unit's library: from disk, else built. `true` with it when it was built.
-fn unit_library(tc: &Toolchain, kernels: &[&Kernel]) -> Result<(libloading::Library, bool)> {
+fn unit_library(tc: &Toolchain, kernels: &[CKernel<'_>]) -> Result<(libloading::Library, bool)> {
     let src = translation_unit(kernels, tc.libmvec);
     crate::log_output_code(&src);
     let key = xxhash_rust::xxh3::xxh3_128(
@@ -263,11 +280,11 @@ fn unit_library(tc: &Toolchain, kernels: &[&Kernel]) -> Result<(libloading::Libr
 /// Function pointers for `kernels`, compiling (or loading from disk) those not loaded yet: in
 /// several units built in parallel where there is enough code (`units`). The kernel table stays
 /// locked meanwhile, so no two loads build one kernel.
-pub fn load(tc: &Toolchain, kernels: &[Kernel]) -> Result<Vec<KernelFn>> {
+pub fn load(tc: &Toolchain, kernels: &[CKernel<'_>]) -> Result<Vec<KernelFn>> {
     let mut l = loaded().lock().unwrap_or_else(|e| e.into_inner());
-    let mut missing: Vec<&Kernel> = Vec::new();
-    for k in kernels {
-        if !l.kernels.contains_key(&k.name) && !missing.iter().any(|m| m.name == k.name) {
+    let mut missing: Vec<CKernel<'_>> = Vec::new();
+    for &k in kernels {
+        if !l.kernels.contains_key(k.name) && !missing.iter().any(|m| m.name == k.name) {
             missing.push(k);
         }
     }
@@ -291,7 +308,7 @@ pub fn load(tc: &Toolchain, kernels: &[Kernel]) -> Result<Vec<KernelFn>> {
                         )
                     })?
                 };
-                l.kernels.insert(k.name.clone(), f);
+                l.kernels.insert(k.name.to_string(), f);
             }
             // OpenMP libraries must never be unloaded: the library lives for the process
             std::mem::forget(lib);
@@ -300,7 +317,7 @@ pub fn load(tc: &Toolchain, kernels: &[Kernel]) -> Result<Vec<KernelFn>> {
     kernels
         .iter()
         .map(|k| {
-            l.kernels.get(&k.name).copied().ok_or_else(|| {
+            l.kernels.get(k.name).copied().ok_or_else(|| {
                 Error::arg("kiln backend", format!("kernel {} was not loaded", k.name))
             })
         })
@@ -397,10 +414,10 @@ mod tests {
             .enumerate()
             .map(|(i, &b)| kernel(&format!("k{i}"), b))
             .collect();
-        let refs: Vec<&Kernel> = ks.iter().collect();
-        let names = |u: &[Vec<&Kernel>]| -> Vec<Vec<String>> {
+        let refs: Vec<CKernel<'_>> = ks.iter().map(CKernel::from).collect();
+        let names = |u: &[Vec<CKernel<'_>>]| -> Vec<Vec<String>> {
             u.iter()
-                .map(|g| g.iter().map(|k| k.name.clone()).collect())
+                .map(|g| g.iter().map(|k| k.name.to_string()).collect())
                 .collect()
         };
         // one core, or little code: one unit, in order
