@@ -230,6 +230,14 @@ pub fn emit_new_process_compiles(
                 "count",
             );
         }
+        // compiles read from the compiled-graph cache (AOT splits, plans): none cold
+        ctx.emit(
+            workload,
+            variant,
+            &format!("{prefix}_graph_disk_hits"),
+            m.graph_disk_hits as f64,
+            "count",
+        );
     }
     Ok(())
 }
