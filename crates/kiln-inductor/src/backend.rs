@@ -1,5 +1,6 @@
 //! The CPU code-generating backend: schedule, generate C, build and load, run.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Once};
 
 use kiln_compile::backends::Interpreter;
@@ -16,7 +17,7 @@ use crate::ir::lower::{small_matmul, Kind, MatmulDims};
 use crate::plan_cache::{Plan, PlanStep};
 use crate::repeats::{self, Cone};
 use crate::runtime::cc::{self, toolchain};
-use crate::runtime::exec::{CompiledCpu, Exec, Launch};
+use crate::runtime::exec::{CompiledCpu, Launch};
 use crate::runtime::plan::{self, Alloc};
 use crate::schedule::{schedule, MatmulFusion, Schedule, Step};
 use crate::sequential::Sequence;
@@ -355,21 +356,17 @@ fn group<T: Target>(
     out
 }
 
-/// `graph` rewritten as the code generators take it. NHWC values for cuDNN on a device (a
-/// joint graph was rewritten before its partition: `channels_last::wanted` finds nothing left
-/// to rewrite); one size of a symbolic graph too: the rewrite follows the graph's structure, so
-/// every size is rewritten alike and its kernels still fit the size-generic templates. Then
-/// per-channel and per-row arithmetic on broadcast values runs on the small shape. First, a
-/// gather of one element per row out of a computed value becomes a sum over the row
-/// (`one_hot.rs`; in a joint graph, before its partition, with its gradient's scatter_add).
+/// `graph` rewritten as the code generators take it: the joint graph's rewrites
+/// (`prepare_joint`: one-per-row gathers as sums over the row, NHWC values for cuDNN on a
+/// device), which find nothing left in a graph AOT autograd split from a rewritten joint graph;
+/// one size of a symbolic graph too: the rewrites follow the graph's structure, so every size
+/// is rewritten alike and its kernels still fit the size-generic templates. Then per-channel and
+/// per-row arithmetic on broadcast values runs on the small shape.
 pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
-    let mut g = std::borrow::Cow::Borrowed(graph);
-    if let Some(picked) = crate::one_hot::one_hot(&g) {
-        g = std::borrow::Cow::Owned(picked);
-    }
-    if let Some(nhwc) = crate::channels_last::channels_last(&g) {
-        g = std::borrow::Cow::Owned(nhwc);
-    }
+    let mut g = match prepare_joint(graph) {
+        Some(rewritten) => std::borrow::Cow::Owned(rewritten),
+        None => std::borrow::Cow::Borrowed(graph),
+    };
     if let Some(sunk) = crate::sink_expands::sink_expands(&g) {
         g = std::borrow::Cow::Owned(sunk);
     }
@@ -528,7 +525,7 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
             plan
         })
         .collect();
-    // one kernel per kernel step, in step order (a unit of a plan holds one kernel)
+    // every distinct kernel of the graphs (a unit of a C plan holds one), loaded by name
     let wanted: Vec<cc::CKernel<'_>> = plans
         .iter()
         .flat_map(|p| &p.units)
@@ -537,11 +534,12 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
             source,
         })
         .collect();
-    let mut fns = {
+    let fns: HashMap<String, cc::KernelFn> = {
         let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
             format!("inductor: build and load {} C kernels", wanted.len()).into()
         });
-        cc::load(tc, &wanted)?.into_iter()
+        let fns = cc::load(tc, &wanted)?;
+        wanted.iter().map(|k| k.name.to_string()).zip(fns).collect()
     };
     plans
         .into_iter()
@@ -549,26 +547,13 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
             let exec = plan
                 .steps
                 .into_iter()
-                .map(|p| match p {
-                    PlanStep::Kernel {
-                        outs,
-                        inputs,
-                        name,
-                        sizes,
-                        ..
-                    } => {
-                        let f = fns.next().ok_or_else(|| {
-                            kiln_core::Error::arg("kiln backend", "kernel count mismatch")
+                .map(|step| {
+                    step.into_exec(|name, _| {
+                        let f = fns.get(name).copied().ok_or_else(|| {
+                            kiln_core::Error::arg("kiln backend", "a C kernel was not loaded")
                         })?;
-                        Ok(Exec::Kernel {
-                            outs,
-                            f: Launch::Cpu(f),
-                            inputs,
-                            name: name.into(),
-                            sizes,
-                        })
-                    }
-                    PlanStep::Extern { node } => Ok(Exec::Extern { node }),
+                        Ok(Launch::Cpu(f))
+                    })
                 })
                 .collect::<Result<Vec<_>>>()?;
             Ok(Arc::new(CompiledCpu::new(plan.graph, exec)) as Arc<dyn CompiledGraph>)
@@ -580,7 +565,8 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
 const CPU_KIND: &str = "c";
 
 /// The C plan of `graph` (rewritten for the code generators): its steps, each kernel resolved
-/// for the size context `sizes` (`codegen/template.rs`), and one unit per kernel.
+/// for the size context `sizes` (`codegen/template.rs`), and one unit per distinct kernel (the
+/// steps of repeated blocks share theirs).
 fn plan_c(c: &C, graph: &Graph, sizes: Option<&symbolic::context::SizeContext>) -> Plan {
     let planned = plan_graph(c, graph);
     let count = planned
@@ -588,6 +574,7 @@ fn plan_c(c: &C, graph: &Graph, sizes: Option<&symbolic::context::SizeContext>) 
         .filter(|p| matches!(p, Planned::Kernel { .. }))
         .count();
     let mut units = Vec::with_capacity(count);
+    let mut seen: HashSet<String> = HashSet::new();
     let mut i = 0;
     let steps = planned
         .into_iter()
@@ -603,7 +590,9 @@ fn plan_c(c: &C, graph: &Graph, sizes: Option<&symbolic::context::SizeContext>) 
                     None => (kernel, Vec::new()),
                 };
                 i += 1;
-                units.push((kernel.source, vec![kernel.name.clone()]));
+                if seen.insert(kernel.name.clone()) {
+                    units.push((kernel.source, vec![kernel.name.clone()]));
+                }
                 PlanStep::Kernel {
                     outs,
                     inputs: kernel.inputs,

@@ -44,6 +44,13 @@ fn one_per_row(base: &Node, idx: &Node, dim: usize) -> bool {
         && base.device == idx.device
 }
 
+/// Whether a gather of `idx` out of `src` along `dim` is one the rewrite takes: one index per
+/// row out of a value computed elementwise (a buffer's element is cheaper read than its row
+/// walked).
+fn picks_from_computed(g: &Graph, src: NodeId, idx: NodeId, dim: usize) -> bool {
+    one_per_row(&g.nodes[src], &g.nodes[idx], dim) && kind(g, &g.nodes[src]) == Kind::Pointwise
+}
+
 /// Whether `id` is zero everywhere: a zero `Full`, or a reshape or broadcast of one.
 fn is_zero(g: &Graph, mut id: NodeId) -> bool {
     loop {
@@ -173,10 +180,7 @@ impl Builder<'_> {
 /// gradients) rewritten as sums and selects over the row, or `None` when there is none.
 pub fn one_hot(g: &Graph) -> Option<Graph> {
     let wanted = g.nodes.iter().any(|n| match (&n.op, n.args.as_slice()) {
-        (Op::Prim(Prim::Gather { dim }), &[src, idx]) => {
-            one_per_row(&g.nodes[src], &g.nodes[idx], *dim)
-                && kind(g, &g.nodes[src]) == Kind::Pointwise
-        }
+        (Op::Prim(Prim::Gather { dim }), &[src, idx]) => picks_from_computed(g, src, idx, *dim),
         _ => false,
     });
     if !wanted {
@@ -190,8 +194,7 @@ pub fn one_hot(g: &Graph) -> Option<Graph> {
         let args: Vec<NodeId> = node.args.iter().map(|&a| map[a]).collect();
         let rewritten = match (&node.op, args.as_slice()) {
             (Op::Prim(Prim::Gather { dim }), &[src, idx])
-                if one_per_row(&out.nodes[src], &out.nodes[idx], *dim)
-                    && kind(&out, &out.nodes[src]) == Kind::Pointwise =>
+                if picks_from_computed(&out, src, idx, *dim) =>
             {
                 checked.push(idx);
                 let mut b = Builder {

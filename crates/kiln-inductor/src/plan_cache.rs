@@ -11,6 +11,9 @@ use kiln_compile::codec::{self, Reader, Seeds, Writer};
 use kiln_compile::disk_cache;
 use kiln_compile::graph::{Graph, NodeId};
 
+use kiln_core::Result;
+
+use crate::runtime::exec::{Exec, Launch};
 use crate::runtime::plan::Alloc;
 
 /// The build id (`build.rs`): a hash of this crate's, kiln-compile's and kiln-core's sources.
@@ -31,6 +34,32 @@ pub enum PlanStep {
     Extern {
         node: NodeId,
     },
+}
+
+impl PlanStep {
+    /// The executor's step: a kernel launched as `launch(name, (grid, block, shared))` says (a
+    /// C function, a device kernel, the candidates max-autotune times).
+    pub fn into_exec(
+        self,
+        launch: impl FnOnce(&str, ([u32; 3], u32, u32)) -> Result<Launch>,
+    ) -> Result<Exec> {
+        Ok(match self {
+            PlanStep::Kernel {
+                outs,
+                inputs,
+                name,
+                sizes,
+                launch: shape,
+            } => Exec::Kernel {
+                f: launch(&name, shape)?,
+                outs,
+                inputs,
+                name: name.into(),
+                sizes,
+            },
+            PlanStep::Extern { node } => Exec::Extern { node },
+        })
+    }
 }
 
 /// A stored compile: the graph the steps run, the steps, and the sources to load (translation

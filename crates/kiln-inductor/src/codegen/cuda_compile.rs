@@ -19,7 +19,7 @@ use crate::backend::Planned;
 use crate::plan_cache::{self, Plan, PlanStep};
 use crate::runtime::autotune::{Candidate, Tuned};
 use crate::runtime::cudagraph::CudaGraphed;
-use crate::runtime::exec::{CompiledCpu, Exec, Launch};
+use crate::runtime::exec::{CompiledCpu, Launch};
 
 /// How a graph is compiled for CUDA (the backend reads them from the mode and options).
 #[derive(Clone, Copy, Debug)]
@@ -37,11 +37,8 @@ pub struct CudaFlags {
 struct Prepared {
     /// The graph the steps run, the steps, and the units to build (taken by `compile_graphs`).
     plan: Plan,
-    device: Device,
-    device_key: Option<String>,
     /// Per step, under max-autotune: the launch shapes its kernel is timed in.
     choices: Vec<Option<Vec<CudaKernel>>>,
-    cuda_graphs: bool,
 }
 
 /// Compiles a graph whose prims run on a CUDA device: its kernels in a few translation units,
@@ -178,9 +175,6 @@ fn compile_graphs(
                 Ok(Prepared {
                     choices: vec![None; plan.steps.len()],
                     plan,
-                    device,
-                    device_key: device_key.map(str::to_string),
-                    cuda_graphs: flags.cuda_graphs,
                 })
             }
             Source::Fresh(graph, key) => {
@@ -223,7 +217,10 @@ fn compile_graphs(
         });
         cuda_units::load(rt, device, &all_units)?
     };
-    prepared.into_iter().map(|p| finish(p, &loaded)).collect()
+    prepared
+        .into_iter()
+        .map(|p| finish(p, &loaded, device, device_key, flags.cuda_graphs))
+        .collect()
 }
 
 /// Plans `graph` (rewritten for the code generators) and generates its kernels as translation
@@ -235,7 +232,6 @@ fn prepare(
     flags: CudaFlags,
     sizes: Option<symbolic::context::SizeContext>,
 ) -> Result<Prepared> {
-    let device = graph.device();
     let _span = profiler::span(profiler::Category::Compile, || {
         "inductor: plan and generate CUDA C".into()
     });
@@ -289,39 +285,34 @@ fn prepare(
             steps,
             units,
         },
-        device,
-        device_key: device_key.map(str::to_string),
         choices,
-        cuda_graphs: flags.cuda_graphs,
     })
 }
 
-/// The executor of a prepared graph, its kernels taken from `loaded` (by name).
+/// The executor of a prepared graph on `device`, its kernels taken from `loaded` (by name);
+/// recorded as a CUDA graph with `cuda_graphs`.
 fn finish(
     p: Prepared,
     loaded: &HashMap<String, Arc<dyn DeviceKernel>>,
+    device: Device,
+    device_key: Option<&str>,
+    cuda_graphs: bool,
 ) -> Result<Arc<dyn CompiledGraph>> {
     let handle = |name: &str| {
         loaded.get(name).cloned().ok_or_else(|| {
             kiln_core::Error::arg("kiln backend", "a generated kernel was not loaded")
         })
     };
-    let (device, device_key) = (p.device, p.device_key.as_deref());
     let graph = p.plan.graph;
     let steps = p
         .plan
         .steps
         .into_iter()
         .zip(p.choices)
-        .map(|(step, choice)| match step {
-            PlanStep::Kernel {
-                outs,
-                inputs,
-                name,
-                sizes,
-                launch: (grid, block, shared),
-            } => {
-                let f = match choice {
+        .map(|(step, choice)| {
+            // every candidate reads the same inputs (`cuda_tune.rs` matched them)
+            step.into_exec(|name, (grid, block, shared)| {
+                Ok(match choice {
                     Some(cands) if cands.len() > 1 => Launch::Tuned(Arc::new(Tuned::new(
                         device,
                         &cands[0].name,
@@ -350,25 +341,16 @@ fn finish(
                         }
                     }
                     _ => Launch::Device {
-                        kernel: handle(&name)?,
+                        kernel: handle(name)?,
                         grid,
                         block,
                         shared,
                     },
-                };
-                // every candidate reads the same inputs (`cuda_tune.rs` matched them)
-                Ok(Exec::Kernel {
-                    outs,
-                    f,
-                    inputs,
-                    name: name.into(),
-                    sizes,
                 })
-            }
-            PlanStep::Extern { node } => Ok(Exec::Extern { node }),
+            })
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(match p.cuda_graphs {
+    Ok(match cuda_graphs {
         true => {
             let compiled = Arc::new(CompiledCpu::new(graph.clone(), steps));
             Arc::new(CudaGraphed::new(compiled, &graph))

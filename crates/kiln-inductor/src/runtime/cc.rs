@@ -352,13 +352,9 @@ fn build(tc: &Toolchain, src: &str, dir: &Path, lib_path: &Path) -> Result<()> {
         .file_stem()
         .and_then(|s| s.to_str())
         .unwrap_or("kernels");
-    // unique per build: two processes may build the same unit at once
-    static BUILDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let tmp = format!(
-        "{stem}.tmp{}-{}",
-        std::process::id(),
-        BUILDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    );
+    // a process builds a unit once (`load` holds the kernel table): the process id keeps two
+    // processes building the same unit apart
+    let tmp = format!("{stem}.tmp{}", std::process::id());
     let c_path = dir.join(format!("{stem}.c"));
     let tmp_c = dir.join(format!("{tmp}.c"));
     let tmp_so = dir.join(format!("{tmp}.so"));
