@@ -72,26 +72,24 @@ fn path(kind: &str, key: u128) -> PathBuf {
 /// The payload stored under (`kind`, `key`), or `None` (absent, damaged: then removed).
 pub fn load(kind: &str, key: u128) -> Option<Vec<u8>> {
     let file = path(kind, key);
-    let Ok(bytes) = std::fs::read(&file) else {
+    let Ok(mut bytes) = std::fs::read(&file) else {
         MISSES.fetch_add(1, Ordering::Relaxed);
         logs::emit(Channel::GraphCache, || {
             format!("{kind} miss {}", file.display())
         });
         return None;
     };
-    match payload(&bytes) {
-        Some(p) => {
-            HITS.fetch_add(1, Ordering::Relaxed);
-            logs::emit(Channel::GraphCache, || {
-                format!("{kind} hit {} ({} bytes)", file.display(), p.len())
-            });
-            Some(p.to_vec())
-        }
-        None => {
-            forget_damaged(kind, key);
-            None
-        }
+    if !intact(&bytes) {
+        forget_damaged(kind, key);
+        return None;
     }
+    // the payload in place: a plan holding a large graph's kernel sources is megabytes
+    bytes.drain(..HEADER);
+    HITS.fetch_add(1, Ordering::Relaxed);
+    logs::emit(Channel::GraphCache, || {
+        format!("{kind} hit {} ({} bytes)", file.display(), bytes.len())
+    });
+    Some(bytes)
 }
 
 /// Removes an entry whose payload could not be used (a bad checksum here, or a payload its
@@ -106,11 +104,19 @@ pub fn forget_damaged(kind: &str, key: u128) {
     MISSES.fetch_add(1, Ordering::Relaxed);
 }
 
-/// A file's payload, if its magic word and checksum hold.
-fn payload(bytes: &[u8]) -> Option<&[u8]> {
-    let rest = bytes.strip_prefix(MAGIC)?;
-    let (sum, payload) = rest.split_at_checked(16)?;
-    (u128::from_le_bytes(sum.try_into().ok()?) == xxh3_128(payload)).then_some(payload)
+/// Bytes before a record's payload: the magic word, then the payload's checksum.
+const HEADER: usize = MAGIC.len() + 16;
+
+/// Whether a file's magic word and checksum hold.
+fn intact(bytes: &[u8]) -> bool {
+    let Some(rest) = bytes.strip_prefix(MAGIC) else {
+        return false;
+    };
+    let Some((sum, payload)) = rest.split_at_checked(16) else {
+        return false;
+    };
+    sum.try_into()
+        .is_ok_and(|sum| u128::from_le_bytes(sum) == xxh3_128(payload))
 }
 
 /// Stores `payload` under (`kind`, `key`). Best effort: a cache that cannot be written leaves
@@ -121,7 +127,7 @@ pub fn store(kind: &str, key: u128, payload: &[u8]) {
     if std::fs::create_dir_all(dir).is_err() {
         return;
     }
-    let mut bytes = Vec::with_capacity(MAGIC.len() + 16 + payload.len());
+    let mut bytes = Vec::with_capacity(HEADER + payload.len());
     bytes.extend_from_slice(MAGIC);
     bytes.extend_from_slice(&xxh3_128(payload).to_le_bytes());
     bytes.extend_from_slice(payload);

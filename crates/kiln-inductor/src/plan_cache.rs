@@ -101,7 +101,7 @@ pub fn key(kind: &str, target: &str, graph: &Graph) -> Option<u128> {
         kind.as_bytes(),
         build_and_settings().as_bytes(),
         target.as_bytes(),
-        &codec::graph_bytes(graph, Seeds::Zero),
+        &graph.structure_key(),
     ]))
 }
 

@@ -28,11 +28,7 @@ pub struct Split {
 
 /// The key of `graph`'s split under an inner backend with cache id `id`.
 pub fn key(graph: &Graph, id: &str) -> u128 {
-    disk_cache::key(&[
-        KIND.as_bytes(),
-        id.as_bytes(),
-        &codec::graph_bytes(graph, Seeds::Zero),
-    ])
+    disk_cache::key(&[KIND.as_bytes(), id.as_bytes(), &graph.structure_key()])
 }
 
 pub fn load(key: u128) -> Option<Split> {

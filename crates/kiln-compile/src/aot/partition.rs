@@ -28,6 +28,19 @@ pub struct Partition {
     pub saved_bytes: usize,
 }
 
+/// Input `k` of a half, standing for joint node `src` (a primal, a tangent, a saved value).
+fn input_node(k: usize, src: &Node) -> Node {
+    Node {
+        op: Op::Input(k),
+        args: vec![],
+        shape: src.shape.clone(),
+        dtype: src.dtype,
+        grad_enabled: false,
+        requires_grad: src.requires_grad,
+        device: src.device,
+    }
+}
+
 /// Too expensive to recompute in the backward (functorch bans the same families).
 fn banned_from_recompute(p: &Prim) -> bool {
     matches!(
@@ -196,15 +209,7 @@ impl Half {
         let mut remap = vec![usize::MAX; n];
         for (k, &id) in inputs.iter().enumerate() {
             let src = &g.nodes[id];
-            remap[id] = graph.push(Node {
-                op: Op::Input(k),
-                args: vec![],
-                shape: src.shape.clone(),
-                dtype: src.dtype,
-                grad_enabled: false,
-                requires_grad: src.requires_grad,
-                device: src.device,
-            });
+            remap[id] = graph.push(input_node(k, src));
         }
         Ok(Half {
             computes,
@@ -348,15 +353,7 @@ mod tests {
         let mut remap = vec![usize::MAX; n];
         for (k, &id) in inputs.iter().enumerate() {
             let src = &g.nodes[id];
-            remap[id] = out.push(Node {
-                op: Op::Input(k),
-                args: vec![],
-                shape: src.shape.clone(),
-                dtype: src.dtype,
-                grad_enabled: false,
-                requires_grad: src.requires_grad,
-                device: src.device,
-            });
+            remap[id] = out.push(input_node(k, src));
         }
         let mut computed = vec![false; n];
         for (id, node) in g.nodes.iter().enumerate() {
