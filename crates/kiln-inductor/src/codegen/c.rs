@@ -452,6 +452,14 @@ pub(super) struct Nest {
     pub(super) shareable: bool,
 }
 
+/// Whether the kernels being generated serve one size: no size context is current
+/// (`symbolic::context`). Under one, `codegen/template.rs` fits a kernel across sizes from its
+/// text, so text that a size decides beyond its literals (a loop left out for a short run, a
+/// member function named by the hash of its text) would keep the kernels apart.
+pub(super) fn one_size() -> bool {
+    kiln_compile::symbolic::context::current().is_none()
+}
+
 fn finish(b: Builder<'_>, root: NodeId, nest: Nest, parallel: bool) -> Kernel {
     finish_outputs(b, &[(root, "out".into())], nest, parallel)
 }
@@ -500,7 +508,7 @@ pub(super) fn finish_outputs(
     // bias-gradient sums are a kernel of their own and a member of three). Not under a size
     // context: a size-generic kernel rewrites literals, which a member function named by the
     // hash of its static text must not hold
-    let shared_fn = !parallel && kiln_compile::symbolic::context::current().is_none();
+    let shared_fn = !parallel && one_size();
     let source = match shared_fn {
         false => format!("void {name}(void **args) {{\n{text}}}\n"),
         true => {

@@ -7,7 +7,7 @@ use std::fmt::Write;
 
 use kiln_core::prim::{SUM_CHUNK, SUM_LANES};
 
-use super::c::{loops, split_index, Accumulator};
+use super::c::{loops, one_size, split_index, Accumulator};
 use super::c_horizontal::Threads;
 
 /// Sums in `prim::SUM_LANES`'s order, in one walk: over the reduced loops `outer`, then the
@@ -78,9 +78,7 @@ fn lane_loops(
     // code that the C compiler still optimizes. Not for one size of a symbolic graph, whose
     // kernels must read alike at every size to become one size-generic kernel
     let short = match (start.parse::<usize>(), end.parse::<usize>()) {
-        (Ok(a), Ok(b)) => {
-            b.saturating_sub(a) < l && kiln_compile::symbolic::context::current().is_none()
-        }
+        (Ok(a), Ok(b)) => b.saturating_sub(a) < l && one_size(),
         _ => false,
     };
     if !short {
