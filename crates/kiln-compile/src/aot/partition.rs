@@ -28,6 +28,29 @@ pub struct Partition {
     pub saved_bytes: usize,
 }
 
+/// The nodes of `g` that computing `outputs` from `inputs` reaches: for each node its input
+/// position (`usize::MAX` for none), and whether it is needed (inputs included, nothing above
+/// them).
+fn cone(g: &Graph, inputs: &[NodeId], outputs: &[NodeId]) -> (Vec<usize>, Vec<bool>) {
+    let n = g.nodes.len();
+    let mut as_input = vec![usize::MAX; n];
+    for (k, &id) in inputs.iter().enumerate() {
+        as_input[id] = k;
+    }
+    let mut needed = vec![false; n];
+    for &o in outputs {
+        needed[o] = true;
+    }
+    for id in (0..n).rev() {
+        if needed[id] && as_input[id] == usize::MAX {
+            for &a in &g.nodes[id].args {
+                needed[a] = true;
+            }
+        }
+    }
+    (as_input, needed)
+}
+
 /// Input `k` of a half, standing for joint node `src` (a primal, a tangent, a saved value).
 fn input_node(k: usize, src: &Node) -> Node {
     Node {
@@ -167,21 +190,7 @@ impl Half {
     /// order): the input nodes are made now; `take` adds the nodes it `computes`, in order.
     fn new(g: &Graph, inputs: &[NodeId], outputs: &[NodeId]) -> Result<Half> {
         let n = g.nodes.len();
-        let mut as_input = vec![usize::MAX; n];
-        for (k, &id) in inputs.iter().enumerate() {
-            as_input[id] = k;
-        }
-        let mut needed = vec![false; n];
-        for &o in outputs {
-            needed[o] = true;
-        }
-        for id in (0..n).rev() {
-            if needed[id] && as_input[id] == usize::MAX {
-                for &a in &g.nodes[id].args {
-                    needed[a] = true;
-                }
-            }
-        }
+        let (as_input, needed) = cone(g, inputs, outputs);
         // what the half computes: the needed nodes short of its inputs
         let mut computes = needed;
         let mut count = 0;
@@ -330,21 +339,7 @@ mod tests {
     /// `inputs`), and which joint nodes it computes.
     fn copied_out(g: &Graph, inputs: &[NodeId], outputs: &[NodeId]) -> (Graph, Vec<bool>) {
         let n = g.nodes.len();
-        let mut as_input = vec![usize::MAX; n];
-        for (k, &id) in inputs.iter().enumerate() {
-            as_input[id] = k;
-        }
-        let mut needed = vec![false; n];
-        for &o in outputs {
-            needed[o] = true;
-        }
-        for id in (0..n).rev() {
-            if needed[id] && as_input[id] == usize::MAX {
-                for &a in &g.nodes[id].args {
-                    needed[a] = true;
-                }
-            }
-        }
+        let (as_input, needed) = cone(g, inputs, outputs);
         let mut out = Graph {
             num_inputs: inputs.len(),
             rng_span: g.rng_span,
