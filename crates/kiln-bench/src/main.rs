@@ -4,7 +4,7 @@
 //!     cargo run --release -p kiln-bench -- WORKLOAD [--device cpu] [--mode default] [--quick]
 //!
 //! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, resnet18, dynamic, bert,
-//! train_resnet18, train_densenet121, or all. One JSON object per line on
+//! train_resnet18, train_densenet121, norms, or all. One JSON object per line on
 //! stdout (`workload, variant, metric, value, unit, device`); a table on stderr at the end. With
 //! `OUT` set, the lines are also appended to `$OUT/results.jsonl`, as torch_baseline.py does.
 
@@ -29,19 +29,20 @@ const WORKLOADS: &[&str] = &[
     "bert",
     "train_resnet18",
     "train_densenet121",
+    "norms",
 ];
 
 /// The workloads that run with `--device cuda` so far.
-const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18", "regional", "dynamic"];
+const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18", "regional", "dynamic", "norms"];
 /// The model workloads, which run on CUDA too (a list of their own, so that GPU_WORKLOADS's line
 /// stays one edit for whoever moves the next workload over).
 const GPU_MODEL_WORKLOADS: &[&str] = &["bert", "train_resnet18", "train_densenet121"];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | bert
-            | train_resnet18 | train_densenet121 | all
+            | train_resnet18 | train_densenet121 | norms | all
   --device  cpu (the default) or cuda / cuda:N (sincos, adam, regional, resnet18, dynamic,
-            bert, train_*)
+            norms, bert, train_*)
   --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
             (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
@@ -204,6 +205,7 @@ fn main() -> ExitCode {
             "resnet18" => workloads::resnet18::run(&mut ctx),
             "dynamic" => workloads::dynamic::run(&mut ctx),
             "bert" => workloads::bert::run(&mut ctx),
+            "norms" => workloads::norms::run(&mut ctx),
             "train_resnet18" => workloads::train::run(&mut ctx, workloads::train::Arch::ResNet18),
             "train_densenet121" => {
                 workloads::train::run(&mut ctx, workloads::train::Arch::DenseNet121)

@@ -45,6 +45,10 @@ pub trait Target: Sync {
     fn rows(&self, _g: &Graph, _sched: &Schedule, _roots: &[NodeId]) -> Option<Self::Kernel> {
         None
     }
+    /// Which reductions `rows` takes: those over short trailing rows unless the target says.
+    fn row_reach(&self) -> crate::rows::RowReach {
+        crate::rows::RowReach::Trailing
+    }
     /// One kernel computing the sibling reductions `roots` (`sibling_reductions.rs`: same
     /// operand shape, reduced dims and output shape, none reading another) in one walk over
     /// their operands. `None` where the target has no such kernels.
@@ -143,6 +147,10 @@ impl Target for C {
         self.horizontal
             .then(|| crate::codegen::c_rows::row_kernel(g, sched, roots))
             .flatten()
+    }
+    /// A row is a loop nest: any reduced dims that end with the innermost (`rows::RowReach`).
+    fn row_reach(&self) -> crate::rows::RowReach {
+        crate::rows::RowReach::Any
     }
     fn inline_matmul(&self, dims: MatmulDims) -> bool {
         self.inline_matmul && small_matmul(dims)

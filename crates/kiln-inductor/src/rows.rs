@@ -15,34 +15,70 @@ use crate::ir::lower::{linear, Kind};
 use crate::runtime::plan::Alloc;
 use crate::schedule::Schedule;
 
-/// Longest row a row kernel walks (layer norm over BERT-large's 1024 features, softmax over
-/// 4096 positions: on a GPU 32 to 128 elements a lane).
+/// Longest row a warp's row kernel walks (layer norm over BERT-large's 1024 features, softmax
+/// over 4096 positions: on a GPU 32 to 128 elements a lane).
 pub(crate) const MAX_COLS: usize = 4096;
 
-/// The shape and trailing reduced dims a row kernel walks, when `root` is a reduction that can
-/// open one: a `Reduce` over the last dims of its operand, rows of 2..=`MAX_COLS` elements.
-pub(crate) fn row_domain(g: &Graph, root: NodeId) -> Option<(Vec<usize>, usize)> {
+/// Which reductions open a row kernel on a target.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum RowReach {
+    /// Rows of the trailing dims, 2..=`MAX_COLS` elements: a warp or a block per row
+    /// (`codegen/cuda_rows.rs`).
+    Trailing,
+    /// Also rows of any reduced dims that include the innermost one (the walk over a row stays
+    /// contiguous in its innermost loop), up to `MAX_LOOP_COLS` elements, where there are rows
+    /// enough to share among threads (`codegen/c_rows.rs`): batch norm's statistics and
+    /// normalization over N, H and W of each channel of an NCHW tensor, each row walked three
+    /// times while it is in cache where three kernels walked the tensor three times.
+    Any,
+}
+
+/// Longest row of a loop's row kernel (`RowReach::Any`): 4 MB of floats, in a core's share of
+/// the last-level cache, where the row's later walks find it.
+pub(crate) const MAX_LOOP_COLS: usize = 1 << 20;
+
+/// Fewest rows of a row kernel over other than short trailing rows: every thread of a 16-core
+/// host gets one, and a float sum with one output (whose order is chunked: `SUM_CHUNKED_FROM`)
+/// never opens one.
+pub(crate) const MIN_LOOP_ROWS: usize = 16;
+
+/// The shape and reduced dims (ascending) of a row kernel's rows.
+pub(crate) type RowDomain = (Vec<usize>, Vec<usize>);
+
+/// The domain a row kernel walks, when `root` is a reduction that can open one on a target
+/// that reaches `reach`.
+pub(crate) fn row_domain(g: &Graph, root: NodeId, reach: RowReach) -> Option<RowDomain> {
     let node = &g.nodes[root];
     let Op::Prim(Prim::Reduce { dims, .. }) = &node.op else {
         return None;
     };
     let shape = g.nodes[node.args[0]].shape.clone();
     let (rank, d) = (shape.len(), dims.len());
-    let trailing = d > 0 && *dims == ((rank - d)..rank).collect::<Vec<_>>();
-    let cols: usize = shape[rank.saturating_sub(d)..].iter().product();
-    (trailing && (2..=MAX_COLS).contains(&cols)).then_some((shape, d))
+    let mut reduced = dims.clone();
+    reduced.sort_unstable();
+    reduced.dedup();
+    let cols: usize = reduced.iter().map(|&v| shape[v]).product();
+    let rows: usize = shape.iter().product::<usize>() / cols.max(1);
+    let trailing = d > 0 && reduced == ((rank - d)..rank).collect::<Vec<_>>();
+    let warp_rows = trailing && (2..=MAX_COLS).contains(&cols);
+    let loop_rows = reach == RowReach::Any
+        && reduced.last() == Some(&(rank - 1))
+        && rows >= MIN_LOOP_ROWS
+        && (2..=MAX_LOOP_COLS).contains(&cols);
+    (warp_rows || loop_rows).then_some((shape, reduced))
 }
 
-/// Whether `root` can be a later member of a row kernel over `(shape, d)`: a reduction over the
+/// Whether `root` can be a later member of a row kernel over `domain`: a reduction over the
 /// same dims of an operand of that shape, or a generated value of that shape.
 pub(crate) fn joins_rows(
     g: &Graph,
     sched: &Schedule,
     root: NodeId,
-    domain: &(Vec<usize>, usize),
+    domain: &RowDomain,
+    reach: RowReach,
 ) -> bool {
     match sched.kinds[root] {
-        Kind::Reduction => row_domain(g, root).as_ref() == Some(domain),
+        Kind::Reduction => row_domain(g, root, reach).as_ref() == Some(domain),
         Kind::Pointwise | Kind::Movement => g.nodes[root].shape == domain.0,
         _ => false,
     }
@@ -82,7 +118,7 @@ pub(crate) fn group_rows<T: Target>(
         let opener = single(&p)
             .map(|(out, _)| out.0)
             .filter(|&r| sched.kinds[r] == Kind::Reduction)
-            .and_then(|r| row_domain(graph, r).map(|d| (r, d)));
+            .and_then(|r| row_domain(graph, r, t.row_reach()).map(|d| (r, d)));
         let Some((first, domain)) = opener else {
             out.push(p);
             continue;
@@ -102,7 +138,7 @@ pub(crate) fn group_rows<T: Target>(
                 pending.extend(rest.next());
                 continue;
             }
-            if !reads_run || !joins_rows(graph, sched, root, &domain) {
+            if !reads_run || !joins_rows(graph, sched, root, &domain, t.row_reach()) {
                 break;
             }
             roots.push(root);
@@ -135,18 +171,31 @@ pub(crate) struct RowLoops {
 }
 
 impl RowLoops {
-    /// The loops of `roots` when they make a row kernel (the first opening the domain, every
-    /// later one joining it).
-    pub(crate) fn of(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<RowLoops> {
-        let domain = row_domain(g, *roots.first()?)?;
-        if !roots[1..].iter().all(|&r| joins_rows(g, sched, r, &domain)) {
+    /// The loops of `roots` when they make a row kernel on a target reaching `reach` (the
+    /// first opening the domain, every later one joining it).
+    pub(crate) fn of(
+        g: &Graph,
+        sched: &Schedule,
+        roots: &[NodeId],
+        reach: RowReach,
+    ) -> Option<RowLoops> {
+        let domain = row_domain(g, *roots.first()?, reach)?;
+        if !roots[1..]
+            .iter()
+            .all(|&r| joins_rows(g, sched, r, &domain, reach))
+        {
             return None;
         }
-        let (shape, d) = domain;
-        let rank = shape.len();
+        let (shape, reduced) = domain;
+        let dims = |keep: bool| {
+            (0..shape.len())
+                .filter(|v| reduced.contains(v) != keep)
+                .map(|v| (v, shape[v]))
+                .collect::<Vec<_>>()
+        };
         Some(RowLoops {
-            kept: (0..rank - d).map(|v| (v, shape[v])).collect(),
-            reduced: (rank - d..rank).map(|v| (v, shape[v])).collect(),
+            kept: dims(true),
+            reduced: dims(false),
             shape,
         })
     }

@@ -12,12 +12,12 @@ use kiln_compile::graph::{Graph, NodeId};
 use super::c::{finish_outputs, loops, parallel_rows, ty, Builder, Kernel, Nest};
 use super::c_horizontal::Threads;
 use super::c_sums::lane_sums;
-use crate::rows::{outputs, passes, Computes, RowLoops};
+use crate::rows::{outputs, passes, Computes, RowLoops, RowReach};
 use crate::schedule::Schedule;
 
 /// The row kernel of `roots`, or `None` when they do not make one (`rows::passes`).
 pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<Kernel> {
-    let row_loops = RowLoops::of(g, sched, roots)?;
+    let row_loops = RowLoops::of(g, sched, roots, RowReach::Any)?;
     let reduced = &row_loops.reduced;
     let mut b = Builder::new(
         g,
@@ -119,6 +119,33 @@ mod tests {
         assert!(src.contains("r0 = ") && src.contains("r1 = "), "{src}");
         let sm = planned_kernels(&TARGET, |a: &[Tensor]| Ok(vec![a[0].softmax(-1)?]), &[x])?;
         assert_eq!(sm.len(), 1, "one kernel");
+        Ok(())
+    }
+
+    /// Batch norm in training over NCHW: each channel is a row (N, H and W reduced, the
+    /// innermost among them), so the mean, the variance and the normalization are one loop nest
+    /// over the channels, shared among threads, each channel's walks in the eager sum's order.
+    /// With fewer channels than `MIN_LOOP_ROWS` they stay three kernels, each parallel on its own.
+    #[test]
+    fn batch_norm_statistics_and_normalization_are_one_loop_nest() -> Result<()> {
+        let bn = |c: usize| -> Result<Vec<(crate::codegen::c::Kernel, usize)>> {
+            let x = Tensor::randn(&[4, c, 5, 7], DType::F32)?;
+            planned_kernels(
+                &TARGET,
+                |a: &[Tensor]| Ok(vec![a[0].batch_norm(None, None, None, true, 1e-5)?]),
+                &[x],
+            )
+        };
+        let k = bn(16)?;
+        assert_eq!(k.len(), 1, "one kernel");
+        assert_eq!(k[0].1, 3, "mean, variance, normalized value");
+        let src = &k[0].0.source;
+        assert!(
+            src.contains("for (int64_t i1 = 0; i1 < 16; i1++)"),
+            "a row per channel\n{src}"
+        );
+        assert_eq!(src.matches("acc[16]").count(), 2, "{src}");
+        assert_eq!(bn(8)?.len(), 3);
         Ok(())
     }
 }

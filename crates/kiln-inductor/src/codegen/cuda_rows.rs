@@ -20,7 +20,7 @@ use kiln_core::prim::Prim;
 
 use super::c::{split_index, ty, Builder};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
-use crate::rows::{outputs, passes, Computes, RowLoops};
+use crate::rows::{outputs, passes, Computes, RowLoops, RowReach};
 use crate::schedule::Schedule;
 
 /// A thread's walk over its row issues the loads of this many elements before it adds the
@@ -73,7 +73,7 @@ pub(super) fn row_kernel(
     sched: &Schedule,
     roots: &[NodeId],
 ) -> Option<CudaKernel> {
-    let loops = RowLoops::of(g, sched, roots)?;
+    let loops = RowLoops::of(g, sched, roots, RowReach::Trailing)?;
     let (rows, cols) = (loops.rows(), loops.cols());
     let group = Group::of(t, rows, cols);
     let (first, stride) = group.walk();

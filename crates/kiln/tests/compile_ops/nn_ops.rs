@@ -21,8 +21,14 @@ fn batch_norm_train_and_eval() {
         (&[2, 3, 2, 4], Lay::S),
         (&[3, 3, 2], Lay::E),
         (&[1, 3, 1, 2], Lay::C),
+        // 16 channels and more: on the CPU each channel is a row of one kernel (statistics,
+        // then normalization), which must sum in the eager order
+        (&[3, 16, 5, 7], Lay::C),
+        (&[2, 17, 3, 4], Lay::S),
+        (&[4, 16, 9], Lay::T),
     ];
     for &(shape, lay) in inputs {
+        let c = shape[1];
         for (training, affine, momentum) in [
             (true, true, 0.1),
             (true, false, 0.3),
@@ -35,7 +41,7 @@ fn batch_norm_train_and_eval() {
             .calls(3)
             .run_stateful(
                 &mut rng,
-                || running_stats(3),
+                move || running_stats(c),
                 move |(mean, var): &(Tensor, Tensor), a: &[Tensor]| {
                     let running = RunningStats {
                         mean,
@@ -48,8 +54,8 @@ fn batch_norm_train_and_eval() {
                 move |r| {
                     let mut v = vec![r.arg(Gen::Normal, shape, lay, true)];
                     if affine {
-                        v.push(r.arg(Gen::Normal, &[3], Lay::C, true));
-                        v.push(r.arg(Gen::Normal, &[3], Lay::C, true));
+                        v.push(r.arg(Gen::Normal, &[c], Lay::C, true));
+                        v.push(r.arg(Gen::Normal, &[c], Lay::C, true));
                     }
                     v
                 },
@@ -64,7 +70,7 @@ fn batch_norm_train_and_eval() {
             move |r| {
                 vec![
                     r.arg(Gen::Normal, shape, lay, true),
-                    r.arg(Gen::Normal, &[3], Lay::C, true),
+                    r.arg(Gen::Normal, &[c], Lay::C, true),
                 ]
             },
         );
