@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::storage::CpuStorage;
+use crate::storage::{CpuStorage, StorageElement};
 use crate::{with_storage, DType, Result, Tensor};
 
 /// Smaller buffers are left to malloc, whose own free lists already keep them warm.
@@ -110,6 +110,17 @@ fn take(dtype: DType, n: usize) -> Option<CpuStorage> {
     }
 }
 
+/// A cached buffer of exactly `n` elements of `T` (`take`), for an eager kernel that writes every
+/// element: its output's pages are then already mapped. `None` below `MIN_BYTES` or on a miss.
+pub(crate) fn take_vec<T: StorageElement>(n: usize) -> Option<Vec<T>> {
+    if n * std::mem::size_of::<T>() < MIN_BYTES {
+        return None;
+    }
+    let mut s = take(T::DTYPE, n)?;
+    // the emptied storage left behind is below MIN_BYTES: dropping it caches nothing
+    T::view_mut(&mut s).map(std::mem::take)
+}
+
 /// Counters of the caching allocator (process-wide).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -117,7 +128,7 @@ pub struct CacheStats {
     pub cached_bytes: usize,
     /// Buffers held for reuse now.
     pub cached_buffers: usize,
-    /// Large `empty` allocations served from the cache / from the system.
+    /// Large `empty` allocations and eager kernel outputs served from the cache / from the system.
     pub hits: u64,
     pub misses: u64,
 }
@@ -196,6 +207,28 @@ mod tests {
         assert_eq!(cache_stats().cached_buffers, before);
         empty_cache();
         assert_eq!(cache_stats().cached_bytes, 0);
+        Ok(())
+    }
+
+    /// An eager elementwise kernel's large output comes from the cache too: a loop that drops
+    /// one result and computes the next writes into pages already mapped.
+    #[test]
+    fn an_eager_kernel_writes_into_a_cached_buffer() -> Result<()> {
+        if limit() == 0 {
+            return Ok(());
+        }
+        let n = MIN_BYTES; // 4 MB of f32
+        let x = Tensor::full(&[n], 1.5, DType::F32)?;
+        let y = x.add(&x)?;
+        // SAFETY: only the address is compared, nothing is read through it
+        let addr = unsafe { y.data_ptr() } as usize;
+        drop(y);
+        let z = x.mul(&x)?;
+        assert_eq!(unsafe { z.data_ptr() } as usize, addr, "reused");
+        assert_eq!(z.to_vec::<f32>()?[n - 1], 2.25);
+        let c = x.gt(1.0)?;
+        let w = Tensor::where_(&c, &z, &x)?;
+        assert_eq!(w.to_vec::<f32>()?[n / 2], 2.25);
         Ok(())
     }
 

@@ -4,33 +4,70 @@
 use rayon::prelude::*;
 
 use super::num::{Float, Num};
-use super::{as_f32, from_f32_like, typed, PAR_THRESHOLD};
+use super::{alloc, as_f32, from_f32_like, typed, PAR_THRESHOLD};
 use crate::prim::{BinaryOp, UnaryOp};
 use crate::storage::{CpuStorage, StorageElement};
 use crate::{DType, Tensor};
 
-fn map<A: Copy + Send + Sync, B: Send>(x: &[A], f: impl Fn(A) -> B + Sync + Send) -> Vec<B> {
-    if x.len() >= PAR_THRESHOLD {
-        x.par_iter().with_min_len(4096).map(|&a| f(a)).collect()
-    } else {
-        x.iter().map(|&a| f(a)).collect()
+/// Elements per parallel task of an elementwise loop.
+const CHUNK: usize = 4096;
+
+/// A new vector of `n` elements, each chunk written by `write(start, chunk)`: in parallel from
+/// `PAR_THRESHOLD` elements, into a buffer from the caching allocator when one of that size is
+/// free (its pages already mapped: a fresh buffer's first writes fault, which costs more than
+/// the loop itself), else collected from `each(i)`.
+fn fill<B: StorageElement + Send>(
+    n: usize,
+    write: impl Fn(usize, &mut [B]) + Sync + Send,
+    each: impl Fn(usize) -> B + Sync + Send,
+) -> Vec<B> {
+    if n < PAR_THRESHOLD {
+        return (0..n).map(each).collect();
+    }
+    match alloc::take_vec::<B>(n) {
+        Some(mut out) => {
+            out.par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(c, o)| write(c * CHUNK, o));
+            out
+        }
+        None => (0..n)
+            .into_par_iter()
+            .with_min_len(CHUNK)
+            .map(each)
+            .collect(),
     }
 }
 
-fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: Send>(
+fn map<A: Copy + Send + Sync, B: StorageElement + Send>(
+    x: &[A],
+    f: impl Fn(A) -> B + Sync + Send,
+) -> Vec<B> {
+    fill(
+        x.len(),
+        |start, o| {
+            for (o, &a) in o.iter_mut().zip(&x[start..]) {
+                *o = f(a);
+            }
+        },
+        |i| f(x[i]),
+    )
+}
+
+fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send>(
     x: &[A],
     y: &[B],
     f: impl Fn(A, B) -> C + Sync + Send,
 ) -> Vec<C> {
-    if x.len() >= PAR_THRESHOLD {
-        x.par_iter()
-            .zip(y.par_iter())
-            .with_min_len(4096)
-            .map(|(&a, &b)| f(a, b))
-            .collect()
-    } else {
-        x.iter().zip(y).map(|(&a, &b)| f(a, b)).collect()
-    }
+    fill(
+        x.len().min(y.len()),
+        |start, o| {
+            for ((o, &a), &b) in o.iter_mut().zip(&x[start..]).zip(&y[start..]) {
+                *o = f(a, b);
+            }
+        },
+        |i| f(x[i], y[i]),
+    )
 }
 
 fn unary_float<T: Float>(op: UnaryOp, x: &[T]) -> Vec<T> {
@@ -130,8 +167,17 @@ pub(super) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> CpuStorage {
 
 pub(super) fn where_(c: &Tensor, a: &Tensor, b: &Tensor) -> CpuStorage {
     fn go<T: StorageElement>(c: &[bool], a: &[T], b: &[T]) -> CpuStorage {
-        let idx: Vec<usize> = (0..c.len()).collect();
-        T::wrap(map(&idx, |i| if c[i] { a[i] } else { b[i] }))
+        let pick = |c: bool, a: T, b: T| if c { a } else { b };
+        T::wrap(fill(
+            c.len(),
+            |start, o| {
+                let abc = a[start..].iter().zip(&b[start..]).zip(&c[start..]);
+                for (o, ((&a, &b), &c)) in o.iter_mut().zip(abc) {
+                    *o = pick(c, a, b);
+                }
+            },
+            |i| pick(c[i], a[i], b[i]),
+        ))
     }
     let (sc, sa, sb) = (c.storage(), a.storage(), b.storage());
     let cond = typed::<bool>(&sc, c.layout());
