@@ -9,6 +9,9 @@
 # There:  bash tools/device_run.sh STEP...   (carry: ["carry"])
 #
 # Steps: gpu_compile gpu_ops cuda_memory compile_ops (the op suite with KILN_TEST_DEVICE=cuda)
+#        compile_ops_mode:MODE (the op suite on the GPU compiled in MODE: reduce-overhead,
+#        max-autotune, max-autotune-no-cudagraphs; one test at a time, since a mode that records
+#        CUDA graphs refuses other threads' work on the device while it records)
 #        cuda_test:NAME (any test binary in carry/gpu with KILN_TEST_DEVICE=cuda, 240 s at most)
 #        bench:WORKLOAD[:MODE] (kiln-bench on cuda; MODE default, reduce-overhead, eager, ...)
 #        quick:WORKLOAD (kiln-bench on cuda with --quick: fewer steps before its cold compile)
@@ -41,6 +44,8 @@ run_step() {
   case $step in
     gpu_compile | gpu_ops | cuda_memory) "$bin/$step" >"$log" 2>&1 ;;
     compile_ops) KILN_TEST_DEVICE=cuda "$bin/compile_ops" >"$log" 2>&1 ;;
+    compile_ops_mode:*) KILN_TEST_DEVICE=cuda KILN_TEST_MODE="${step#compile_ops_mode:}" \
+      timeout 400 "$bin/compile_ops" --test-threads=1 >"$log" 2>&1 ;;
     cuda_test:*) KILN_TEST_DEVICE=cuda timeout 240 "$bin/${step#cuda_test:}" >"$log" 2>&1 ;;
     bert_minilm) "$bin/bert_minilm" >"$log" 2>&1 ;;
     bench:*)

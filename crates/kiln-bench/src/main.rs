@@ -59,16 +59,6 @@ struct Args {
     quick: bool,
 }
 
-fn parse_mode(s: &str) -> Option<Mode> {
-    Some(match s {
-        "default" => Mode::Default,
-        "reduce-overhead" => Mode::ReduceOverhead,
-        "max-autotune" => Mode::MaxAutotune,
-        "max-autotune-no-cudagraphs" => Mode::MaxAutotuneNoCudagraphs,
-        _ => return None,
-    })
-}
-
 fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let mut workload = None;
@@ -82,7 +72,7 @@ fn parse_args() -> Result<Args, String> {
                 if m == "eager" {
                     eager_only = true;
                 } else {
-                    mode = parse_mode(&m).ok_or_else(|| format!("unknown mode {m:?}"))?;
+                    mode = Mode::from_name(&m).ok_or_else(|| format!("unknown mode {m:?}"))?;
                 }
             }
             "--quick" => quick = true,

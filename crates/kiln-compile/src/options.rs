@@ -15,6 +15,16 @@ pub enum Mode {
 }
 
 impl Mode {
+    pub const ALL: [Mode; 4] = [
+        Mode::Default,
+        Mode::ReduceOverhead,
+        Mode::MaxAutotune,
+        Mode::MaxAutotuneNoCudagraphs,
+    ];
+    /// The mode named as torch.compile names it (`as_str`'s inverse).
+    pub fn from_name(name: &str) -> Option<Mode> {
+        Mode::ALL.into_iter().find(|m| m.as_str() == name)
+    }
     pub fn as_str(self) -> &'static str {
         match self {
             Mode::Default => "default",

@@ -15,7 +15,8 @@ use crate::device::{cu_err, CudaDevice};
 static NEXT_GRAPH: AtomicU64 = AtomicU64::new(1);
 
 /// Starts recording `dev`'s stream (relaxed mode: allocating device memory while recording is
-/// allowed, the allocator marks those blocks as the graph's).
+/// allowed, the allocator marks those blocks as the graph's). Until `end`, other threads' work
+/// on the device is refused (`CudaDevice::recorder`).
 pub(crate) fn begin(dev: &Arc<CudaDevice>) -> Result<()> {
     dev.bind()?;
     let mut pool = dev.pool();
@@ -36,6 +37,8 @@ pub(crate) fn begin(dev: &Arc<CudaDevice>) -> Result<()> {
     }
     .map_err(|e| cu_err("cuStreamBeginCapture", dev.ordinal, e))?;
     pool.capturing = Some(NEXT_GRAPH.fetch_add(1, Ordering::Relaxed));
+    dev.recorder
+        .store(crate::device::thread_token(), Ordering::Release);
     Ok(())
 }
 
@@ -45,6 +48,8 @@ pub(crate) fn end(dev: &Arc<CudaDevice>) -> Result<Arc<dyn DeviceGraph>> {
     let id = dev.pool().capturing.take();
     // SAFETY: the stream is being captured (begin succeeded)
     let ended = unsafe { result::stream::end_capture(dev.stream) };
+    // the stream records no more: other threads may queue work again
+    dev.recorder.store(0, Ordering::Release);
     let Some(id) = id else {
         return Err(Error::Device {
             op: "end_capture",

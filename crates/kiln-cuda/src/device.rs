@@ -4,6 +4,7 @@
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{result, sys, DriverError};
@@ -33,6 +34,20 @@ pub struct CudaDevice {
     pub(crate) shared_per_block: u32,
     /// The driver's name for the model ("NVIDIA H100 80GB HBM3"): part of max-autotune's keys.
     pub(crate) name: String,
+    /// The thread recording a CUDA graph from the stream (`capture.rs`, `thread_token`), 0 when
+    /// none. Work another thread queued meanwhile would join the recording (one stream serves
+    /// every thread), so it is refused instead (`bind`, `launch_grid`), as PyTorch's global
+    /// capture mode refuses it.
+    pub(crate) recorder: AtomicU64,
+}
+
+/// A number for the calling thread, never 0 (`CudaDevice::recorder`).
+pub(crate) fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TOKEN.with(|t| *t)
 }
 
 // SAFETY: the raw handles are process-wide driver objects; every use binds the context first and
@@ -122,11 +137,13 @@ impl CudaDevice {
             sm_count: sms.max(1) as u32,
             shared_per_block: shared.max(48 << 10) as u32,
             name,
+            recorder: AtomicU64::new(0),
         })
     }
 
     /// Makes this device's context current on the calling thread (once per thread and device).
     pub(crate) fn bind(&self) -> Result<()> {
+        self.not_recording_elsewhere()?;
         if CURRENT.with(|c| c.get()) != self.ctx {
             // SAFETY: the context is retained for the process
             unsafe { result::ctx::set_current(self.ctx) }
@@ -134,6 +151,24 @@ impl CudaDevice {
             CURRENT.with(|c| c.set(self.ctx));
         }
         Ok(())
+    }
+
+    /// `Err` while another thread records a CUDA graph on this device (`recorder`).
+    fn not_recording_elsewhere(&self) -> Result<()> {
+        match self.recorder.load(Ordering::Acquire) {
+            0 => Ok(()),
+            t if t == thread_token() => Ok(()),
+            _ => Err(Error::Device {
+                op: "cuda",
+                lhs: Device::Cuda(self.ordinal),
+                rhs: Device::Cuda(self.ordinal),
+                msg: "another thread is recording a CUDA graph on this device (the first call of \
+                      a function compiled with Mode::ReduceOverhead or MaxAutotune): work queued \
+                      now would join its recording. Run this after that call returns, or compile \
+                      that function with a mode without CUDA graphs"
+                    .into(),
+            }),
+        }
     }
 
     pub(crate) fn pool(&self) -> MutexGuard<'_, Pool> {
@@ -232,6 +267,7 @@ impl CudaDevice {
         shared: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
+        self.not_recording_elsewhere()?;
         let grid = (grid[0], grid[1], grid[2]);
         // SAFETY: callers pass the argument list the kernel was generated with
         unsafe { result::launch_kernel(f, grid, (block, 1, 1), shared, self.stream, params) }

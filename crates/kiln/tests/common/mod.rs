@@ -254,7 +254,8 @@ pub fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64, of_max: b
 
 /// The options every compiled function here is built with: `CompileOptions::default()` (the default
 /// backend), or the backend named by `$KILN_TEST_BACKEND` (e.g. `aot_eager`), to hold another
-/// backend to the same checks.
+/// backend to the same checks, in the mode named by `$KILN_TEST_MODE` (`reduce-overhead`,
+/// `max-autotune`, ...; default when unset), to hold every mode to them.
 ///
 /// On a GPU, small matmuls stay cuBLAS calls here (`inline_small_matmuls` off): the suite
 /// compares bitwise, and a generated matmul sums in double where cuBLAS rounds in f32. The
@@ -265,9 +266,35 @@ pub fn compile_options() -> CompileOptions {
         Ok(name) if !name.is_empty() => CompileOptions::default().backend(&name),
         _ => CompileOptions::default(),
     };
+    let opts = opts.mode(test_mode());
     match test_device() {
         Device::Cuda(_) => opts.option(kiln::inductor::INLINE_SMALL_MATMULS, "false"),
         _ => opts,
+    }
+}
+
+/// The mode `$KILN_TEST_MODE` names (torch.compile's names), the default mode when unset.
+pub fn test_mode() -> Mode {
+    match std::env::var("KILN_TEST_MODE") {
+        Ok(name) if !name.is_empty() => match Mode::from_name(&name) {
+            Some(m) => m,
+            None => panic!("KILN_TEST_MODE={name:?} names no mode"),
+        },
+        _ => Mode::Default,
+    }
+}
+
+/// The tolerance every comparison gets at least: 0 (bitwise), except on a GPU in a mode that
+/// records CUDA graphs or tunes launch shapes, 1e-5 relative (a few ulps of f32 over these
+/// cases' short sums): max-autotune's tuned launch shapes may split a reduction into other
+/// chunks (its sums add in another order), and while a graph records, cuBLAS may pick another
+/// kernel for a matmul than it runs eagerly (seen: an ulp apart where both operands are
+/// transposed; `gpu_compile`'s `reduce_overhead_matmuls_match_eager`).
+fn mode_tolerance() -> f64 {
+    match (test_device(), test_mode()) {
+        (Device::Cuda(_), Mode::Default) => 0.0,
+        (Device::Cuda(_), _) => 1e-5,
+        _ => 0.0,
     }
 }
 
@@ -295,8 +322,8 @@ impl Case {
     pub fn new(name: impl Into<String>) -> Case {
         Case {
             name: name.into(),
-            fwd_tol: 0.0,
-            grad_tol: 0.0,
+            fwd_tol: mode_tolerance(),
+            grad_tol: mode_tolerance(),
             tol_of_max: false,
             seed: None,
             calls: 2,
@@ -306,7 +333,7 @@ impl Case {
     }
     /// Relative tolerance for forward outputs (default: bitwise).
     pub fn fwd_tol(mut self, t: f64) -> Case {
-        self.fwd_tol = t;
+        self.fwd_tol = t.max(mode_tolerance());
         self
     }
     /// For ops that sum by atomic adds on a GPU (scatter_add, and the backward of gather,
@@ -322,7 +349,7 @@ impl Case {
     }
     /// Relative tolerance for gradients (default: bitwise).
     pub fn grad_tol(mut self, t: f64) -> Case {
-        self.grad_tol = t;
+        self.grad_tol = t.max(mode_tolerance());
         self
     }
     /// The tolerances relative to each compared tensor's largest element.
