@@ -39,13 +39,13 @@ pub trait Target: Sync {
         roots: &[(NodeId, Option<NodeId>)],
     ) -> (Self::Kernel, bool);
     fn reduction(&self, g: &Graph, sched: &Schedule, root: NodeId) -> Self::Kernel;
-    /// One kernel computing `roots` row by row (`codegen/cuda_rows.rs`): a reduction over the
-    /// trailing dims of an operand, then values of that operand's shape and reductions over the
+    /// One kernel computing `roots` row by row (`rows.rs`): a reduction over dims of an operand
+    /// that `row_reach` allows, then values of that operand's shape and reductions over the
     /// same dims that read the earlier ones. `None` where the target has no such kernels.
     fn rows(&self, _g: &Graph, _sched: &Schedule, _roots: &[NodeId]) -> Option<Self::Kernel> {
         None
     }
-    /// Which reductions `rows` takes: those over short trailing rows unless the target says.
+    /// Which reductions open a row kernel (`rows.rs`); only asked where `rows` makes kernels.
     fn row_reach(&self) -> crate::rows::RowReach {
         crate::rows::RowReach::Trailing
     }
@@ -148,9 +148,8 @@ impl Target for C {
             .then(|| crate::codegen::c_rows::row_kernel(g, sched, roots))
             .flatten()
     }
-    /// A row is a loop nest: any reduced dims that end with the innermost (`rows::RowReach`).
     fn row_reach(&self) -> crate::rows::RowReach {
-        crate::rows::RowReach::Any
+        crate::codegen::c_rows::REACH
     }
     fn inline_matmul(&self, dims: MatmulDims) -> bool {
         self.inline_matmul && small_matmul(dims)

@@ -1,8 +1,9 @@
-//! Row kernels, planned alike for both targets: a reduction over the trailing dims of an operand
-//! and the kernels after it that walk the same rows (values of that operand's shape, reductions
-//! over the same dims) reading it, as one kernel that takes a row at a time through every member
-//! (`Target::rows`: `codegen/cuda_rows.rs` a warp per row, `codegen/c_rows.rs` a row per loop
-//! iteration). Layer norm's mean, variance and normalization; softmax's max, sum and division.
+//! Row kernels, planned alike for both targets: a reduction over some dims of an operand (which
+//! ones, the target's `RowReach`) and the kernels after it that walk the same rows (values of
+//! that operand's shape, reductions over the same dims) reading it, as one kernel that takes a
+//! row at a time through every member (`Target::rows`: `codegen/cuda_rows.rs` a warp per row,
+//! `codegen/c_rows.rs` a row per loop iteration). Layer norm's mean, variance and normalization;
+//! softmax's max, sum and division; on the CPU, batch norm's per channel.
 
 use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::Prim;
@@ -53,10 +54,10 @@ pub(crate) fn row_domain(g: &Graph, root: NodeId, reach: RowReach) -> Option<Row
         return None;
     };
     let shape = g.nodes[node.args[0]].shape.clone();
-    let (rank, d) = (shape.len(), dims.len());
     let mut reduced = dims.clone();
     reduced.sort_unstable();
     reduced.dedup();
+    let (rank, d) = (shape.len(), reduced.len());
     let cols: usize = reduced.iter().map(|&v| shape[v]).product();
     let rows: usize = shape.iter().product::<usize>() / cols.max(1);
     let trailing = d > 0 && reduced == ((rank - d)..rank).collect::<Vec<_>>();

@@ -15,43 +15,32 @@ const CHUNK: usize = 4096;
 /// A new vector of `n` elements, each chunk written by `write(start, chunk)`: in parallel from
 /// `PAR_THRESHOLD` elements, into a buffer from the caching allocator when one of that size is
 /// free (its pages already mapped: a fresh buffer's first writes fault, which costs more than
-/// the loop itself), else collected from `each(i)`.
+/// the loop itself), else into a zeroed one.
 fn fill<B: StorageElement + Send>(
     n: usize,
     write: impl Fn(usize, &mut [B]) + Sync + Send,
-    each: impl Fn(usize) -> B + Sync + Send,
 ) -> Vec<B> {
     if n < PAR_THRESHOLD {
-        return (0..n).map(each).collect();
+        let mut out = vec![B::from_f64(0.0); n];
+        write(0, &mut out);
+        return out;
     }
-    match alloc::take_vec::<B>(n) {
-        Some(mut out) => {
-            out.par_chunks_mut(CHUNK)
-                .enumerate()
-                .for_each(|(c, o)| write(c * CHUNK, o));
-            out
-        }
-        None => (0..n)
-            .into_par_iter()
-            .with_min_len(CHUNK)
-            .map(each)
-            .collect(),
-    }
+    let mut out = alloc::take_vec::<B>(n).unwrap_or_else(|| vec![B::from_f64(0.0); n]);
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(c, o)| write(c * CHUNK, o));
+    out
 }
 
 fn map<A: Copy + Send + Sync, B: StorageElement + Send>(
     x: &[A],
     f: impl Fn(A) -> B + Sync + Send,
 ) -> Vec<B> {
-    fill(
-        x.len(),
-        |start, o| {
-            for (o, &a) in o.iter_mut().zip(&x[start..]) {
-                *o = f(a);
-            }
-        },
-        |i| f(x[i]),
-    )
+    fill(x.len(), |start, o| {
+        for (o, &a) in o.iter_mut().zip(&x[start..]) {
+            *o = f(a);
+        }
+    })
 }
 
 fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send>(
@@ -59,15 +48,11 @@ fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send>(
     y: &[B],
     f: impl Fn(A, B) -> C + Sync + Send,
 ) -> Vec<C> {
-    fill(
-        x.len().min(y.len()),
-        |start, o| {
-            for ((o, &a), &b) in o.iter_mut().zip(&x[start..]).zip(&y[start..]) {
-                *o = f(a, b);
-            }
-        },
-        |i| f(x[i], y[i]),
-    )
+    fill(x.len().min(y.len()), |start, o| {
+        for ((o, &a), &b) in o.iter_mut().zip(&x[start..]).zip(&y[start..]) {
+            *o = f(a, b);
+        }
+    })
 }
 
 fn unary_float<T: Float>(op: UnaryOp, x: &[T]) -> Vec<T> {
@@ -167,17 +152,12 @@ pub(super) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> CpuStorage {
 
 pub(super) fn where_(c: &Tensor, a: &Tensor, b: &Tensor) -> CpuStorage {
     fn go<T: StorageElement>(c: &[bool], a: &[T], b: &[T]) -> CpuStorage {
-        let pick = |c: bool, a: T, b: T| if c { a } else { b };
-        T::wrap(fill(
-            c.len(),
-            |start, o| {
-                let abc = a[start..].iter().zip(&b[start..]).zip(&c[start..]);
-                for (o, ((&a, &b), &c)) in o.iter_mut().zip(abc) {
-                    *o = pick(c, a, b);
-                }
-            },
-            |i| pick(c[i], a[i], b[i]),
-        ))
+        T::wrap(fill(c.len(), |start, o| {
+            let abc = a[start..].iter().zip(&b[start..]).zip(&c[start..]);
+            for (o, ((&a, &b), &c)) in o.iter_mut().zip(abc) {
+                *o = if c { a } else { b };
+            }
+        }))
     }
     let (sc, sa, sb) = (c.storage(), a.storage(), b.storage());
     let cond = typed::<bool>(&sc, c.layout());

@@ -15,9 +15,13 @@ use super::c_sums::lane_sums;
 use crate::rows::{outputs, passes, Computes, RowLoops, RowReach};
 use crate::schedule::Schedule;
 
+/// The rows this target walks: a row is a loop nest, so any reduced dims that end with the
+/// innermost.
+pub(crate) const REACH: RowReach = RowReach::Any;
+
 /// The row kernel of `roots`, or `None` when they do not make one (`rows::passes`).
 pub(crate) fn row_kernel(g: &Graph, sched: &Schedule, roots: &[NodeId]) -> Option<Kernel> {
-    let row_loops = RowLoops::of(g, sched, roots, RowReach::Any)?;
+    let row_loops = RowLoops::of(g, sched, roots, REACH)?;
     let reduced = &row_loops.reduced;
     let mut b = Builder::new(
         g,

@@ -482,6 +482,10 @@ impl Target for Cuda {
             .flatten()
     }
 
+    fn row_reach(&self) -> crate::rows::RowReach {
+        super::cuda_rows::REACH
+    }
+
     fn inputs<'k>(&self, k: &'k CudaKernel) -> &'k [NodeId] {
         &k.inputs
     }

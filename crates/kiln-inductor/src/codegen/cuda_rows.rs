@@ -66,6 +66,9 @@ impl Group {
     }
 }
 
+/// The rows this target walks: trailing and short, a warp's or a block's.
+pub(crate) const REACH: RowReach = RowReach::Trailing;
+
 /// The row kernel of `roots`, or `None` when they do not make one (`rows::passes`).
 pub(super) fn row_kernel(
     t: &Cuda,
@@ -73,7 +76,7 @@ pub(super) fn row_kernel(
     sched: &Schedule,
     roots: &[NodeId],
 ) -> Option<CudaKernel> {
-    let loops = RowLoops::of(g, sched, roots, RowReach::Trailing)?;
+    let loops = RowLoops::of(g, sched, roots, REACH)?;
     let (rows, cols) = (loops.rows(), loops.cols());
     let group = Group::of(t, rows, cols);
     let (first, stride) = group.walk();
