@@ -92,9 +92,24 @@ pub fn load(kind: &str, key: u128) -> Option<Vec<u8>> {
     Some(bytes)
 }
 
+/// The record stored under (`kind`, `key`) as `decode` reads its payload, or `None` (absent,
+/// damaged, or a payload `decode` rejects: then removed as damaged).
+pub fn load_decoded<T>(
+    kind: &str,
+    key: u128,
+    decode: impl FnOnce(&[u8]) -> Option<T>,
+) -> Option<T> {
+    let bytes = load(kind, key)?;
+    let value = decode(&bytes);
+    if value.is_none() {
+        forget_damaged(kind, key);
+    }
+    value
+}
+
 /// Removes an entry whose payload could not be used (a bad checksum here, or a payload its
 /// reader rejects), counting it as damaged and as a miss (`load` counted a hit for it).
-pub fn forget_damaged(kind: &str, key: u128) {
+fn forget_damaged(kind: &str, key: u128) {
     let file = path(kind, key);
     logs::emit(Channel::GraphCache, || {
         format!("{kind} damaged, removed: {}", file.display())

@@ -106,12 +106,7 @@ pub fn key(kind: &str, target: &str, graph: &Graph) -> Option<u128> {
 }
 
 pub fn load(kind: &str, key: u128) -> Option<Plan> {
-    let bytes = disk_cache::load(kind, key)?;
-    let plan = decode(&bytes);
-    if plan.is_none() {
-        disk_cache::forget_damaged(kind, key);
-    }
-    plan
+    disk_cache::load_decoded(kind, key, decode)
 }
 
 pub fn store(kind: &str, key: u128, plan: &Plan) {

@@ -74,6 +74,18 @@ fn same(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Outcome {
     Ok(())
 }
 
+/// Each output of `got` equals the one of `want` at its position (`same`), named
+/// `<what> output <k>` in a failure.
+fn same_outputs(what: &str, got: &[Tensor], want: &[Tensor], tol: f64) -> Outcome {
+    if got.len() != want.len() {
+        return Err(format!("{what}: {} outputs vs {}", got.len(), want.len()));
+    }
+    for (k, (g, w)) in got.iter().zip(want).enumerate() {
+        same(&format!("{what} output {k}"), g, w, tol)?;
+    }
+    Ok(())
+}
+
 /// `got` equals `want` within `tol` of `want`'s largest magnitude, element by element.
 fn same_scaled(what: &str, got: &Tensor, want: &Tensor, tol: f64) -> Outcome {
     let scale = want
@@ -727,9 +739,7 @@ fn reduce_overhead_replays_with_new_inputs() -> Outcome {
         let s = Tensor::scalar(call as f32 + 0.5); // a CPU scalar, copied in on every replay
         let got = compiled.call(&[x.clone(), s.clone()]).map_err(err)?;
         let want = f(&[x, s]).map_err(err)?;
-        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-            same(&format!("call {call} output {k}"), g, w, 1e-6)?;
-        }
+        same_outputs(&format!("call {call}"), &got, &want, 1e-6)?;
     }
     let replays = exec_stats().graph_replays - before;
     if replays != 4 {
@@ -764,9 +774,7 @@ fn reduce_overhead_matmuls_match_eager() -> Outcome {
             .map_err(err)?;
         let got = compiled.call(&args).map_err(err)?;
         let want = f(&args).map_err(err)?;
-        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-            same(&format!("call {call} output {k}"), g, w, 1e-6)?;
-        }
+        same_outputs(&format!("call {call}"), &got, &want, 1e-6)?;
     }
     Ok(())
 }

@@ -5,13 +5,11 @@
 //! reach when a row's later walks find it in cache). `tools/torch_norms.py` times PyTorch eager
 //! and torch.compile on the same shapes.
 
-use std::hint::black_box;
-
 use kiln::inductor::with_fresh_cache;
 use kiln::{DType, Tensor};
 
 use super::BenchResult;
-use crate::harness::{once, Ctx};
+use crate::harness::{once, Ctx, Timing};
 
 const W: &str = "norms";
 
@@ -48,6 +46,13 @@ const CASES: &[Norm] = &[
     },
 ];
 
+/// A call's time, and its bandwidth counting `bytes` (one read of the input, one write of the
+/// output).
+fn emit_call(ctx: &mut Ctx, w: &str, variant: &str, t: &Timing, bytes: f64) {
+    ctx.emit(w, variant, "call", t.us(), "us");
+    ctx.emit(w, variant, "bandwidth", bytes / t.s() / 1e9, "GB/s");
+}
+
 pub fn run(ctx: &mut Ctx) -> BenchResult {
     let timer = ctx.timer();
     let mode = ctx.mode_name();
@@ -63,8 +68,7 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
         let (f, w) = (case.f, format!("{W}_{name}"));
         kiln::no_grad(|| -> BenchResult {
             let eager = timer.time(&format!("{name}: eager"), || f(&args))?;
-            ctx.emit(&w, "eager", "call", eager.us(), "us");
-            ctx.emit(&w, "eager", "bandwidth", bytes / eager.s() / 1e9, "GB/s");
+            emit_call(ctx, &w, "eager", &eager, bytes);
             let g = kiln::compile_fn(move |a: &[Tensor]| Ok(vec![f(a)?]), ctx.opts())?;
             let (r, t) =
                 with_fresh_cache(|| once(&format!("{name}: cold compile"), || g.call(&args)));
@@ -78,9 +82,7 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
                 .item::<f32>()?;
             ctx.emit(&w, mode, "max_abs_diff_vs_eager", diff as f64, "abs");
             let t = timer.time(&format!("{name}: compiled"), || g.call(&args))?;
-            black_box(&t);
-            ctx.emit(&w, mode, "call", t.us(), "us");
-            ctx.emit(&w, mode, "bandwidth", bytes / t.s() / 1e9, "GB/s");
+            emit_call(ctx, &w, mode, &t, bytes);
             Ok(())
         })?;
     }

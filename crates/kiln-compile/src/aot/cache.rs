@@ -32,12 +32,7 @@ pub fn key(graph: &Graph, id: &str) -> u128 {
 }
 
 pub fn load(key: u128) -> Option<Split> {
-    let bytes = disk_cache::load(KIND, key)?;
-    let split = decode(&bytes);
-    if split.is_none() {
-        disk_cache::forget_damaged(KIND, key);
-    }
-    split
+    disk_cache::load_decoded(KIND, key, decode)
 }
 
 pub fn store(key: u128, split: &Split) {

@@ -9,7 +9,7 @@ use kiln::inductor::{cache_dir, exec_stats, with_fresh_cache};
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
 use kiln::prelude::*;
 
-use super::{err, params_with_grads, randn, same, Outcome, CUDA};
+use super::{err, params_with_grads, randn, same, same_outputs, Outcome, CUDA};
 
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
     let h = x[0].mul(&x[1])?.tanh()?.add(&x[0])?;
@@ -35,9 +35,7 @@ fn run_chain(mode: Mode) -> Outcome {
             .map_err(err)?;
         let got = compiled.call(&x).map_err(err)?;
         let want = chain(&x).map_err(err)?;
-        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-            same(&format!("{mode:?} call {call} output {k}"), g, w, 1e-6)?;
-        }
+        same_outputs(&format!("{mode:?} call {call}"), &got, &want, 1e-6)?;
     }
     Ok(())
 }
