@@ -171,8 +171,11 @@ fn gather_rows<T: Copy + Send + Sync>(data: &[T], layout: &Layout) -> Vec<T> {
     let (inner, istride) = (layout.shape[rank - 1], layout.strides[rank - 1]);
     let outer = &layout.shape[..rank - 1];
     let rows_per_task = (4096 / inner).max(1);
-    let mut out = vec![data[layout.offset]; layout.numel()];
-    out.par_chunks_mut(rows_per_task * inner)
+    let n = layout.numel();
+    // written once, by the threads: no fill of the whole buffer before
+    let mut out: Vec<T> = Vec::with_capacity(n);
+    out.spare_capacity_mut()[..n]
+        .par_chunks_mut(rows_per_task * inner)
         .enumerate()
         .for_each(|(task, chunk)| {
             for (k, run) in chunk.chunks_mut(inner).enumerate() {
@@ -183,10 +186,12 @@ fn gather_rows<T: Copy + Send + Sync>(data: &[T], layout: &Layout) -> Vec<T> {
                     row /= extent;
                 }
                 for (j, v) in run.iter_mut().enumerate() {
-                    *v = data[at + j * istride];
+                    v.write(data[at + j * istride]);
                 }
             }
         });
+    // SAFETY: the chunks cover the first n slots, and every slot of every run was written
+    unsafe { out.set_len(n) };
     out
 }
 
