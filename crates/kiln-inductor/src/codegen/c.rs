@@ -91,6 +91,12 @@ pub(crate) struct Builder<'a> {
     /// The f32 operands of the sines and cosines computed in the loop body, for the blocks that
     /// check their range (`codegen/c_trig.rs`).
     trig_args: Vec<String>,
+    /// Buffer reads in the loop body (each element's loads, the measure a split into residue
+    /// classes must shrink: `codegen/cuda_residues.rs`).
+    pub(crate) loads: usize,
+    /// (loop variable, divisor) of each division or modulo the body's reads and tests depend
+    /// on (`Ix::residue_vars`): where a split into residue classes may simplify them.
+    pub(crate) residues: Vec<(usize, i64)>,
 }
 
 /// A four-element vector a lane-mode kernel loads before its lanes run.
@@ -143,6 +149,8 @@ impl<'a> Builder<'a> {
             registers: HashMap::default(),
             recompute: Vec::new(),
             trig_args: Vec::new(),
+            loads: 0,
+            residues: Vec::new(),
         }
     }
 
@@ -214,6 +222,10 @@ impl<'a> Builder<'a> {
             Some(v) if !in_place && !invariant => off.quad_in(v).map(|rest| (v, rest)),
             _ => None,
         };
+        if !invariant {
+            self.loads += 1;
+            off.residue_vars(&mut self.residues);
+        }
         let v = if self.lanes_at.as_ref() == Some(&off) {
             let name = self.vector_read(&buf, dtype, "q".into());
             self.temp(dtype, format!("{name}.v[k]"))
@@ -339,24 +351,44 @@ impl<'a> Builder<'a> {
                     self.invariant.insert(fill.clone());
                     return fill;
                 }
+                let fill = float_literal(*value, node.dtype);
                 let mut conds = Vec::new();
                 let mut in_idx = Vec::with_capacity(idx.len());
                 for (d, (i, &(lo, _))) in idx.iter().zip(pads).enumerate() {
                     let j = i.add_const(-(lo as i64));
+                    let n = in_shape[d] as i64;
+                    // whether a side needs a test: the index as read (an outer pad's clamp
+                    // inside it); the test itself: the index unclamped (`Ix::unclamped`)
                     let (bl, bh) = j.bounds(&self.ext);
-                    if bl < 0 {
-                        conds.push(format!("{} >= 0", j.to_c("i")));
-                    }
-                    if bh >= in_shape[d] as i64 {
-                        conds.push(format!("{} < {}", j.to_c("i"), in_shape[d]));
+                    let free = j.unclamped(&self.ext);
+                    for (crosses, below) in [(bl < 0, true), (bh >= n, false)] {
+                        if !crosses {
+                            continue;
+                        }
+                        match free.as_constant() {
+                            Some(c) if (below && c >= 0) || (!below && c < n) => {}
+                            // outside wherever the value is used: the fill
+                            Some(_) => {
+                                self.invariant.insert(fill.clone());
+                                return fill;
+                            }
+                            None => {
+                                free.residue_vars(&mut self.residues);
+                                let e = free.to_c("i");
+                                conds.push(match below {
+                                    true => format!("{e} >= 0"),
+                                    false => format!("{e} < {n}"),
+                                });
+                            }
+                        }
                     }
                     in_idx.push(j);
                 }
                 // the operand's expression (fused, or a load of its buffer): the fill replaces it
                 // outside
                 let load = self.value_held(src, &in_idx);
-                let fill = float_literal(*value, node.dtype);
-                if conds.is_empty() {
+                // an operand that is the fill itself (a pad of a pad wholly outside) needs no test
+                if conds.is_empty() || load == fill {
                     load
                 } else {
                     self.temp(
@@ -550,8 +582,23 @@ pub(crate) struct PointwiseBody<'a> {
     pub(crate) stores: String,
     pub(crate) outputs: Vec<(NodeId, String)>,
     pub(crate) ok: bool,
+    /// The flat output offset an iteration writes, over the loop variables.
+    pub(crate) written: Ix,
 }
 
+/// A residue class of a pointwise kernel's elements: along each dim of `dims` the output index
+/// is `modulus · i<d> + residue`, loop variable `i<d>` running over `0..extent / modulus`
+/// (`codegen/cuda_residues.rs` generates one body per class).
+pub(crate) struct ResidueClass<'r> {
+    pub(crate) dims: &'r [usize],
+    pub(crate) modulus: i64,
+    pub(crate) residues: &'r [i64],
+    /// The kernel's buffer parameters, in order, which every class's body shares (a class may
+    /// read fewer of them).
+    pub(crate) params: &'r [NodeId],
+}
+
+/// The body of one element of a pointwise kernel, each loop variable an output index.
 ///
 /// With `lanes`, the body is one lane `k` of a vector of four consecutive elements: loads at the
 /// written offset read `<buffer>_v.v[k]` and the stores write `<output>_s.v[k]` (the CUDA target
@@ -562,10 +609,32 @@ pub(crate) fn pointwise_body<'a>(
     roots: &[(NodeId, Option<NodeId>)],
     lanes: bool,
 ) -> PointwiseBody<'a> {
+    pointwise_body_in(g, sched, roots, lanes, None)
+}
+
+/// `pointwise_body` over one residue class of the elements (all of them without one). In a
+/// class, a load at the written offset is read like any other (`Builder::lane_var`), as the
+/// offset is no longer the flat vector index.
+pub(crate) fn pointwise_body_in<'a>(
+    g: &'a Graph,
+    sched: &'a Schedule,
+    roots: &[(NodeId, Option<NodeId>)],
+    lanes: bool,
+    class: Option<&ResidueClass<'_>>,
+) -> PointwiseBody<'a> {
     let shape = &g.nodes[roots[0].0].shape;
-    let ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
+    let mut ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
+    let mut idx: Vec<Ix> = (0..shape.len()).map(Ix::var).collect();
+    if let Some(c) = class {
+        for (&d, &r) in c.dims.iter().zip(c.residues) {
+            ext[d] /= c.modulus;
+            idx[d] = Ix::var(d).mul(c.modulus).add_const(r);
+        }
+    }
     let mut b = Builder::new(g, sched, ext);
-    let idx: Vec<Ix> = (0..shape.len()).map(Ix::var).collect();
+    if let Some(c) = class {
+        b.params = c.params.to_vec();
+    }
     let written = linear(&idx, shape);
     // one output keeps the name `out`, so its text (and cached kernel) is what it always was
     let names: Vec<String> = match roots.len() {
@@ -579,7 +648,7 @@ pub(crate) fn pointwise_body<'a>(
         .collect();
     let off = written.to_c("i");
     if lanes {
-        b.lanes_at = Some(written);
+        b.lanes_at = class.is_none().then(|| written.clone());
         // four lanes from a multiple of four share every index variable but the innermost
         let last = shape.len().checked_sub(1);
         b.lane_var = last.filter(|&v| shape[v] % 4 == 0);
@@ -602,6 +671,7 @@ pub(crate) fn pointwise_body<'a>(
         stores,
         outputs,
         ok,
+        written,
     }
 }
 
@@ -616,6 +686,7 @@ fn build_pointwise(
         stores,
         outputs,
         ok,
+        ..
     } = pointwise_body(g, sched, roots, false);
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;

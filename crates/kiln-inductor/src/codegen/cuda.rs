@@ -45,7 +45,7 @@ const UNROLL: usize = 4;
 /// Elements from which a pointwise kernel moves four consecutive elements per load and store
 /// (16 bytes of f32): the size of the accesses, not only their number, decides how much of the
 /// bandwidth a memory-bound kernel reaches.
-const VECTOR_FROM: usize = 4096;
+pub(super) const VECTOR_FROM: usize = 4096;
 
 /// One generated CUDA kernel and how to launch it.
 #[derive(Clone, Debug)]
@@ -394,6 +394,9 @@ impl Target for Cuda {
         let shape = &g.nodes[roots[0].0].shape;
         let numel: usize = shape.iter().product();
         let scalar = pointwise_body(g, sched, roots, false);
+        if let Some(k) = super::cuda_residues::split(self, g, sched, roots, &scalar) {
+            return (k, scalar.ok);
+        }
         let vars: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();
         // one element at flat index `e`, in a scope of its own
         let element = |indent: &str| {

@@ -5,7 +5,7 @@
 //! kernel's order (lane arrays and their fold, long sums in chunks); `c_trig`: pointwise loops over f32
 //! sines and cosines in blocks, inline functions with a check of their range);
 //! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_compile`: graphs planned, built and
-//! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_rows`: reductions over a row and the
+//! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_residues`: pointwise kernels split into residue classes of their output index; `cuda_rows`: reductions over a row and the
 //! values that read them, a warp per row; `cuda_sequential`: a whole small graph in one block; `cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
 //! graph's size-generic kernels in units of their own; `cuda_literals`: a static graph's kernels
@@ -22,6 +22,7 @@ pub mod cuda;
 pub mod cuda_compile;
 pub mod cuda_literals;
 mod cuda_reduce;
+mod cuda_residues;
 pub(crate) mod cuda_rows;
 mod cuda_sequential;
 mod cuda_sizes;

@@ -212,6 +212,61 @@ impl Ix {
         Ix::atom(Atom::Clamp(Box::new(self.clone()), lo, hi))
     }
 
+    /// The index with every clamp removed (`held_in`'s value before it was held), simplified
+    /// again. Where a clamp changes an index, the pad or cat that held it replaces the value read
+    /// there with its fill or another piece, so a *condition* inside that value may be decided
+    /// at the unheld index: it only matters where the two agree. (A load keeps the held index:
+    /// it must stay inside its buffer at every element.) Unheld, a stride-2 window tap's parity
+    /// `(i + 1) % 2` is an affine residue that a split by parity makes constant
+    /// (`codegen/cuda_residues.rs`).
+    pub fn unclamped(&self, ext: &Extents) -> Ix {
+        let mut out = Ix::constant(self.constant);
+        for (k, a) in &self.terms {
+            let free = match a {
+                Atom::Var(_) => Ix::atom(a.clone()),
+                Atom::Div(x, n) => x.unclamped(ext).div(*n, ext),
+                Atom::Mod(x, n) => x.unclamped(ext).rem(*n, ext),
+                Atom::Clamp(x, _, _) => x.unclamped(ext),
+            };
+            out = out.add(&free.mul(*k));
+        }
+        out
+    }
+
+    /// Each (loop variable, divisor) of a division or modulo in the expression whose operand
+    /// moves with that variable by a step the divisor does not divide: the variables whose
+    /// residues the expression depends on.
+    pub fn residue_vars(&self, out: &mut Vec<(usize, i64)>) {
+        for (_, a) in &self.terms {
+            match a {
+                Atom::Var(_) => {}
+                Atom::Div(x, n) | Atom::Mod(x, n) => {
+                    for (k, v) in x.unclamped_var_steps(1) {
+                        if k % n != 0 && !out.contains(&(v, *n)) {
+                            out.push((v, *n));
+                        }
+                    }
+                    x.residue_vars(out);
+                }
+                Atom::Clamp(x, _, _) => x.residue_vars(out),
+            }
+        }
+    }
+
+    /// (step, variable) of each loop variable the expression adds, looking through clamps,
+    /// each step times `scale`.
+    fn unclamped_var_steps(&self, scale: i64) -> Vec<(i64, usize)> {
+        let mut steps = Vec::new();
+        for (k, a) in &self.terms {
+            match a {
+                Atom::Var(v) => steps.push((k * scale, *v)),
+                Atom::Clamp(x, _, _) => steps.extend(x.unclamped_var_steps(k * scale)),
+                Atom::Div(..) | Atom::Mod(..) => {}
+            }
+        }
+        steps
+    }
+
     /// The value at the loop variables `vars` (tests check simplified forms against it).
     #[cfg(test)]
     pub fn eval(&self, vars: &[i64]) -> i64 {
@@ -462,6 +517,31 @@ mod tests {
         // c also inside a clamp beside its unit term
         let clamped = c.add_const(1).held_in(0, 63, &ext);
         assert_eq!(c.add(&clamped.mul(64)).quad_in(3), None);
+    }
+
+    /// A stride-2 tap's parity, `clamp(h + 1) % 2`: unclamped, with `h = 2·j + 1`, a constant;
+    /// its variable and divisor are what the body's residues name, and an index that moves by
+    /// a multiple of the divisor names none.
+    #[test]
+    fn unclamped_parity_is_constant_in_a_residue_class() {
+        let ext = [112];
+        let tap = Ix::var(0).add_const(1).held_in(0, 111, &ext);
+        let parity = tap.rem(2, &ext);
+        assert!(parity.to_c("i").contains("111"));
+        assert_eq!(parity.unclamped(&ext), Ix::var(0).add_const(1).rem(2, &ext));
+        let mut found = Vec::new();
+        parity.residue_vars(&mut found);
+        tap.div(2, &ext).residue_vars(&mut found);
+        assert_eq!(found, vec![(0, 2)]);
+        // the odd rows of 112: h = 2·j + 1, j in 0..56
+        let half = [56];
+        let odd = Ix::var(0).mul(2).add_const(1);
+        let tap = odd.add_const(1).held_in(0, 111, &half);
+        assert_eq!(tap.rem(2, &half).unclamped(&half), Ix::constant(0));
+        assert_eq!(tap.unclamped(&half).div(2, &half).to_c("i"), "i0 + 1");
+        let mut none = Vec::new();
+        Ix::var(0).mul(4).div(2, &half).residue_vars(&mut none);
+        assert!(none.is_empty());
     }
 
     #[test]
