@@ -127,6 +127,18 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         inputs: &[&Tensor],
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>>;
+    /// `execute` as a graph compiled in max-autotune runs it (`tuned`): a runtime may time its
+    /// implementations of the prim at the first call of a shape and keep the fastest (kiln-cuda:
+    /// a GEMM's cuBLASLt algorithms). The result may then differ from `execute`'s by rounding.
+    fn execute_tuned(
+        &self,
+        device: Device,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+    ) -> Result<Arc<dyn DeviceBuffer>> {
+        self.execute(device, prim, inputs, meta)
+    }
     /// Writes `src`'s elements into the positions `dst` addresses (same device, shape, dtype).
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
     /// `assign` for each pair, all on `device`'s runtime, shapes and dtypes already matched
@@ -193,6 +205,24 @@ pub trait DeviceRuntime: Send + Sync + 'static {
             format!("{device}'s runtime cannot record work for replay"),
         ))
     }
+}
+
+thread_local! {
+    static TUNED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the device prims it dispatches executed by `DeviceRuntime::execute_tuned`: how
+/// a graph compiled in max-autotune runs its extern steps (GEMMs).
+pub fn tuned<R>(f: impl FnOnce() -> R) -> R {
+    let prev = TUNED.with(|t| t.replace(true));
+    let out = f();
+    TUNED.with(|t| t.set(prev));
+    out
+}
+
+/// Whether the calling thread is inside `tuned`.
+pub fn is_tuned() -> bool {
+    TUNED.with(|t| t.get())
 }
 
 /// The buffer of a traced (deferred) tensor on a device: it has no memory until the compiled

@@ -24,6 +24,7 @@ mod index_check;
 mod kernels;
 mod matmul;
 mod matmul_lt;
+mod matmul_tune;
 mod nvrtc;
 mod probe;
 mod runtime;
@@ -40,6 +41,7 @@ pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
 pub use matmul_lt::{matmul_epilogue, Epilogue};
+pub use matmul_tune::{gemm_tune_disk_hits, gemms_tuned};
 pub use nvrtc::{kernel_cache_stats, kernel_compile_times};
 
 use device::CudaDevice;

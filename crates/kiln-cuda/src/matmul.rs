@@ -40,16 +40,16 @@ fn blas_err(what: &str, dev: usize, e: impl std::fmt::Debug) -> Error {
 }
 
 /// How a matrix operand is read: pointer, leading dimension, transposed?, batch stride.
-struct Mat {
-    ptr: u64,
-    ld: i32,
-    trans: bool,
-    batch_stride: i64,
+pub(crate) struct Mat {
+    pub(crate) ptr: u64,
+    pub(crate) ld: i32,
+    pub(crate) trans: bool,
+    pub(crate) batch_stride: i64,
     _keep: Option<CudaBuffer>,
 }
 
 /// `rows x cols` matrices at `layout` (rank 3): row-major or transposed in place, else a copy.
-fn operand(dev: &Arc<CudaDevice>, buf: &CudaBuffer, l: &Layout) -> Result<Mat> {
+pub(crate) fn operand(dev: &Arc<CudaDevice>, buf: &CudaBuffer, l: &Layout) -> Result<Mat> {
     let (b, r, c) = (l.shape[0], l.shape[1], l.shape[2]);
     let st = &l.strides;
     let bs = if b == 1 { 0 } else { st[0] as i64 };

@@ -8,7 +8,7 @@
 //! variant's name. TF32 follows `set_allow_tf32`, as cuBLAS matmul does.
 
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
 use kiln_core::shape::Layout;
@@ -55,12 +55,12 @@ impl Epilogue {
 }
 
 /// A device's cuBLASLt handle.
-pub(crate) struct LtHandle(ltsys::cublasLtHandle_t);
+pub(crate) struct LtHandle(pub(crate) ltsys::cublasLtHandle_t);
 // SAFETY: used only under the device's mutex
 unsafe impl Send for LtHandle {}
 
 /// Workspace offered to cuBLASLt's heuristics (cuBLAS's own default on Hopper is 32 MiB).
-const WORKSPACE: usize = 32 << 20;
+pub(crate) const WORKSPACE: usize = 32 << 20;
 
 const OP: &str = "matmul_epilogue";
 
@@ -217,11 +217,37 @@ fn operand(dev: &Arc<CudaDevice>, buf: &CudaBuffer, l: &Layout) -> Result<Operan
     })
 }
 
-/// Descriptors destroyed on every path out of `run`.
-struct Descs {
-    matmul: ltsys::cublasLtMatmulDesc_t,
-    layouts: Vec<ltsys::cublasLtMatrixLayout_t>,
-    pref: ltsys::cublasLtMatmulPreference_t,
+/// Descriptors destroyed on every path out of a GEMM (null until created).
+pub(crate) struct Descs {
+    pub(crate) matmul: ltsys::cublasLtMatmulDesc_t,
+    pub(crate) layouts: Vec<ltsys::cublasLtMatrixLayout_t>,
+    pub(crate) pref: ltsys::cublasLtMatmulPreference_t,
+}
+
+impl Default for Descs {
+    fn default() -> Self {
+        Descs {
+            matmul: std::ptr::null_mut(),
+            layouts: Vec::new(),
+            pref: std::ptr::null_mut(),
+        }
+    }
+}
+
+/// The device's cuBLASLt handle (created at its first use), its mutex held by the guard.
+pub(crate) fn lt_handle(
+    dev: &CudaDevice,
+) -> Result<(MutexGuard<'_, Option<LtHandle>>, ltsys::cublasLtHandle_t)> {
+    dev.bind()?;
+    let mut guard = dev.cublaslt.lock().unwrap_or_else(|x| x.into_inner());
+    if guard.is_none() {
+        let h = lt::create_handle().map_err(|x| lt_err(dev.ordinal, "create", x))?;
+        *guard = Some(LtHandle(h));
+    }
+    match guard.as_ref().map(|h| h.0) {
+        Some(h) => Ok((guard, h)),
+        None => Err(lt_err(dev.ordinal, "handle", "missing")),
+    }
 }
 
 impl Drop for Descs {
@@ -241,7 +267,7 @@ impl Drop for Descs {
     }
 }
 
-fn set_desc<T>(
+pub(crate) fn set_desc<T>(
     d: ltsys::cublasLtMatmulDesc_t,
     attr: ltsys::cublasLtMatmulDescAttributes_t,
     v: &T,
@@ -285,19 +311,8 @@ fn run(
         }
         None => 0,
     };
-    dev.bind()?;
-    let mut guard = dev.cublaslt.lock().unwrap_or_else(|x| x.into_inner());
-    if guard.is_none() {
-        *guard = Some(LtHandle(lt::create_handle().map_err(e("create"))?));
-    }
-    let Some(handle) = guard.as_ref().map(|h| h.0) else {
-        return Err(lt_err(o, "handle", "missing"));
-    };
-    let mut d = Descs {
-        matmul: std::ptr::null_mut(),
-        layouts: Vec::new(),
-        pref: std::ptr::null_mut(),
-    };
+    let (_guard, handle) = lt_handle(dev)?;
+    let mut d = Descs::default();
     d.matmul =
         lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
     let op = |t: bool| {

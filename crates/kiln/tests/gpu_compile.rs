@@ -1024,7 +1024,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 27] = [
+    let tests: [(&str, Check); 28] = [
         (
             "reduce_overhead_matmuls_match_eager",
             reduce_overhead_matmuls_match_eager,
@@ -1054,6 +1054,10 @@ fn main() {
         (
             "max_autotune_tunes_once_and_persists",
             autotune::max_autotune_tunes_once_and_persists,
+        ),
+        (
+            "max_autotune_times_gemm_algorithms",
+            autotune::max_autotune_times_gemm_algorithms,
         ),
         ("dynamic_sizes_share_kernels", dynamic_sizes_share_kernels),
         (

@@ -219,7 +219,7 @@ fn compile_graphs(
     };
     prepared
         .into_iter()
-        .map(|p| finish(p, &loaded, device, device_key, flags.cuda_graphs))
+        .map(|p| finish(p, &loaded, device, device_key, &flags))
         .collect()
 }
 
@@ -290,13 +290,14 @@ fn prepare(
 }
 
 /// The executor of a prepared graph on `device`, its kernels taken from `loaded` (by name);
-/// recorded as a CUDA graph with `cuda_graphs`.
+/// recorded as a CUDA graph with `flags.cuda_graphs`; with `flags.autotune` its extern steps
+/// run tuned (`kiln_core::device::tuned`: a GEMM's fastest cuBLASLt algorithm).
 fn finish(
     p: Prepared,
     loaded: &HashMap<String, Arc<dyn DeviceKernel>>,
     device: Device,
     device_key: Option<&str>,
-    cuda_graphs: bool,
+    flags: &CudaFlags,
 ) -> Result<Arc<dyn CompiledGraph>> {
     let handle = |name: &str| {
         loaded.get(name).cloned().ok_or_else(|| {
@@ -349,8 +350,16 @@ fn finish(
                 })
             })
         })
+        .map(|step| {
+            step.map(|mut e| {
+                if let crate::runtime::exec::Exec::Extern { tuned, .. } = &mut e {
+                    *tuned = flags.autotune;
+                }
+                e
+            })
+        })
         .collect::<Result<Vec<_>>>()?;
-    Ok(match cuda_graphs {
+    Ok(match flags.cuda_graphs {
         true => {
             let compiled = Arc::new(CompiledCpu::new(graph.clone(), steps));
             Arc::new(CudaGraphed::new(compiled, &graph))

@@ -51,6 +51,8 @@ pub enum Exec {
     },
     Extern {
         node: NodeId,
+        /// Run through `kiln_core::device::tuned` (max-autotune: a GEMM's fastest algorithm).
+        tuned: bool,
     },
 }
 
@@ -78,7 +80,7 @@ impl CompiledCpu {
                         _ => None,
                     }))
                     .collect(),
-                Exec::Extern { node } => graph.nodes[*node].args.clone(),
+                Exec::Extern { node, .. } => graph.nodes[*node].args.clone(),
             };
             for r in reads {
                 last[r] = s;
@@ -207,7 +209,7 @@ impl CompiledCpu {
                         vals[node] = Some(t);
                     }
                 }
-                Exec::Extern { node } => {
+                Exec::Extern { node, tuned } => {
                     let n = &g.nodes[*node];
                     let Op::Prim(p) = &n.op else { continue };
                     let args: Vec<Tensor> = n
@@ -218,7 +220,10 @@ impl CompiledCpu {
                     let refs: Vec<&Tensor> = args.iter().collect();
                     let p = rand_at(p, seed, base);
                     // a device graph computes everything on its device (see `Graph::device`)
-                    vals[*node] = Some(apply_on(p, &refs, self.device)?);
+                    vals[*node] = Some(match tuned {
+                        true => kiln_core::device::tuned(|| apply_on(p, &refs, self.device))?,
+                        false => apply_on(p, &refs, self.device)?,
+                    });
                 }
             }
             for &id in &self.free_after[s] {

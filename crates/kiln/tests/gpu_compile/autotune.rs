@@ -130,3 +130,101 @@ pub fn max_autotune_tunes_once_and_persists() -> Outcome {
     }
     Ok(())
 }
+
+/// Linear layers and a batched matmul with a transposed operand: GEMMs large enough to stay
+/// extern (cuBLAS), three shapes.
+fn gemms(x: &[Tensor]) -> Result<Vec<Tensor>> {
+    let h = x[0].matmul(&x[1])?.relu()?;
+    let y = h.matmul(&x[2].t()?)?;
+    let z = x[3].matmul(&x[4].transpose(-1, -2)?)?;
+    Ok(vec![y, z])
+}
+
+/// Each output of `got` within `tol` of `want`'s, relative to `want`'s largest element: a tuned
+/// GEMM sums in its algorithm's order, and an element whose terms cancel carries the rounding of
+/// the largest terms.
+fn close_to_largest(what: &str, got: &[Tensor], want: &[Tensor], tol: f64) -> Outcome {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.to_vec_f64().map_err(err)?, w.to_vec_f64().map_err(err)?);
+        let largest = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let worst = g
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f64, f64::max);
+        if g.len() != w.len() || worst > tol * largest {
+            return Err(format!(
+                "{what} output {i}: differs by {worst:e} (largest {largest:e}, tolerance {tol:e})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Three calls of `gemms` compiled in `mode` against eager, to rounding (`close_to_largest`).
+fn run_gemms(mode: Mode) -> Outcome {
+    let compiled = kiln::compile_fn(
+        gemms,
+        CompileOptions {
+            mode,
+            ..Default::default()
+        },
+    )
+    .map_err(err)?;
+    let shapes: [&[usize]; 5] = [
+        &[256, 512],
+        &[512, 384],
+        &[128, 384],
+        &[8, 64, 96],
+        &[8, 80, 96],
+    ];
+    for call in 0..3u64 {
+        let x: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| randn(s, 500 + 10 * call + i as u64)?.to(CUDA))
+            .collect::<Result<_>>()
+            .map_err(err)?;
+        let got = compiled.call(&x).map_err(err)?;
+        let want = gemms(&x).map_err(err)?;
+        close_to_largest(&format!("{mode:?} gemms call {call}"), &got, &want, 1e-5)?;
+    }
+    Ok(())
+}
+
+/// max-autotune times cuBLASLt's algorithms for each GEMM shape once, writes the choices, and a
+/// later scope over the same cache folder (a new process's view) reads them instead of timing.
+pub fn max_autotune_times_gemm_algorithms() -> Outcome {
+    use kiln::cuda::{gemm_tune_disk_hits, gemms_tuned};
+    for mode in [Mode::MaxAutotune, Mode::MaxAutotuneNoCudagraphs] {
+        with_fresh_cache(|| -> Outcome {
+            let before = gemms_tuned();
+            run_gemms(mode)?;
+            let timed = gemms_tuned() - before;
+            if timed != 3 {
+                return Err(format!("{mode:?}: {timed} GEMM shapes timed, want 3"));
+            }
+            let dir = cache_dir();
+            let files = std::fs::read_dir(dir.join("gemm"))
+                .map_err(|e| format!("{}: {e}", dir.display()))?
+                .filter_map(|f| f.ok())
+                .filter(|f| f.path().extension().is_some_and(|e| e == "txt"))
+                .count();
+            if files != 3 {
+                return Err(format!("{mode:?}: {files} GEMM choice files, want 3"));
+            }
+            kiln::reset();
+            let (timed, hits) = (gemms_tuned(), gemm_tune_disk_hits());
+            kiln::core::cache::with_root(dir, || run_gemms(mode))?;
+            if gemms_tuned() != timed || gemm_tune_disk_hits() - hits != 3 {
+                return Err(format!(
+                    "{mode:?}: a new scope timed {} shapes and read {} choices, want 0 and 3",
+                    gemms_tuned() - timed,
+                    gemm_tune_disk_hits() - hits
+                ));
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}

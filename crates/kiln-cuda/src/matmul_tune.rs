@@ -1,0 +1,469 @@
+//! max-autotune's GEMMs: `[B,M,K] x [B,K,N]` with the fastest of cuBLAS's default GEMM and the
+//! algorithms cuBLASLt's heuristics offer for the shape (up to `CANDIDATES`), each timed on the
+//! call's own operands the first time a shape is seen. The choice is kept for the process and written to disk
+//! (`cache_root()/gemm/<key>.txt`, keyed by the shape, the operands' layouts, the dtype,
+//! the math mode, the device model and the cuBLASLt version, with a checksum, atomically), so a
+//! later process runs it without timing. A choice read from disk is checked by cuBLASLt
+//! (`cublasLtMatmulAlgoCheck`) before it is used; one it refuses, or a damaged file, is timed
+//! again. While the device records a CUDA graph nothing can be timed: a shape not timed in the
+//! current cache scope takes a choice timed in another scope of the process, else cuBLAS's default
+//! algorithm (`matmul::matmul`), as eager execution does.
+//!
+//! The algorithms compute the same sums in different orders, so a tuned GEMM agrees with eager
+//! execution to rounding, not bit for bit (PyTorch's max-autotune likewise picks among GEMM
+//! implementations by time).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use cudarc::cublaslt::{result as lt, sys as ltsys};
+use kiln_core::shape::Layout;
+use kiln_core::{DType, Device, Error, Result};
+
+use crate::buffer::CudaBuffer;
+use crate::device::CudaDevice;
+use crate::matmul::{allow_tf32, operand, Mat};
+use crate::matmul_lt::{lt_handle, set_desc, Descs, LtHandle, WORKSPACE};
+
+/// Algorithms asked of cuBLASLt's heuristics and timed per shape.
+const CANDIDATES: usize = 8;
+/// Timed runs per algorithm, after one untimed run.
+const REPS: usize = 5;
+
+const OP: &str = "matmul (max-autotune)";
+
+static TIMED: AtomicUsize = AtomicUsize::new(0);
+static DISK_HITS: AtomicUsize = AtomicUsize::new(0);
+
+/// GEMM shapes this process timed algorithms for (max-autotune).
+pub fn gemms_tuned() -> usize {
+    TIMED.load(Ordering::Relaxed)
+}
+
+/// GEMM shapes whose algorithm this process read from the disk cache instead of timing.
+pub fn gemm_tune_disk_hits() -> usize {
+    DISK_HITS.load(Ordering::Relaxed)
+}
+
+/// What a choice is for: the device, the element type and math mode, the sizes, and how each
+/// operand's matrices lie in memory (transposed?, leading dimension, batch stride).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    /// The fresh-cache scope (`kiln_core::cache::scope_id`): a cold compile measured in one
+    /// finds no choice of the process's made outside it.
+    scope: u64,
+    ordinal: usize,
+    dtype: DType,
+    tf32: bool,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: (bool, i32, i64),
+    b: (bool, i32, i64),
+}
+
+/// A cuBLASLt algorithm and the workspace it asked for, or (`algo: None`) cuBLAS's own GEMM as
+/// eager execution runs it, which is timed among the candidates, so tuning never picks something
+/// slower than the default.
+#[derive(Clone, Copy)]
+struct Choice {
+    algo: Option<ltsys::cublasLtMatmulAlgo_t>,
+    workspace: usize,
+}
+
+fn table() -> &'static Mutex<HashMap<Key, Choice>> {
+    static TABLE: OnceLock<Mutex<HashMap<Key, Choice>>> = OnceLock::new();
+    TABLE.get_or_init(Default::default)
+}
+
+fn lt_err(dev: usize, what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device {
+        op: OP,
+        lhs: Device::Cuda(dev),
+        rhs: Device::Cuda(dev),
+        msg: format!("cuBLASLt {what} failed: {e:?}"),
+    }
+}
+
+/// `out = a @ b` for f32, f16 or bf16 operands with the algorithm timed fastest for the shape
+/// (timed now when it has not been). Other dtypes, empty products and a shape first seen while
+/// the device records run `matmul::matmul`.
+pub(crate) fn matmul_tuned(
+    dev: &Arc<CudaDevice>,
+    (a, la): (&CudaBuffer, &Layout),
+    (b, lb): (&CudaBuffer, &Layout),
+    out: &CudaBuffer,
+) -> Result<()> {
+    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
+    let dims_fit = [batch, m, n, k].iter().all(|&x| x <= i32::MAX as usize);
+    if !matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16)
+        || batch * m * n * k == 0
+        || !dims_fit
+    {
+        return crate::matmul::matmul(dev, (a, la), (b, lb), out);
+    }
+    let ma = operand(dev, a, la)?;
+    let mb = operand(dev, b, lb)?;
+    let key = Key {
+        scope: kiln_core::cache::scope_id(),
+        ordinal: dev.ordinal,
+        dtype: a.dtype,
+        tf32: a.dtype == DType::F32 && allow_tf32(),
+        batch,
+        m,
+        n,
+        k,
+        a: (ma.trans, ma.ld, ma.batch_stride),
+        b: (mb.trans, mb.ld, mb.batch_stride),
+    };
+    let recording = dev.recorder.load(Ordering::Acquire) != 0;
+    let known = {
+        let t = table().lock().unwrap_or_else(|e| e.into_inner());
+        match t.get(&key) {
+            Some(c) => Some(*c),
+            // nothing can be timed while recording: a choice timed in another cache scope of
+            // this process (a cold compile measured in a fresh one) serves
+            None if recording => t
+                .iter()
+                .find(|(k, _)| {
+                    Key {
+                        scope: key.scope,
+                        ..**k
+                    } == key
+                })
+                .map(|(_, c)| *c),
+            None => None,
+        }
+    };
+    if known.is_none() && recording {
+        return crate::matmul::matmul(dev, (a, la), (b, lb), out);
+    }
+    let plain = || crate::matmul::matmul(dev, (a, la), (b, lb), out);
+    let gemm = Gemm::new(dev, &key, &ma, &mb, out, &plain)?;
+    let choice = match known {
+        Some(c) => c,
+        None => {
+            let c = match gemm.read_choice(&key) {
+                Some(c) => {
+                    DISK_HITS.fetch_add(1, Ordering::Relaxed);
+                    c
+                }
+                None => {
+                    let c = gemm.fastest()?;
+                    TIMED.fetch_add(1, Ordering::Relaxed);
+                    gemm.write_choice(&key, &c);
+                    c
+                }
+            };
+            table()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, c);
+            c
+        }
+    };
+    gemm.run(&choice)
+}
+
+/// One GEMM's cuBLASLt descriptors over the call's operands.
+struct Gemm<'a> {
+    dev: &'a Arc<CudaDevice>,
+    /// The device's cuBLASLt handle, held (its mutex locked) while the GEMM is set up and run.
+    _lock: MutexGuard<'a, Option<LtHandle>>,
+    handle: ltsys::cublasLtHandle_t,
+    d: Descs,
+    first: u64,
+    second: u64,
+    out: u64,
+    /// cuBLAS's default GEMM of the same operands (`Choice::algo` `None`).
+    plain: &'a dyn Fn() -> Result<()>,
+}
+
+impl<'a> Gemm<'a> {
+    fn new(
+        dev: &'a Arc<CudaDevice>,
+        key: &Key,
+        ma: &Mat,
+        mb: &Mat,
+        out: &CudaBuffer,
+        plain: &'a dyn Fn() -> Result<()>,
+    ) -> Result<Gemm<'a>> {
+        let o = dev.ordinal;
+        let e = |what: &'static str| move |x| lt_err(o, what, x);
+        let data = match key.dtype {
+            DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
+            DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
+            _ => ltsys::cudaDataType::CUDA_R_16BF,
+        };
+        let compute = match key.tf32 {
+            true => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            false => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let (lock, handle) = lt_handle(dev)?;
+        let mut d = Descs::default();
+        d.matmul =
+            lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
+        let op = |t: bool| match t {
+            true => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+            false => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+        };
+        use ltsys::cublasLtMatmulDescAttributes_t::*;
+        // row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: cuBLASLt's first operand is `b`
+        set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(mb.trans)).map_err(e("transa"))?;
+        set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(ma.trans)).map_err(e("transb"))?;
+        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
+        // each stored matrix as (rows, cols) column-major, before its transpose
+        let stored = |trans: bool, rows: u64, cols: u64| match trans {
+            true => (cols, rows),
+            false => (rows, cols),
+        };
+        let layouts = [
+            (stored(mb.trans, n, k), mb.ld as i64, mb.batch_stride),
+            (stored(ma.trans, k, m), ma.ld as i64, ma.batch_stride),
+            ((n, m), n as i64, (key.m * key.n) as i64),
+        ];
+        for ((rows, cols), ld, stride) in layouts {
+            let l = lt::create_matrix_layout(data, rows, cols, ld).map_err(e("layout"))?;
+            d.layouts.push(l);
+            if key.batch > 1 {
+                use ltsys::cublasLtMatrixLayoutAttribute_t::*;
+                let count = key.batch as i32;
+                // SAFETY: a live layout; each value has its attribute's type and size
+                unsafe {
+                    lt::set_matrix_layout_attribute(
+                        l,
+                        CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                        (&count as *const i32).cast(),
+                        std::mem::size_of::<i32>(),
+                    )
+                    .map_err(e("batch count"))?;
+                    lt::set_matrix_layout_attribute(
+                        l,
+                        CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                        (&stride as *const i64).cast(),
+                        std::mem::size_of::<i64>(),
+                    )
+                    .map_err(e("batch stride"))?;
+                }
+            }
+        }
+        d.pref = lt::create_matmul_pref().map_err(e("preference"))?;
+        let ws_limit = WORKSPACE as u64;
+        // SAFETY: a live preference; the value is a u64 as the attribute requires
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                d.pref,
+                ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws_limit as *const u64).cast(),
+                std::mem::size_of::<u64>(),
+            )
+        }
+        .map_err(e("preference"))?;
+        Ok(Gemm {
+            dev,
+            _lock: lock,
+            handle,
+            d,
+            first: mb.ptr,
+            second: ma.ptr,
+            out: out.ptr,
+            plain,
+        })
+    }
+
+    /// The algorithms cuBLASLt's heuristics offer, best guess first.
+    fn candidates(&self) -> Result<Vec<ltsys::cublasLtMatmulHeuristicResult_t>> {
+        let l = &self.d.layouts;
+        // SAFETY: zeroed plain data, filled by cuBLASLt
+        let mut results: Vec<ltsys::cublasLtMatmulHeuristicResult_t> =
+            vec![unsafe { std::mem::zeroed() }; CANDIDATES];
+        let mut count = 0;
+        // SAFETY: live handle and descriptors; `results` holds CANDIDATES entries
+        unsafe {
+            ltsys::cublasLtMatmulAlgoGetHeuristic(
+                self.handle,
+                self.d.matmul,
+                l[0],
+                l[1],
+                l[2],
+                l[2],
+                self.d.pref,
+                CANDIDATES as i32,
+                results.as_mut_ptr(),
+                &mut count,
+            )
+        }
+        .result()
+        .map_err(|x| lt_err(self.dev.ordinal, "heuristic", x))?;
+        results.truncate(count.max(0) as usize);
+        results.retain(|r| r.state == ltsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS);
+        Ok(results)
+    }
+
+    /// Times each candidate on the call's operands (its output written each run) and returns the
+    /// fastest.
+    fn fastest(&self) -> Result<Choice> {
+        let device = Device::Cuda(self.dev.ordinal);
+        let mut best: Option<(f32, Choice)> = None;
+        let default = Choice {
+            algo: None,
+            workspace: 0,
+        };
+        // a shape cuBLASLt's heuristics refuse is left to the default
+        let offered = self
+            .candidates()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| Choice {
+                algo: Some(r.algo),
+                workspace: r.workspaceSize,
+            });
+        for c in std::iter::once(default).chain(offered) {
+            // an algorithm that fails to launch is skipped, not fatal
+            if self.run(&c).is_err() {
+                continue;
+            }
+            let start = crate::event::Event::record(device)?;
+            for _ in 0..REPS {
+                self.run(&c)?;
+            }
+            let ms = start.elapsed_ms(&crate::event::Event::record(device)?)?;
+            if best.as_ref().map_or(true, |(t, _)| ms < *t) {
+                best = Some((ms, c));
+            }
+        }
+        best.map(|(_, c)| c)
+            .ok_or_else(|| lt_err(self.dev.ordinal, "heuristic", "no algorithm ran"))
+    }
+
+    /// `out = a @ b` with `c`'s algorithm, queued on the device's stream.
+    fn run(&self, c: &Choice) -> Result<()> {
+        let Some(algo) = &c.algo else {
+            return (self.plain)();
+        };
+        let l = &self.d.layouts;
+        let ws = match c.workspace {
+            0 => None,
+            bytes => Some(self.dev.alloc(bytes, DType::U8)?),
+        };
+        let (one, zero) = (1f32, 0f32);
+        self.dev.bind()?;
+        // SAFETY: the pointers address live buffers of the sizes the layouts describe; beta is 0,
+        // so C (given as D) is not read; queued on the device's stream
+        unsafe {
+            lt::matmul(
+                self.handle,
+                self.d.matmul,
+                (&one as *const f32).cast(),
+                (&zero as *const f32).cast(),
+                self.first as *const c_void,
+                l[0],
+                self.second as *const c_void,
+                l[1],
+                self.out as *const c_void,
+                l[2],
+                self.out as *mut c_void,
+                l[2],
+                algo,
+                ws.as_ref()
+                    .map_or(std::ptr::null_mut(), |w| w.ptr as *mut c_void),
+                c.workspace,
+                self.dev.stream as ltsys::cudaStream_t,
+            )
+        }
+        .map_err(|x| lt_err(self.dev.ordinal, "matmul", x))
+    }
+
+    /// The choice kept on disk for `key`, if its checksum holds and cuBLASLt accepts it for these
+    /// descriptors.
+    fn read_choice(&self, key: &Key) -> Option<Choice> {
+        let (path, sum_path) = self.entry(key);
+        let text = std::fs::read(&path).ok()?;
+        let want = std::fs::read_to_string(&sum_path).ok()?;
+        if crate::nvrtc::checksum(&text) != want.trim() {
+            return None;
+        }
+        let text = std::str::from_utf8(&text).ok()?;
+        if text == "default" {
+            return Some(Choice {
+                algo: None,
+                workspace: 0,
+            });
+        }
+        let words: Vec<u64> = text
+            .split_whitespace()
+            .map(|w| u64::from_str_radix(w, 16).ok())
+            .collect::<Option<_>>()?;
+        let (data, workspace) = (words.get(..8)?, *words.get(8)? as usize);
+        let mut algo = ltsys::cublasLtMatmulAlgo_t { data: [0; 8] };
+        algo.data.copy_from_slice(data);
+        let l = &self.d.layouts;
+        // SAFETY: zeroed plain data, filled by cuBLASLt
+        let mut check: ltsys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        // SAFETY: live handle and descriptors; `algo` came from this cuBLASLt version's output
+        let ok = unsafe {
+            ltsys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                self.d.matmul,
+                l[0],
+                l[1],
+                l[2],
+                l[2],
+                &algo,
+                &mut check,
+            )
+        };
+        let fits = check.workspaceSize <= workspace && workspace <= WORKSPACE;
+        (ok == ltsys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && fits).then_some(Choice {
+            algo: Some(algo),
+            workspace,
+        })
+    }
+
+    /// Writes `c` for `key`. A cache folder that cannot be written only costs the next process
+    /// its timing.
+    fn write_choice(&self, key: &Key, c: &Choice) {
+        let (path, sum_path) = self.entry(key);
+        let text = match &c.algo {
+            None => "default".to_string(),
+            Some(algo) => {
+                let mut words: Vec<String> =
+                    algo.data.iter().map(|w| format!("{w:016x}")).collect();
+                words.push(format!("{:x}", c.workspace));
+                words.join(" ")
+            }
+        };
+        if let Some(dir) = path.parent() {
+            let _ = crate::nvrtc::store(dir, &path, &sum_path, text.as_bytes());
+        }
+    }
+
+    /// Where `key`'s choice is kept, and its checksum: named by the key (the device's model in
+    /// place of its ordinal, no scope) and cuBLASLt's version.
+    fn entry(&self, key: &Key) -> (PathBuf, PathBuf) {
+        let dev = self.dev;
+        // SAFETY: a plain query of the loaded library
+        let version = unsafe { ltsys::cublasLtGetVersion() };
+        let key = Key {
+            scope: 0,
+            ordinal: 0,
+            ..*key
+        };
+        let name = crate::nvrtc::checksum(
+            format!(
+                "{key:?}|{} {} {}sm|cublasLt {version}",
+                dev.name, dev.arch, dev.sm_count
+            )
+            .as_bytes(),
+        );
+        let dir = kiln_core::cache::cache_root().join("gemm");
+        (
+            dir.join(format!("{name}.txt")),
+            dir.join(format!("{name}.txt.xxh3")),
+        )
+    }
+}
