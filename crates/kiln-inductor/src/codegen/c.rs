@@ -163,6 +163,11 @@ impl<'a> Builder<'a> {
         std::mem::take(&mut self.body)
     }
 
+    /// Whether the body computes f32 sines or cosines (`codegen/c_trig.rs` blocks such loops).
+    pub(crate) fn has_trig(&self) -> bool {
+        !self.trig_args.is_empty()
+    }
+
     fn temp(&mut self, d: DType, expr: String) -> String {
         self.temp_where(d, expr, false)
     }
@@ -681,13 +686,17 @@ fn build_pointwise(
     roots: &[(NodeId, Option<NodeId>)],
 ) -> (Kernel, bool) {
     let shape = &g.nodes[roots[0].0].shape;
+    let whole = pointwise_body(g, sched, roots, false);
+    if let Some(k) = super::c_residues::split(g, sched, roots, &whole) {
+        return (k, whole.ok);
+    }
     let PointwiseBody {
         b,
         stores,
         outputs,
         ok,
         ..
-    } = pointwise_body(g, sched, roots, false);
+    } = whole;
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
     let outer: Vec<(usize, usize)> = shape.iter().copied().enumerate().collect();

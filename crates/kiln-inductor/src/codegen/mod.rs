@@ -5,7 +5,7 @@
 //! kernel's order (lane arrays and their fold, long sums in chunks); `c_trig`: pointwise loops over f32
 //! sines and cosines in blocks, inline functions with a check of their range);
 //! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_compile`: graphs planned, built and
-//! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_residues`: pointwise kernels split into residue classes of their output index; `cuda_rows`: reductions over a row and the
+//! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_residues`: its pointwise kernels split into residue classes of their output index (`residues`, shared with `c_residues`); `cuda_rows`: reductions over a row and the
 //! values that read them, a warp per row; `cuda_sequential`: a whole small graph in one block; `cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
 //! graph's size-generic kernels in units of their own; `cuda_literals`: a static graph's kernels
@@ -14,6 +14,7 @@
 
 pub mod c;
 pub(crate) mod c_horizontal;
+mod c_residues;
 pub(crate) mod c_rows;
 pub(crate) mod c_siblings;
 pub(crate) mod c_sums;
@@ -28,4 +29,5 @@ mod cuda_sequential;
 mod cuda_sizes;
 mod cuda_tune;
 mod cuda_units;
+mod residues;
 pub mod template;
