@@ -65,8 +65,13 @@ pub(crate) const WORKSPACE: usize = 32 << 20;
 const OP: &str = "matmul_epilogue";
 
 fn lt_err(dev: usize, what: &str, e: impl std::fmt::Debug) -> Error {
+    lt_error(OP, dev, what, e)
+}
+
+/// A cuBLASLt call `what` that failed on device `dev`, for op `op`.
+pub(crate) fn lt_error(op: &'static str, dev: usize, what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device {
-        op: OP,
+        op,
         lhs: Device::Cuda(dev),
         rhs: Device::Cuda(dev),
         msg: format!("cuBLASLt {what} failed: {e:?}"),
@@ -338,18 +343,7 @@ fn run(
             .push(lt::create_matrix_layout(data, rows, cols, ld).map_err(e("layout"))?);
     }
     let (la_, lb_, lc_) = (d.layouts[0], d.layouts[1], d.layouts[2]);
-    d.pref = lt::create_matmul_pref().map_err(e("preference"))?;
-    let ws_limit = WORKSPACE as u64;
-    // SAFETY: a live preference; the value is a u64 as the attribute requires
-    unsafe {
-        lt::set_matmul_pref_attribute(
-            d.pref,
-            ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            (&ws_limit as *const u64).cast(),
-            std::mem::size_of::<u64>(),
-        )
-    }
-    .map_err(e("preference"))?;
+    d.pref = preference().map_err(e("preference"))?;
     // SAFETY: live handle and descriptors
     let heuristic =
         unsafe { lt::get_matmul_algo_heuristic(handle, d.matmul, la_, lb_, lc_, lc_, d.pref) }
@@ -363,33 +357,86 @@ fn run(
                     ),
                 )
             })?;
-    let ws = match heuristic.workspaceSize {
+    let (algo, ws) = (&heuristic.algo, heuristic.workspaceSize);
+    // SAFETY: the pointers address live buffers of the sizes `d`'s layouts describe
+    unsafe {
+        launch(
+            dev,
+            handle,
+            &d,
+            [first.ptr, second.ptr, out.ptr],
+            algo,
+            ws,
+            e("matmul"),
+        )
+    }
+}
+
+/// A matmul preference that allows `WORKSPACE` bytes of workspace.
+pub(crate) fn preference() -> std::result::Result<ltsys::cublasLtMatmulPreference_t, lt::CublasError>
+{
+    let pref = lt::create_matmul_pref()?;
+    let ws_limit = WORKSPACE as u64;
+    // SAFETY: a live preference; the value is a u64 as the attribute requires
+    let set = unsafe {
+        lt::set_matmul_pref_attribute(
+            pref,
+            ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            (&ws_limit as *const u64).cast(),
+            std::mem::size_of::<u64>(),
+        )
+    };
+    match set {
+        Ok(()) => Ok(pref),
+        Err(x) => {
+            // SAFETY: created above, not used after
+            let _ = unsafe { lt::destroy_matmul_pref(pref) };
+            Err(x)
+        }
+    }
+}
+
+/// Queues `D = A B` on `dev`'s stream with `algo` and `workspace` bytes of workspace (allocated
+/// here): `[a, b, d]` the device addresses of cuBLASLt's A, B and D as `desc`'s layouts 0, 1 and
+/// 2 describe them; alpha 1, beta 0, so C (given as D) is not read. `err` words cuBLASLt's
+/// errors.
+///
+/// # Safety
+/// The addresses must point at live buffers of the sizes the layouts describe.
+pub(crate) unsafe fn launch(
+    dev: &Arc<CudaDevice>,
+    handle: ltsys::cublasLtHandle_t,
+    desc: &Descs,
+    [a, b, d]: [u64; 3],
+    algo: &ltsys::cublasLtMatmulAlgo_t,
+    workspace: usize,
+    err: impl Fn(lt::CublasError) -> Error,
+) -> Result<()> {
+    let ws = match workspace {
         0 => None,
         bytes => Some(dev.alloc(bytes, DType::U8)?),
     };
+    let l = &desc.layouts;
     let (one, zero) = (1f32, 0f32);
-    // SAFETY: the pointers address live buffers of the sizes the layouts describe; beta is 0, so
-    // C (given as D) is not read; queued on the device's stream
-    unsafe {
-        lt::matmul(
-            handle,
-            d.matmul,
-            (&one as *const f32).cast(),
-            (&zero as *const f32).cast(),
-            first.ptr as *const c_void,
-            la_,
-            second.ptr as *const c_void,
-            lb_,
-            out.ptr as *const c_void,
-            lc_,
-            out.ptr as *mut c_void,
-            lc_,
-            &heuristic.algo,
-            ws.as_ref()
-                .map_or(std::ptr::null_mut(), |w| w.ptr as *mut c_void),
-            heuristic.workspaceSize,
-            dev.stream as ltsys::cudaStream_t,
-        )
-    }
-    .map_err(e("matmul"))
+    dev.bind()?;
+    lt::matmul(
+        handle,
+        desc.matmul,
+        (&one as *const f32).cast(),
+        (&zero as *const f32).cast(),
+        a as *const c_void,
+        l[0],
+        b as *const c_void,
+        l[1],
+        d as *const c_void,
+        l[2],
+        d as *mut c_void,
+        l[2],
+        algo,
+        ws.as_ref()
+            .map_or(std::ptr::null_mut(), |w| w.ptr as *mut c_void),
+        workspace,
+        dev.stream as ltsys::cudaStream_t,
+    )
+    .map_err(err)
 }

@@ -14,7 +14,6 @@
 //! implementations by time).
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -26,7 +25,7 @@ use kiln_core::{DType, Device, Error, Result};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 use crate::matmul::{allow_tf32, operand, Mat};
-use crate::matmul_lt::{lt_handle, set_desc, Descs, LtHandle, WORKSPACE};
+use crate::matmul_lt::{launch, lt_handle, preference, set_desc, Descs, LtHandle, WORKSPACE};
 
 /// Algorithms asked of cuBLASLt's heuristics and timed per shape.
 const CANDIDATES: usize = 8;
@@ -81,12 +80,7 @@ fn table() -> &'static Mutex<HashMap<Key, Choice>> {
 }
 
 fn lt_err(dev: usize, what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Device {
-        op: OP,
-        lhs: Device::Cuda(dev),
-        rhs: Device::Cuda(dev),
-        msg: format!("cuBLASLt {what} failed: {e:?}"),
-    }
+    crate::matmul_lt::lt_error(OP, dev, what, e)
 }
 
 /// `out = a @ b` for f32, f16 or bf16 operands with the algorithm timed fastest for the shape
@@ -251,18 +245,7 @@ impl<'a> Gemm<'a> {
                 }
             }
         }
-        d.pref = lt::create_matmul_pref().map_err(e("preference"))?;
-        let ws_limit = WORKSPACE as u64;
-        // SAFETY: a live preference; the value is a u64 as the attribute requires
-        unsafe {
-            lt::set_matmul_pref_attribute(
-                d.pref,
-                ltsys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&ws_limit as *const u64).cast(),
-                std::mem::size_of::<u64>(),
-            )
-        }
-        .map_err(e("preference"))?;
+        d.pref = preference().map_err(e("preference"))?;
         Ok(Gemm {
             dev,
             _lock: lock,
@@ -345,37 +328,10 @@ impl<'a> Gemm<'a> {
         let Some(algo) = &c.algo else {
             return (self.plain)();
         };
-        let l = &self.d.layouts;
-        let ws = match c.workspace {
-            0 => None,
-            bytes => Some(self.dev.alloc(bytes, DType::U8)?),
-        };
-        let (one, zero) = (1f32, 0f32);
-        self.dev.bind()?;
-        // SAFETY: the pointers address live buffers of the sizes the layouts describe; beta is 0,
-        // so C (given as D) is not read; queued on the device's stream
-        unsafe {
-            lt::matmul(
-                self.handle,
-                self.d.matmul,
-                (&one as *const f32).cast(),
-                (&zero as *const f32).cast(),
-                self.first as *const c_void,
-                l[0],
-                self.second as *const c_void,
-                l[1],
-                self.out as *const c_void,
-                l[2],
-                self.out as *mut c_void,
-                l[2],
-                algo,
-                ws.as_ref()
-                    .map_or(std::ptr::null_mut(), |w| w.ptr as *mut c_void),
-                c.workspace,
-                self.dev.stream as ltsys::cudaStream_t,
-            )
-        }
-        .map_err(|x| lt_err(self.dev.ordinal, "matmul", x))
+        let ptrs = [self.first, self.second, self.out];
+        let err = |x| lt_err(self.dev.ordinal, "matmul", x);
+        // SAFETY: the pointers address live buffers of the sizes the layouts describe
+        unsafe { launch(self.dev, self.handle, &self.d, ptrs, algo, c.workspace, err) }
     }
 
     /// The choice kept on disk for `key`, if its checksum holds and cuBLASLt accepts it for these

@@ -501,6 +501,23 @@ fn finish(b: Builder<'_>, root: NodeId, nest: Nest, parallel: bool) -> Kernel {
     finish_outputs(b, &[(root, "out".into())], nest, parallel)
 }
 
+/// A C kernel's arguments, each (element type, name): the input buffers `params` (`b<p>`), then
+/// the outputs.
+pub(super) fn kernel_args(
+    g: &Graph,
+    params: &[NodeId],
+    outputs: &[(NodeId, String)],
+) -> Vec<(&'static str, String)> {
+    let inputs = params
+        .iter()
+        .enumerate()
+        .map(|(p, &id)| (ty(g.nodes[id].dtype), format!("b{p}")));
+    let outs = outputs
+        .iter()
+        .map(|(root, name)| (ty(g.nodes[*root].dtype), name.clone()));
+    inputs.chain(outs).collect()
+}
+
 /// The C function: the input buffers, then one pointer per output (`outputs`: node, name), the
 /// values computed once, then the loops (their outer ones in a parallel region when `parallel`).
 pub(super) fn finish_outputs(
@@ -509,20 +526,8 @@ pub(super) fn finish_outputs(
     nest: Nest,
     parallel: bool,
 ) -> Kernel {
-    let g = b.g;
-    let mut args: Vec<(&'static str, String)> = b
-        .params
-        .iter()
-        .enumerate()
-        .map(|(p, &id)| (ty(g.nodes[id].dtype), format!("b{p}")))
-        .collect();
-    args.extend(
-        outputs
-            .iter()
-            .map(|(root, name)| (ty(g.nodes[*root].dtype), name.clone())),
-    );
     let member = Member {
-        args,
+        args: kernel_args(b.g, &b.params, outputs),
         inputs: b.params.len(),
         pre: b.pre,
         outer: nest.outer,

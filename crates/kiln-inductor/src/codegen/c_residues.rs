@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{loops, ty, Kernel, PointwiseBody, PARALLEL_THRESHOLD};
+use super::c::{kernel_args, loops, Kernel, PointwiseBody, PARALLEL_THRESHOLD};
 use super::c_horizontal::{Member, Threads};
 use super::residues;
 use crate::schedule::Schedule;
@@ -42,22 +42,9 @@ pub(super) fn split(
     }
     let numel: usize = shape.iter().product();
     let parallel = numel >= PARALLEL_THRESHOLD;
-    let mut args: Vec<(&'static str, String)> = whole
-        .b
-        .params
-        .iter()
-        .enumerate()
-        .map(|(p, &id)| (ty(g.nodes[id].dtype), format!("b{p}")))
-        .collect();
-    args.extend(
-        whole
-            .outputs
-            .iter()
-            .map(|(root, name)| (ty(g.nodes[*root].dtype), name.clone())),
-    );
     let member = Member {
         inputs: whole.b.params.len(),
-        args,
+        args: kernel_args(g, &whole.b.params, &whole.outputs),
         pre: String::new(),
         outer: Vec::new(),
         block: 1,

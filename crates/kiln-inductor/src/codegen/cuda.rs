@@ -269,30 +269,20 @@ pub(super) fn finish(
     }
 }
 
-/// The loop over four-element vectors of a pointwise kernel in lane mode (`lanes`), taken when
-/// every vector pointer is aligned to its vector's size; it leaves `e0` at the first element it
-/// did not cover, for the scalar loop after it.
-fn vector_loop(
-    text: &mut String,
-    g: &Graph,
-    lanes: &PointwiseBody<'_>,
-    vars: &[(usize, usize)],
-    numel: usize,
-) {
-    // every buffer read or written as vectors, once: one alignment test each (an in-place
-    // output is also read as a vector)
+/// The test that every buffer `bodies` read or write as vectors is aligned to its vector's size:
+/// each buffer once (an in-place output is also read as a vector).
+pub(super) fn aligned_test(g: &Graph, bodies: &[PointwiseBody<'_>]) -> String {
     let mut vectors: Vec<(String, DType)> = Vec::new();
-    let read = lanes.b.vector_reads.iter().map(|r| (&r.buf, r.dtype));
-    let written = lanes
-        .outputs
-        .iter()
-        .map(|(root, n)| (n, g.nodes[*root].dtype));
-    for (name, d) in read.chain(written) {
-        if !vectors.iter().any(|(n, _)| n == name) {
-            vectors.push((name.clone(), d));
+    for b in bodies {
+        let read = b.b.vector_reads.iter().map(|r| (&r.buf, r.dtype));
+        let written = b.outputs.iter().map(|(root, n)| (n, g.nodes[*root].dtype));
+        for (name, d) in read.chain(written) {
+            if !vectors.iter().any(|(n, _)| n == name) {
+                vectors.push((name.clone(), d));
+            }
         }
     }
-    let aligned = vectors
+    vectors
         .iter()
         .map(|(name, d)| {
             format!(
@@ -301,20 +291,11 @@ fn vector_loop(
             )
         })
         .collect::<Vec<_>>()
-        .join(" && ");
-    let nvec = numel / 4;
-    let _ = writeln!(
-        text,
-        "  if ({aligned}) {{\n    for (long long q = e0; q < {nvec}; q += stride) {{"
-    );
-    // lane 0's index variables, where the lanes share all but the innermost (`Builder::lane_var`)
-    if let Some(v) = lanes.b.lane_var {
-        let name = |w: usize| match w == v {
-            true => format!("i{w}_l0"),
-            false => format!("i{w}"),
-        };
-        split_index_as(text, "q * 4", vars, "      ", "rem", name);
-    }
+        .join(" && ")
+}
+
+/// A lane-mode body's vector loads at lane 0's index, and its outputs' vectors.
+pub(super) fn vector_reads(text: &mut String, g: &Graph, lanes: &PointwiseBody<'_>) {
     for r in &lanes.b.vector_reads {
         let t = ty(r.dtype);
         let _ = writeln!(
@@ -330,6 +311,33 @@ fn vector_loop(
             ty(g.nodes[*root].dtype)
         );
     }
+}
+
+/// The loop over four-element vectors of a pointwise kernel in lane mode (`lanes`), taken when
+/// every vector pointer is aligned to its vector's size; it leaves `e0` at the first element it
+/// did not cover, for the scalar loop after it.
+fn vector_loop(
+    text: &mut String,
+    g: &Graph,
+    lanes: &PointwiseBody<'_>,
+    vars: &[(usize, usize)],
+    numel: usize,
+) {
+    let aligned = aligned_test(g, std::slice::from_ref(lanes));
+    let nvec = numel / 4;
+    let _ = writeln!(
+        text,
+        "  if ({aligned}) {{\n    for (long long q = e0; q < {nvec}; q += stride) {{"
+    );
+    // lane 0's index variables, where the lanes share all but the innermost (`Builder::lane_var`)
+    if let Some(v) = lanes.b.lane_var {
+        let name = |w: usize| match w == v {
+            true => format!("i{w}_l0"),
+            false => format!("i{w}"),
+        };
+        split_index_as(text, "q * 4", vars, "      ", "rem", name);
+    }
+    vector_reads(text, g, lanes);
     let _ = writeln!(
         text,
         "      #pragma unroll\n      for (int k = 0; k < 4; k++) {{\n      const long long e = \

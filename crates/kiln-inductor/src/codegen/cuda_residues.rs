@@ -9,7 +9,7 @@ use std::fmt::Write;
 use kiln_compile::graph::{Graph, NodeId};
 
 use super::c::{split_index_as, ty, PointwiseBody};
-use super::cuda::{finish, parameters, Cuda, CudaKernel, VECTOR_FROM};
+use super::cuda::{aligned_test, finish, parameters, vector_reads, Cuda, CudaKernel, VECTOR_FROM};
 use super::residues;
 use crate::schedule::Schedule;
 
@@ -105,21 +105,7 @@ fn vector_classes(
     else {
         return false;
     };
-    let mut vectors: Vec<(String, usize)> = Vec::new();
-    for b in lanes {
-        let read = b.b.vector_reads.iter().map(|r| (&r.buf, r.dtype));
-        let written = b.outputs.iter().map(|(root, n)| (n, g.nodes[*root].dtype));
-        for (name, d) in read.chain(written) {
-            if !vectors.iter().any(|(n, _)| n == name) {
-                vectors.push((name.clone(), 4 * d.size_in_bytes()));
-            }
-        }
-    }
-    let aligned = vectors
-        .iter()
-        .map(|(name, bytes)| format!("(unsigned long long){name} % {bytes} == 0"))
-        .collect::<Vec<_>>()
-        .join(" && ");
+    let aligned = aligned_test(g, lanes);
     let nvec = numel / 4;
     let _ = writeln!(
         text,
@@ -130,17 +116,7 @@ fn vector_classes(
     text.push_str("      switch (cls) {\n");
     for (c, (b, rest)) in lanes.iter().zip(&rests).enumerate() {
         let _ = writeln!(text, "      case {c}: {{\n{}", b.b.pre);
-        for r in &b.b.vector_reads {
-            let t = ty(r.dtype);
-            let _ = writeln!(
-                text,
-                "      const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
-                r.name, r.buf, r.at
-            );
-        }
-        for (root, out) in &b.outputs {
-            let _ = writeln!(text, "      kiln_v4<{}> {out}_s;", ty(g.nodes[*root].dtype));
-        }
+        vector_reads(text, g, b);
         let _ = writeln!(
             text,
             "      #pragma unroll\n      for (int k = 0; k < 4; k++) {{\n      const long long \
