@@ -5,6 +5,7 @@
 pub mod alloc;
 mod conv;
 mod elementwise;
+mod gather;
 mod index;
 mod matmul;
 mod movement;
@@ -141,7 +142,10 @@ fn meta_numel(m: &OutMeta) -> usize {
 }
 
 /// The elements of a strided view of `data`, contiguous. Borrows when the view already is.
-pub(crate) fn contig<'a, T: Copy + Send + Sync>(data: &'a [T], layout: &Layout) -> Cow<'a, [T]> {
+pub(crate) fn contig<'a, T: StorageElement + Send + Sync>(
+    data: &'a [T],
+    layout: &Layout,
+) -> Cow<'a, [T]> {
     let n = layout.numel();
     if n == 0 {
         // an empty view may carry an offset past the end of its (possibly empty) buffer
@@ -150,49 +154,17 @@ pub(crate) fn contig<'a, T: Copy + Send + Sync>(data: &'a [T], layout: &Layout) 
     if layout.is_contiguous() {
         return Cow::Borrowed(&data[layout.offset..layout.offset + n]);
     }
-    let inner = layout.shape.last().copied().unwrap_or(1);
-    if n >= PAR_THRESHOLD && inner >= GATHER_MIN_RUN {
-        return Cow::Owned(gather_rows(data, layout));
+    if n >= PAR_THRESHOLD {
+        if let Some(out) = gather::transposed(data, layout) {
+            return Cow::Owned(out);
+        }
+        if let Some(out) = gather::rows(data, layout) {
+            return Cow::Owned(out);
+        }
     }
     let mut out = Vec::with_capacity(n);
     layout.for_each_offset(|o| out.push(data[o]));
     Cow::Owned(out)
-}
-
-/// Shortest innermost run `gather_rows` takes: each run's start is found by dividing its row
-/// number by the outer extents, which costs more than the copy of a shorter run.
-const GATHER_MIN_RUN: usize = 16;
-
-/// `contig`'s copy of a large strided view (a broadcast operand: a per-channel vector expanded
-/// over an image), shared among threads by runs of its innermost dim.
-fn gather_rows<T: Copy + Send + Sync>(data: &[T], layout: &Layout) -> Vec<T> {
-    use rayon::prelude::*;
-    let rank = layout.shape.len();
-    let (inner, istride) = (layout.shape[rank - 1], layout.strides[rank - 1]);
-    let outer = &layout.shape[..rank - 1];
-    let rows_per_task = (4096 / inner).max(1);
-    let n = layout.numel();
-    // written once, by the threads: no fill of the whole buffer before
-    let mut out: Vec<T> = Vec::with_capacity(n);
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(rows_per_task * inner)
-        .enumerate()
-        .for_each(|(task, chunk)| {
-            for (k, run) in chunk.chunks_mut(inner).enumerate() {
-                // the run's start: its row number over the outer dims, row-major
-                let (mut row, mut at) = (task * rows_per_task + k, layout.offset);
-                for (d, &extent) in outer.iter().enumerate().rev() {
-                    at += (row % extent) * layout.strides[d];
-                    row /= extent;
-                }
-                for (j, v) in run.iter_mut().enumerate() {
-                    v.write(data[at + j * istride]);
-                }
-            }
-        });
-    // SAFETY: the chunks cover the first n slots, and every slot of every run was written
-    unsafe { out.set_len(n) };
-    out
 }
 
 /// A tensor's elements as a contiguous slice of `T` (the storage must hold `T`).
