@@ -1,8 +1,8 @@
 //! `contig`'s copies of large strided views, shared among threads: a view whose innermost dim
 //! runs long (a broadcast operand: a per-channel vector expanded over an image) by runs of that
 //! dim; a transposed view with short rows (a `[2, n]` matrix's transpose, an image's channels
-//! moved last) by tiles whose reads follow the dim the view reads at unit stride. Each writes its buffer once, from the
-//! threads (no fill before).
+//! moved last) by tiles whose reads follow the dim the view reads at unit stride. Each writes
+//! its buffer once, from the threads (no fill before).
 
 use rayon::prelude::*;
 
