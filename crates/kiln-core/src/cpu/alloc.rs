@@ -13,7 +13,10 @@
 //! gives everything back to the system.
 
 use std::collections::VecDeque;
+use std::mem::MaybeUninit;
 use std::sync::{Arc, Mutex, OnceLock};
+
+use rayon::prelude::*;
 
 use crate::storage::{CpuStorage, StorageElement};
 use crate::{with_storage, DType, Result, Tensor};
@@ -112,13 +115,49 @@ fn take(dtype: DType, n: usize) -> Option<CpuStorage> {
 
 /// A cached buffer of exactly `n` elements of `T` (`take`), for an eager kernel that writes every
 /// element: its output's pages are then already mapped. `None` below `MIN_BYTES` or on a miss.
-pub(crate) fn take_vec<T: StorageElement>(n: usize) -> Option<Vec<T>> {
+fn take_vec<T: StorageElement>(n: usize) -> Option<Vec<T>> {
     if n * std::mem::size_of::<T>() < MIN_BYTES {
         return None;
     }
     let mut s = take(T::DTYPE, n)?;
     // the emptied storage left behind is below MIN_BYTES: dropping it caches nothing
     T::view_mut(&mut s).map(std::mem::take)
+}
+
+/// A new vector of `n` elements whose chunks of `chunk` elements `write(chunk number, chunk)`
+/// fills, every slot of every chunk (nothing fills the buffer before): on the threads from
+/// `PAR_THRESHOLD` elements, into a cached buffer of that size when there is one (a fresh
+/// buffer's first writes fault, which costs more than the loop writing them). What every eager
+/// kernel that writes a whole new output (elementwise ops, strided copies) allocates with.
+pub(crate) fn filled<T: StorageElement + Send + Sync>(
+    n: usize,
+    chunk: usize,
+    write: impl Fn(usize, &mut [MaybeUninit<T>]) + Sync,
+) -> Vec<T> {
+    let mut out = match take_vec::<T>(n) {
+        Some(mut v) => {
+            // every slot is written again below; `T` is plain data, so nothing is dropped
+            v.clear();
+            v
+        }
+        None => Vec::with_capacity(n),
+    };
+    let slots = &mut out.spare_capacity_mut()[..n];
+    let chunk = chunk.max(1);
+    if n >= super::PAR_THRESHOLD {
+        slots
+            .par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(c, s)| write(c, s));
+    } else {
+        slots
+            .chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(c, s)| write(c, s));
+    }
+    // SAFETY: the chunks cover the first n slots, and `write` wrote every slot of its chunk
+    unsafe { out.set_len(n) };
+    out
 }
 
 /// Counters of the caching allocator (process-wide).

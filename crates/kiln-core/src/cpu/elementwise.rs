@@ -1,56 +1,35 @@
 //! Unary, binary, where and cast kernels. Operands arrive with equal shapes and dtypes (the prims are
 //! strict); non-contiguous operands are gathered once, then the loop runs over flat slices.
 
-use rayon::prelude::*;
-
 use super::num::{Float, Num};
-use super::{alloc, as_f32, from_f32_like, typed, PAR_THRESHOLD};
+use super::{alloc, as_f32, from_f32_like, typed};
 use crate::prim::{BinaryOp, UnaryOp};
 use crate::storage::{CpuStorage, StorageElement};
 use crate::{DType, Tensor};
 
-/// Elements per parallel task of an elementwise loop.
+/// Elements per task of an elementwise loop.
 const CHUNK: usize = 4096;
 
-/// A new vector of `n` elements, each chunk written by `write(start, chunk)`: in parallel from
-/// `PAR_THRESHOLD` elements, into a buffer from the caching allocator when one of that size is
-/// free (its pages already mapped: a fresh buffer's first writes fault, which costs more than
-/// the loop itself), else into a zeroed one.
-fn fill<B: StorageElement + Send>(
-    n: usize,
-    write: impl Fn(usize, &mut [B]) + Sync + Send,
-) -> Vec<B> {
-    if n < PAR_THRESHOLD {
-        let mut out = vec![B::from_f64(0.0); n];
-        write(0, &mut out);
-        return out;
-    }
-    let mut out = alloc::take_vec::<B>(n).unwrap_or_else(|| vec![B::from_f64(0.0); n]);
-    out.par_chunks_mut(CHUNK)
-        .enumerate()
-        .for_each(|(c, o)| write(c * CHUNK, o));
-    out
-}
-
-fn map<A: Copy + Send + Sync, B: StorageElement + Send>(
+fn map<A: Copy + Send + Sync, B: StorageElement + Send + Sync>(
     x: &[A],
     f: impl Fn(A) -> B + Sync + Send,
 ) -> Vec<B> {
-    fill(x.len(), |start, o| {
-        for (o, &a) in o.iter_mut().zip(&x[start..]) {
-            *o = f(a);
+    alloc::filled(x.len(), CHUNK, |c, o| {
+        for (o, &a) in o.iter_mut().zip(&x[c * CHUNK..]) {
+            o.write(f(a));
         }
     })
 }
 
-fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send>(
+fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send + Sync>(
     x: &[A],
     y: &[B],
     f: impl Fn(A, B) -> C + Sync + Send,
 ) -> Vec<C> {
-    fill(x.len().min(y.len()), |start, o| {
+    alloc::filled(x.len().min(y.len()), CHUNK, |c, o| {
+        let start = c * CHUNK;
         for ((o, &a), &b) in o.iter_mut().zip(&x[start..]).zip(&y[start..]) {
-            *o = f(a, b);
+            o.write(f(a, b));
         }
     })
 }
@@ -152,10 +131,11 @@ pub(super) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> CpuStorage {
 
 pub(super) fn where_(c: &Tensor, a: &Tensor, b: &Tensor) -> CpuStorage {
     fn go<T: StorageElement>(c: &[bool], a: &[T], b: &[T]) -> CpuStorage {
-        T::wrap(fill(c.len(), |start, o| {
+        T::wrap(alloc::filled(c.len(), CHUNK, |k, o| {
+            let start = k * CHUNK;
             let abc = a[start..].iter().zip(&b[start..]).zip(&c[start..]);
             for (o, ((&a, &b), &c)) in o.iter_mut().zip(abc) {
-                *o = if c { a } else { b };
+                o.write(if c { a } else { b });
             }
         }))
     }

@@ -2,9 +2,7 @@
 //! runs long (a broadcast operand: a per-channel vector expanded over an image) by runs of that
 //! dim; a transposed view with short rows (a `[2, n]` matrix's transpose, an image's channels
 //! moved last) by tiles whose reads follow the dim the view reads at unit stride. Each writes
-//! its buffer once, from the threads (no fill before).
-
-use rayon::prelude::*;
+//! its buffer once, from the threads (`alloc::filled`).
 
 use super::alloc;
 use crate::shape::Layout;
@@ -26,7 +24,7 @@ pub(super) fn rows<T: StorageElement + Send + Sync>(data: &[T], layout: &Layout)
     }
     let outer = &layout.shape[..rank - 1];
     let rows_per_task = (4096 / inner).max(1);
-    Some(fill(
+    Some(alloc::filled(
         layout.numel(),
         rows_per_task * inner,
         |task, chunk| {
@@ -58,23 +56,27 @@ pub(super) fn transposed<T: StorageElement + Send + Sync>(
     let (cols, cstride) = (layout.shape[rank - 1], layout.strides[rank - 1]);
     let outer = &layout.shape[..rank - 1];
     let unit = layout.shape[rank - 2];
-    Some(fill(layout.numel(), TILE_ROWS * cols, |task, tile| {
-        let (first, rows) = (task * TILE_ROWS, tile.len() / cols);
-        let mut k = 0;
-        while k < rows {
-            // rows that differ only in the unit-stride dim: consecutive in the input
-            let row = first + k;
-            let len = (unit - row % unit).min(rows - k);
-            let at = row_start(layout, outer, row);
-            for j in 0..cols {
-                let column = &data[at + j * cstride..][..len];
-                for (m, &v) in column.iter().enumerate() {
-                    tile[(k + m) * cols + j].write(v);
+    Some(alloc::filled(
+        layout.numel(),
+        TILE_ROWS * cols,
+        |task, tile| {
+            let (first, rows) = (task * TILE_ROWS, tile.len() / cols);
+            let mut k = 0;
+            while k < rows {
+                // rows that differ only in the unit-stride dim: consecutive in the input
+                let row = first + k;
+                let len = (unit - row % unit).min(rows - k);
+                let at = row_start(layout, outer, row);
+                for j in 0..cols {
+                    let column = &data[at + j * cstride..][..len];
+                    for (m, &v) in column.iter().enumerate() {
+                        tile[(k + m) * cols + j].write(v);
+                    }
                 }
+                k += len;
             }
-            k += len;
-        }
-    }))
+        },
+    ))
 }
 
 /// Where row `row` (a position of the dims `outer`, counted row-major) starts in the view's
@@ -86,31 +88,6 @@ fn row_start(layout: &Layout, outer: &[usize], mut row: usize) -> usize {
         row /= extent;
     }
     at
-}
-
-/// A buffer of `n` elements whose chunks of `chunk` elements `write(chunk number, chunk)` fills
-/// on the threads, every slot of every chunk: from the caching allocator when it holds one of
-/// that size (a fresh buffer's first writes fault, which costs more than the copy).
-fn fill<T: StorageElement + Send + Sync>(
-    n: usize,
-    chunk: usize,
-    write: impl Fn(usize, &mut [std::mem::MaybeUninit<T>]) + Sync,
-) -> Vec<T> {
-    let mut out: Vec<T> = match alloc::take_vec::<T>(n) {
-        Some(mut v) => {
-            // every slot is written again below; `T` is plain data, so nothing is dropped
-            v.clear();
-            v
-        }
-        None => Vec::with_capacity(n),
-    };
-    out.spare_capacity_mut()[..n]
-        .par_chunks_mut(chunk.max(1))
-        .enumerate()
-        .for_each(|(task, c)| write(task, c));
-    // SAFETY: the chunks cover the first n slots, and `write` wrote every slot of its chunk
-    unsafe { out.set_len(n) };
-    out
 }
 
 #[cfg(test)]
