@@ -127,9 +127,10 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         inputs: &[&Tensor],
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>>;
-    /// `execute` as a graph compiled in max-autotune runs it (`tuned`): a runtime may time its
-    /// implementations of the prim at the first call of a shape and keep the fastest (kiln-cuda:
-    /// a GEMM's cuBLASLt algorithms). The result may then differ from `execute`'s by rounding.
+    /// `execute` as a graph compiled in max-autotune runs it (kiln-inductor's executor calls it
+    /// for its GEMMs): a runtime may time its implementations of the prim at the first call of a
+    /// shape and keep the fastest (kiln-cuda: cuBLAS's and cuBLASLt's GEMM algorithms). The
+    /// result may then differ from `execute`'s by rounding.
     fn execute_tuned(
         &self,
         device: Device,
@@ -205,24 +206,6 @@ pub trait DeviceRuntime: Send + Sync + 'static {
             format!("{device}'s runtime cannot record work for replay"),
         ))
     }
-}
-
-thread_local! {
-    static TUNED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Runs `f` with the device prims it dispatches executed by `DeviceRuntime::execute_tuned`: how
-/// a graph compiled in max-autotune runs its extern steps (GEMMs).
-pub fn tuned<R>(f: impl FnOnce() -> R) -> R {
-    let prev = TUNED.with(|t| t.replace(true));
-    let out = f();
-    TUNED.with(|t| t.set(prev));
-    out
-}
-
-/// Whether the calling thread is inside `tuned`.
-pub fn is_tuned() -> bool {
-    TUNED.with(|t| t.get())
 }
 
 /// The buffer of a traced (deferred) tensor on a device: it has no memory until the compiled

@@ -114,11 +114,7 @@ fn execute_on_device(
     if let Some(layout) = view {
         return Ok((inputs[0].0.storage.clone(), layout));
     }
-    let rt = runtime_for(prim.name(), device)?;
-    let buf = match crate::device::is_tuned() {
-        true => rt.execute_tuned(device, prim, inputs, meta)?,
-        false => rt.execute(device, prim, inputs, meta)?,
-    };
+    let buf = runtime_for(prim.name(), device)?.execute(device, prim, inputs, meta)?;
     Ok((Storage::Device(buf), Layout::contiguous(&meta.shape)))
 }
 

@@ -8,9 +8,10 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kiln_compile::graph::Graph;
+use kiln_compile::graph::{Graph, Op};
 use kiln_compile::{symbolic, CompiledGraph};
 use kiln_core::device::{runtime_for, DeviceKernel, DeviceRuntime};
+use kiln_core::prim::Prim;
 use kiln_core::{profiler, Device, Result};
 
 use super::cuda::{plan, Cuda, CudaKernel, PRELUDE};
@@ -290,8 +291,8 @@ fn prepare(
 }
 
 /// The executor of a prepared graph on `device`, its kernels taken from `loaded` (by name);
-/// recorded as a CUDA graph with `flags.cuda_graphs`; with `flags.autotune` its extern steps
-/// run tuned (`kiln_core::device::tuned`: a GEMM's fastest cuBLASLt algorithm).
+/// recorded as a CUDA graph with `flags.cuda_graphs`; with `flags.autotune` its GEMMs run tuned
+/// (`DeviceRuntime::execute_tuned`: the fastest of cuBLAS's and cuBLASLt's algorithms).
 fn finish(
     p: Prepared,
     loaded: &HashMap<String, Arc<dyn DeviceKernel>>,
@@ -352,8 +353,9 @@ fn finish(
         })
         .map(|step| {
             step.map(|mut e| {
-                if let crate::runtime::exec::Exec::Extern { tuned, .. } = &mut e {
-                    *tuned = flags.autotune;
+                if let crate::runtime::exec::Exec::Extern { node, tuned } = &mut e {
+                    let gemm = matches!(graph.nodes[*node].op, Op::Prim(Prim::Matmul));
+                    *tuned = flags.autotune && gemm;
                 }
                 e
             })

@@ -8,11 +8,13 @@ use std::sync::Arc;
 
 use kiln_compile::graph::{rand_at, Graph, NodeId, Op};
 use kiln_compile::CompiledGraph;
-use kiln_core::device::DeviceKernel;
+use kiln_core::device::{runtime_for, DeviceKernel};
 use kiln_core::dispatch::apply_on;
 use kiln_core::ops::default_draw;
+use kiln_core::prim::Prim;
 use kiln_core::profiler;
-use kiln_core::{no_grad, Device, Error, Result, Tensor};
+use kiln_core::shape::Layout;
+use kiln_core::{no_grad, DType, Device, Error, Result, Tensor};
 
 use super::cc::KernelFn;
 use super::plan::Alloc;
@@ -51,7 +53,7 @@ pub enum Exec {
     },
     Extern {
         node: NodeId,
-        /// Run through `kiln_core::device::tuned` (max-autotune: a GEMM's fastest algorithm).
+        /// Run by the runtime's `execute_tuned` (max-autotune's GEMMs: the fastest algorithm).
         tuned: bool,
     },
 }
@@ -221,7 +223,7 @@ impl CompiledCpu {
                     let p = rand_at(p, seed, base);
                     // a device graph computes everything on its device (see `Graph::device`)
                     vals[*node] = Some(match tuned {
-                        true => kiln_core::device::tuned(|| apply_on(p, &refs, self.device))?,
+                        true => execute_tuned(&p, &refs, self.device)?,
                         false => apply_on(p, &refs, self.device)?,
                     });
                 }
@@ -242,6 +244,19 @@ impl CompiledCpu {
             })
             .collect()
     }
+}
+
+/// `p` on `device` as its runtime runs it tuned (`DeviceRuntime::execute_tuned`). A compiled
+/// graph's step: no autograd, no interceptor, every operand already on the device.
+fn execute_tuned(p: &Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
+    let dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
+    let meta = p.infer(&shapes, &dtypes)?;
+    let buf = runtime_for(p.name(), device)?.execute_tuned(device, p, inputs, &meta)?;
+    Ok(Tensor::from_device_buffer(
+        buf,
+        Layout::contiguous(&meta.shape),
+    ))
 }
 
 /// Runs one kernel on its input and output buffers.
