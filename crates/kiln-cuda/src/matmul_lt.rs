@@ -229,6 +229,12 @@ pub(crate) struct Descs {
     pub(crate) pref: ltsys::cublasLtMatmulPreference_t,
 }
 
+// SAFETY: the descriptors are host objects that cuBLASLt only reads once they are set up; a
+// tuned GEMM's are kept in a process-wide table (`matmul_tune.rs`) and used under the device's
+// cuBLASLt handle mutex
+unsafe impl Send for Descs {}
+unsafe impl Sync for Descs {}
+
 impl Default for Descs {
     fn default() -> Self {
         Descs {

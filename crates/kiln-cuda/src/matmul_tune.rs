@@ -16,7 +16,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
 use kiln_core::shape::Layout;
@@ -24,8 +24,8 @@ use kiln_core::{DType, Device, Error, Result};
 
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
-use crate::matmul::{allow_tf32, operand, Mat};
-use crate::matmul_lt::{launch, lt_handle, preference, set_desc, Descs, LtHandle, WORKSPACE};
+use crate::matmul::{allow_tf32, operand};
+use crate::matmul_lt::{launch, lt_handle, preference, set_desc, Descs, WORKSPACE};
 
 /// Algorithms asked of cuBLASLt's heuristics and timed per shape.
 const CANDIDATES: usize = 8;
@@ -74,9 +74,38 @@ struct Choice {
     workspace: usize,
 }
 
-fn table() -> &'static Mutex<HashMap<Key, Choice>> {
-    static TABLE: OnceLock<Mutex<HashMap<Key, Choice>>> = OnceLock::new();
+/// A shape's tuned GEMM: the choice and the cuBLASLt descriptors it runs with, built once, so a
+/// call of a known shape only launches (a compiled graph runs its GEMMs on every call).
+struct Tuned {
+    choice: Choice,
+    descs: Descs,
+}
+
+fn table() -> &'static Mutex<HashMap<Key, Arc<Tuned>>> {
+    static TABLE: OnceLock<Mutex<HashMap<Key, Arc<Tuned>>>> = OnceLock::new();
     TABLE.get_or_init(Default::default)
+}
+
+/// The shape's tuned GEMM in the current cache scope; while the device records (nothing can be
+/// timed then), one timed in another scope of the process (a cold compile measured in a fresh
+/// one) serves too.
+fn lookup(key: &Key, recording: bool) -> Option<Arc<Tuned>> {
+    let t = table().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(tuned) = t.get(key) {
+        return Some(tuned.clone());
+    }
+    if !recording {
+        return None;
+    }
+    let same_but_scope = |k: &Key| {
+        Key {
+            scope: key.scope,
+            ..*k
+        } == *key
+    };
+    t.iter()
+        .find(|(k, _)| same_but_scope(k))
+        .map(|(_, v)| v.clone())
 }
 
 fn lt_err(dev: usize, what: &str, e: impl std::fmt::Debug) -> Error {
@@ -114,153 +143,154 @@ pub(crate) fn matmul_tuned(
         a: (ma.trans, ma.ld, ma.batch_stride),
         b: (mb.trans, mb.ld, mb.batch_stride),
     };
-    let recording = dev.recorder.load(Ordering::Acquire) != 0;
-    let known = {
-        let t = table().lock().unwrap_or_else(|e| e.into_inner());
-        match t.get(&key) {
-            Some(c) => Some(*c),
-            // nothing can be timed while recording: a choice timed in another cache scope of
-            // this process (a cold compile measured in a fresh one) serves
-            None if recording => t
-                .iter()
-                .find(|(k, _)| {
-                    Key {
-                        scope: key.scope,
-                        ..**k
-                    } == key
-                })
-                .map(|(_, c)| *c),
-            None => None,
-        }
-    };
-    if known.is_none() && recording {
-        return crate::matmul::matmul(dev, (a, la), (b, lb), out);
-    }
+    // cuBLASLt's A is `b` and its B is `a` (row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ)
+    let ptrs = [mb.ptr, ma.ptr, out.ptr];
     let plain = || crate::matmul::matmul(dev, (a, la), (b, lb), out);
-    let gemm = Gemm::new(dev, &key, &ma, &mb, out, &plain)?;
-    let choice = match known {
-        Some(c) => c,
-        None => {
-            let c = match gemm.read_choice(&key) {
-                Some(c) => {
-                    DISK_HITS.fetch_add(1, Ordering::Relaxed);
-                    c
-                }
-                None => {
-                    let c = gemm.fastest()?;
-                    TIMED.fetch_add(1, Ordering::Relaxed);
-                    gemm.write_choice(&key, &c);
-                    c
-                }
-            };
-            table()
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(key, c);
-            c
-        }
+    let recording = dev.recorder.load(Ordering::Acquire) != 0;
+    let tuned = match lookup(&key, recording) {
+        Some(t) => t,
+        None if recording => return plain(),
+        None => tune(dev, &key, ptrs, &plain)?,
     };
-    gemm.run(&choice)
+    let Some(algo) = &tuned.choice.algo else {
+        return plain();
+    };
+    let (_lock, handle) = lt_handle(dev)?;
+    let err = |x| lt_err(dev.ordinal, "matmul", x);
+    // SAFETY: the pointers address live buffers of the sizes the key's layouts describe
+    unsafe {
+        launch(
+            dev,
+            handle,
+            &tuned.descs,
+            ptrs,
+            algo,
+            tuned.choice.workspace,
+            err,
+        )
+    }
 }
 
-/// One GEMM's cuBLASLt descriptors over the call's operands.
+/// The shape's choice read from disk, or timed on the call's operands (and written), kept in
+/// the table with its descriptors.
+fn tune(
+    dev: &Arc<CudaDevice>,
+    key: &Key,
+    ptrs: [u64; 3],
+    plain: &dyn Fn() -> Result<()>,
+) -> Result<Arc<Tuned>> {
+    let descs = descriptors(dev.ordinal, key)?;
+    let choice = {
+        let (_lock, handle) = lt_handle(dev)?;
+        let gemm = Gemm {
+            dev,
+            handle,
+            descs: &descs,
+            ptrs,
+            plain,
+        };
+        match gemm.read_choice(key) {
+            Some(c) => {
+                DISK_HITS.fetch_add(1, Ordering::Relaxed);
+                c
+            }
+            None => {
+                let c = gemm.fastest()?;
+                TIMED.fetch_add(1, Ordering::Relaxed);
+                write_choice(dev, key, &c);
+                c
+            }
+        }
+    };
+    let tuned = Arc::new(Tuned { choice, descs });
+    table()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(*key, tuned.clone());
+    Ok(tuned)
+}
+
+/// The cuBLASLt descriptors of `key`'s GEMM: its math, each operand's stored matrix (before its
+/// transpose, column-major) with its batch stride, and a preference for the workspace allowed.
+fn descriptors(o: usize, key: &Key) -> Result<Descs> {
+    let e = |what: &'static str| move |x| lt_err(o, what, x);
+    let data = match key.dtype {
+        DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
+        DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
+        _ => ltsys::cudaDataType::CUDA_R_16BF,
+    };
+    let compute = match key.tf32 {
+        true => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        false => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    let mut d = Descs::default();
+    d.matmul =
+        lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
+    let op = |t: bool| match t {
+        true => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+        false => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+    };
+    let ((a_trans, a_ld, a_stride), (b_trans, b_ld, b_stride)) = (key.a, key.b);
+    use ltsys::cublasLtMatmulDescAttributes_t::*;
+    // cuBLASLt's first operand is `b`
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(b_trans)).map_err(e("transa"))?;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(a_trans)).map_err(e("transb"))?;
+    let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
+    // each stored matrix as (rows, cols) column-major, before its transpose
+    let stored = |trans: bool, rows: u64, cols: u64| match trans {
+        true => (cols, rows),
+        false => (rows, cols),
+    };
+    let layouts = [
+        (stored(b_trans, n, k), b_ld as i64, b_stride),
+        (stored(a_trans, k, m), a_ld as i64, a_stride),
+        ((n, m), n as i64, (key.m * key.n) as i64),
+    ];
+    for ((rows, cols), ld, stride) in layouts {
+        let l = lt::create_matrix_layout(data, rows, cols, ld).map_err(e("layout"))?;
+        d.layouts.push(l);
+        if key.batch > 1 {
+            use ltsys::cublasLtMatrixLayoutAttribute_t::*;
+            let count = key.batch as i32;
+            // SAFETY: a live layout; each value has its attribute's type and size
+            unsafe {
+                lt::set_matrix_layout_attribute(
+                    l,
+                    CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                    (&count as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                )
+                .map_err(e("batch count"))?;
+                lt::set_matrix_layout_attribute(
+                    l,
+                    CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                    (&stride as *const i64).cast(),
+                    std::mem::size_of::<i64>(),
+                )
+                .map_err(e("batch stride"))?;
+            }
+        }
+    }
+    d.pref = preference().map_err(e("preference"))?;
+    Ok(d)
+}
+
+/// A GEMM being tuned: the device's cuBLASLt handle (its mutex held by the caller), the shape's
+/// descriptors and the call's operands.
 struct Gemm<'a> {
     dev: &'a Arc<CudaDevice>,
-    /// The device's cuBLASLt handle, held (its mutex locked) while the GEMM is set up and run.
-    _lock: MutexGuard<'a, Option<LtHandle>>,
     handle: ltsys::cublasLtHandle_t,
-    d: Descs,
-    first: u64,
-    second: u64,
-    out: u64,
+    descs: &'a Descs,
+    /// cuBLASLt's A, B and D (the call's `b`, `a` and output).
+    ptrs: [u64; 3],
     /// cuBLAS's default GEMM of the same operands (`Choice::algo` `None`).
     plain: &'a dyn Fn() -> Result<()>,
 }
 
-impl<'a> Gemm<'a> {
-    fn new(
-        dev: &'a Arc<CudaDevice>,
-        key: &Key,
-        ma: &Mat,
-        mb: &Mat,
-        out: &CudaBuffer,
-        plain: &'a dyn Fn() -> Result<()>,
-    ) -> Result<Gemm<'a>> {
-        let o = dev.ordinal;
-        let e = |what: &'static str| move |x| lt_err(o, what, x);
-        let data = match key.dtype {
-            DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
-            DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
-            _ => ltsys::cudaDataType::CUDA_R_16BF,
-        };
-        let compute = match key.tf32 {
-            true => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-            false => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-        };
-        let (lock, handle) = lt_handle(dev)?;
-        let mut d = Descs::default();
-        d.matmul =
-            lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
-        let op = |t: bool| match t {
-            true => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
-            false => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
-        };
-        use ltsys::cublasLtMatmulDescAttributes_t::*;
-        // row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ: cuBLASLt's first operand is `b`
-        set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(mb.trans)).map_err(e("transa"))?;
-        set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(ma.trans)).map_err(e("transb"))?;
-        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
-        // each stored matrix as (rows, cols) column-major, before its transpose
-        let stored = |trans: bool, rows: u64, cols: u64| match trans {
-            true => (cols, rows),
-            false => (rows, cols),
-        };
-        let layouts = [
-            (stored(mb.trans, n, k), mb.ld as i64, mb.batch_stride),
-            (stored(ma.trans, k, m), ma.ld as i64, ma.batch_stride),
-            ((n, m), n as i64, (key.m * key.n) as i64),
-        ];
-        for ((rows, cols), ld, stride) in layouts {
-            let l = lt::create_matrix_layout(data, rows, cols, ld).map_err(e("layout"))?;
-            d.layouts.push(l);
-            if key.batch > 1 {
-                use ltsys::cublasLtMatrixLayoutAttribute_t::*;
-                let count = key.batch as i32;
-                // SAFETY: a live layout; each value has its attribute's type and size
-                unsafe {
-                    lt::set_matrix_layout_attribute(
-                        l,
-                        CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                        (&count as *const i32).cast(),
-                        std::mem::size_of::<i32>(),
-                    )
-                    .map_err(e("batch count"))?;
-                    lt::set_matrix_layout_attribute(
-                        l,
-                        CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                        (&stride as *const i64).cast(),
-                        std::mem::size_of::<i64>(),
-                    )
-                    .map_err(e("batch stride"))?;
-                }
-            }
-        }
-        d.pref = preference().map_err(e("preference"))?;
-        Ok(Gemm {
-            dev,
-            _lock: lock,
-            handle,
-            d,
-            first: mb.ptr,
-            second: ma.ptr,
-            out: out.ptr,
-            plain,
-        })
-    }
-
+impl Gemm<'_> {
     /// The algorithms cuBLASLt's heuristics offer, best guess first.
     fn candidates(&self) -> Result<Vec<ltsys::cublasLtMatmulHeuristicResult_t>> {
-        let l = &self.d.layouts;
+        let l = &self.descs.layouts;
         // SAFETY: zeroed plain data, filled by cuBLASLt
         let mut results: Vec<ltsys::cublasLtMatmulHeuristicResult_t> =
             vec![unsafe { std::mem::zeroed() }; CANDIDATES];
@@ -269,12 +299,12 @@ impl<'a> Gemm<'a> {
         unsafe {
             ltsys::cublasLtMatmulAlgoGetHeuristic(
                 self.handle,
-                self.d.matmul,
+                self.descs.matmul,
                 l[0],
                 l[1],
                 l[2],
                 l[2],
-                self.d.pref,
+                self.descs.pref,
                 CANDIDATES as i32,
                 results.as_mut_ptr(),
                 &mut count,
@@ -328,16 +358,16 @@ impl<'a> Gemm<'a> {
         let Some(algo) = &c.algo else {
             return (self.plain)();
         };
-        let ptrs = [self.first, self.second, self.out];
         let err = |x| lt_err(self.dev.ordinal, "matmul", x);
+        let (descs, ptrs) = (self.descs, self.ptrs);
         // SAFETY: the pointers address live buffers of the sizes the layouts describe
-        unsafe { launch(self.dev, self.handle, &self.d, ptrs, algo, c.workspace, err) }
+        unsafe { launch(self.dev, self.handle, descs, ptrs, algo, c.workspace, err) }
     }
 
     /// The choice kept on disk for `key`, if its checksum holds and cuBLASLt accepts it for these
     /// descriptors.
     fn read_choice(&self, key: &Key) -> Option<Choice> {
-        let (path, sum_path) = self.entry(key);
+        let (path, sum_path) = entry(self.dev, key);
         let text = std::fs::read(&path).ok()?;
         let want = std::fs::read_to_string(&sum_path).ok()?;
         if crate::nvrtc::checksum(&text) != want.trim() {
@@ -357,14 +387,14 @@ impl<'a> Gemm<'a> {
         let (data, workspace) = (words.get(..8)?, *words.get(8)? as usize);
         let mut algo = ltsys::cublasLtMatmulAlgo_t { data: [0; 8] };
         algo.data.copy_from_slice(data);
-        let l = &self.d.layouts;
+        let l = &self.descs.layouts;
         // SAFETY: zeroed plain data, filled by cuBLASLt
         let mut check: ltsys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
         // SAFETY: live handle and descriptors; `algo` came from this cuBLASLt version's output
         let ok = unsafe {
             ltsys::cublasLtMatmulAlgoCheck(
                 self.handle,
-                self.d.matmul,
+                self.descs.matmul,
                 l[0],
                 l[1],
                 l[2],
@@ -379,47 +409,45 @@ impl<'a> Gemm<'a> {
             workspace,
         })
     }
+}
 
-    /// Writes `c` for `key`. A cache folder that cannot be written only costs the next process
-    /// its timing.
-    fn write_choice(&self, key: &Key, c: &Choice) {
-        let (path, sum_path) = self.entry(key);
-        let text = match &c.algo {
-            None => "default".to_string(),
-            Some(algo) => {
-                let mut words: Vec<String> =
-                    algo.data.iter().map(|w| format!("{w:016x}")).collect();
-                words.push(format!("{:x}", c.workspace));
-                words.join(" ")
-            }
-        };
-        if let Some(dir) = path.parent() {
-            let _ = crate::nvrtc::store(dir, &path, &sum_path, text.as_bytes());
+/// Writes `c` for `key`. A cache folder that cannot be written only costs the next process
+/// its timing.
+fn write_choice(dev: &CudaDevice, key: &Key, c: &Choice) {
+    let (path, sum_path) = entry(dev, key);
+    let text = match &c.algo {
+        None => "default".to_string(),
+        Some(algo) => {
+            let mut words: Vec<String> = algo.data.iter().map(|w| format!("{w:016x}")).collect();
+            words.push(format!("{:x}", c.workspace));
+            words.join(" ")
         }
+    };
+    if let Some(dir) = path.parent() {
+        let _ = crate::nvrtc::store(dir, &path, &sum_path, text.as_bytes());
     }
+}
 
-    /// Where `key`'s choice is kept, and its checksum: named by the key (the device's model in
-    /// place of its ordinal, no scope) and cuBLASLt's version.
-    fn entry(&self, key: &Key) -> (PathBuf, PathBuf) {
-        let dev = self.dev;
-        // SAFETY: a plain query of the loaded library
-        let version = unsafe { ltsys::cublasLtGetVersion() };
-        let key = Key {
-            scope: 0,
-            ordinal: 0,
-            ..*key
-        };
-        let name = crate::nvrtc::checksum(
-            format!(
-                "{key:?}|{} {} {}sm|cublasLt {version}",
-                dev.name, dev.arch, dev.sm_count
-            )
-            .as_bytes(),
-        );
-        let dir = kiln_core::cache::cache_root().join("gemm");
-        (
-            dir.join(format!("{name}.txt")),
-            dir.join(format!("{name}.txt.xxh3")),
+/// Where `key`'s choice is kept, and its checksum: named by the key (the device's model in
+/// place of its ordinal, no scope) and cuBLASLt's version.
+fn entry(dev: &CudaDevice, key: &Key) -> (PathBuf, PathBuf) {
+    // SAFETY: a plain query of the loaded library
+    let version = unsafe { ltsys::cublasLtGetVersion() };
+    let key = Key {
+        scope: 0,
+        ordinal: 0,
+        ..*key
+    };
+    let name = crate::nvrtc::checksum(
+        format!(
+            "{key:?}|{} {} {}sm|cublasLt {version}",
+            dev.name, dev.arch, dev.sm_count
         )
-    }
+        .as_bytes(),
+    );
+    let dir = kiln_core::cache::cache_root().join("gemm");
+    (
+        dir.join(format!("{name}.txt")),
+        dir.join(format!("{name}.txt.xxh3")),
+    )
 }
