@@ -16,10 +16,20 @@ fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
     Ok(vec![h.softmax(-1)?, h.exp()?])
 }
 
-/// Three calls of the chain with new values each, compiled in `mode`, against eager.
-fn run_chain(mode: Mode) -> Outcome {
+/// A comparison of a compiled call's outputs with eager ones (`what` names the call).
+type Check = fn(&str, &[Tensor], &[Tensor], f64) -> Outcome;
+
+/// Three calls of `f` compiled in `mode`, each on new values of `shapes` (seeded from `seed`),
+/// checked against eager by `check` to `tol`.
+fn three_calls(
+    mode: Mode,
+    f: fn(&[Tensor]) -> Result<Vec<Tensor>>,
+    shapes: &[&[usize]],
+    seed: u64,
+    (check, tol): (Check, f64),
+) -> Outcome {
     let compiled = kiln::compile_fn(
-        chain,
+        f,
         CompileOptions {
             mode,
             ..Default::default()
@@ -27,17 +37,23 @@ fn run_chain(mode: Mode) -> Outcome {
     )
     .map_err(err)?;
     for call in 0..3u64 {
-        let x: Vec<Tensor> = [&[64usize, 1000][..], &[64, 1000]]
+        let x: Vec<Tensor> = shapes
             .iter()
             .enumerate()
-            .map(|(i, s)| randn(s, 300 + 10 * call + i as u64)?.to(CUDA))
+            .map(|(i, s)| randn(s, seed + 10 * call + i as u64)?.to(CUDA))
             .collect::<Result<_>>()
             .map_err(err)?;
         let got = compiled.call(&x).map_err(err)?;
-        let want = chain(&x).map_err(err)?;
-        same_outputs(&format!("{mode:?} call {call}"), &got, &want, 1e-6)?;
+        let want = f(&x).map_err(err)?;
+        check(&format!("{mode:?} call {call}"), &got, &want, tol)?;
     }
     Ok(())
+}
+
+/// Three calls of the chain with new values each, compiled in `mode`, against eager.
+fn run_chain(mode: Mode) -> Outcome {
+    let shapes: [&[usize]; 2] = [&[64, 1000], &[64, 1000]];
+    three_calls(mode, chain, &shapes, 300, (same_outputs, 1e-6))
 }
 
 /// Three compiled Adam steps (parameters updated in place: the kernels tuning must not run
@@ -163,14 +179,6 @@ fn close_to_largest(what: &str, got: &[Tensor], want: &[Tensor], tol: f64) -> Ou
 
 /// Three calls of `gemms` compiled in `mode` against eager, to rounding (`close_to_largest`).
 fn run_gemms(mode: Mode) -> Outcome {
-    let compiled = kiln::compile_fn(
-        gemms,
-        CompileOptions {
-            mode,
-            ..Default::default()
-        },
-    )
-    .map_err(err)?;
     let shapes: [&[usize]; 5] = [
         &[256, 512],
         &[512, 384],
@@ -178,18 +186,7 @@ fn run_gemms(mode: Mode) -> Outcome {
         &[8, 64, 96],
         &[8, 80, 96],
     ];
-    for call in 0..3u64 {
-        let x: Vec<Tensor> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| randn(s, 500 + 10 * call + i as u64)?.to(CUDA))
-            .collect::<Result<_>>()
-            .map_err(err)?;
-        let got = compiled.call(&x).map_err(err)?;
-        let want = gemms(&x).map_err(err)?;
-        close_to_largest(&format!("{mode:?} gemms call {call}"), &got, &want, 1e-5)?;
-    }
-    Ok(())
+    three_calls(mode, gemms, &shapes, 500, (close_to_largest, 1e-5))
 }
 
 /// max-autotune times cuBLASLt's algorithms for each GEMM shape once, writes the choices, and a
