@@ -1,7 +1,8 @@
-//! A foreach Adam on a device computes its flat update through one compiled function
-//! (`kiln-nn/src/optim/flat_update.rs`), compiled at the first step and replayed after (each of
-//! the three steps answered by it, none by the eager fallback), and its steps equal the
-//! per-parameter loop's. The mock device (host memory, CPU kernels) stands in for
+//! A foreach Adam on a device updates its parameters and their views of the flat moments in
+//! place through one compiled function (`kiln-nn/src/optim/flat_update.rs`), compiled at the
+//! first step and replayed after (each of the three steps answered by it, none by the eager
+//! fallback), and its steps equal the per-parameter loop's, also when a parameter has no
+//! gradient. The mock device (host memory, CPU kernels) stands in for
 //! CUDA, so this checks the plumbing on any machine; `gpu_compile.rs` runs the generated kernel.
 //! One test in this binary: it counts the process's backend compiles.
 
@@ -34,6 +35,19 @@ fn steps(opt: &mut dyn Optimizer, ps: &[Tensor]) -> Result<Vec<Vec<f32>>> {
         }
     }
     Ok(out)
+}
+
+/// A fourth step with the second parameter's gradient cleared; the parameters after it.
+fn partial_step(opt: &mut dyn Optimizer, ps: &[Tensor]) -> Result<Vec<Vec<f32>>> {
+    manual_seed(200);
+    for (i, p) in ps.iter().enumerate() {
+        p.set_grad(match i {
+            1 => None,
+            _ => Some(Tensor::randn(p.shape(), DType::F32)?.to(DEV)?),
+        });
+    }
+    opt.step()?;
+    ps.iter().map(|p| p.to_vec::<f32>()).collect()
 }
 
 fn assert_close(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
@@ -74,6 +88,17 @@ fn a_device_foreach_adam_compiles_its_flat_update_once() -> Result<()> {
         assert_eq!(foreach.steps(), vec![3, 3, 3]);
         assert_eq!(foreach.compiled_flat_updates(), 3, "amsgrad={amsgrad}");
         assert_eq!(looped.compiled_flat_updates(), 0);
+        // a step where one parameter has no gradient updates the other two through the flat
+        // update's pure form (a part of the group), the third keeping its value and step count
+        let got = partial_step(&mut foreach, &ps)?;
+        let want = partial_step(&mut looped, &qs)?;
+        assert_close(
+            &format!("Adam amsgrad={amsgrad}, one gradient missing"),
+            &got,
+            &want,
+        );
+        assert_eq!(foreach.steps(), vec![4, 3, 4]);
+        assert_eq!(foreach.compiled_flat_updates(), 4, "amsgrad={amsgrad}");
     }
     let cfg = |foreach| AdamWConfig {
         lr: 0.05,
