@@ -80,6 +80,15 @@ pub(crate) struct Builder<'a> {
     pub(crate) lane_var: Option<usize>,
     /// The vectors read in lane mode, in first-read order.
     pub(crate) vector_reads: Vec<VectorRead>,
+    /// Lane mode: the temporaries whose value depends on the lane variable alone (read from
+    /// `VectorRead::fixed` vectors and invariants: a per-channel statistic of a channels-last
+    /// tensor, its `1/sqrt(var + eps)`), their lines (`lane_pre`, in order) and types
+    /// (`lane_temps`). A kernel whose threads keep their lane variable from one iteration to the
+    /// next computes them once per thread (`codegen/cuda.rs`'s `hoisted_lanes`); another runs
+    /// `lane_pre` at the start of each lane.
+    per_lane: HashSet<String>,
+    pub(crate) lane_pre: String,
+    pub(crate) lane_temps: Vec<(String, DType)>,
     /// Values already in a register at one index (a row kernel's reductions at the row, and
     /// the row's operand a thread keeps: `rows::passes`); a read at another index loads
     /// or computes the value.
@@ -109,6 +118,17 @@ pub(crate) struct VectorRead {
     pub(crate) name: String,
     /// Which vector of the buffer, in four-element units, over lane 0's index variables.
     pub(crate) at: String,
+    /// Whether `at` reads lane 0's lane variable alone (no other index variable).
+    pub(crate) fixed: bool,
+}
+
+/// Where a temporary is computed: before the loops (the same at every element), per thread
+/// for its lane (`Builder::per_lane`), or in the loop body.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Pre,
+    Lane,
+    Body,
 }
 
 /// The C type of a value of `d` (what the builder declares its temporaries as).
@@ -146,6 +166,9 @@ impl<'a> Builder<'a> {
             lanes_at: None,
             lane_var: None,
             vector_reads: Vec::new(),
+            per_lane: HashSet::new(),
+            lane_pre: String::new(),
+            lane_temps: Vec::new(),
             registers: HashMap::default(),
             recompute: Vec::new(),
             trig_args: Vec::new(),
@@ -169,25 +192,75 @@ impl<'a> Builder<'a> {
     }
 
     fn temp(&mut self, d: DType, expr: String) -> String {
-        self.temp_where(d, expr, false)
+        self.temp_in(d, expr, Place::Body)
     }
 
-    /// A temporary in the loop body, or in `pre` when it is `invariant`.
-    fn temp_where(&mut self, d: DType, expr: String, invariant: bool) -> String {
+    /// A temporary in the loop body, in `pre` or in `lane_pre` (`place`).
+    fn temp_in(&mut self, d: DType, expr: String, place: Place) -> String {
         let name = format!("t{}", self.temps);
         self.temps += 1;
-        let lines = if invariant {
-            self.invariant.insert(name.clone());
-            &mut self.pre
-        } else {
-            &mut self.body
+        let lines = match place {
+            Place::Pre => {
+                self.invariant.insert(name.clone());
+                &mut self.pre
+            }
+            Place::Lane => {
+                self.per_lane.insert(name.clone());
+                self.lane_temps.push((name.clone(), d));
+                &mut self.lane_pre
+            }
+            Place::Body => &mut self.body,
         };
         let _ = writeln!(lines, "    const {} {name} = {expr};", ty(d));
         name
     }
 
+    /// A temporary whose expression is a pure function of `operands`, placed where they all are.
+    fn temp_of(&mut self, d: DType, expr: String, operands: &[&String]) -> String {
+        let place = self.place_of(operands);
+        self.temp_in(d, expr, place)
+    }
+
     fn invariant(&self, values: &[&String]) -> bool {
         values.iter().all(|v| self.invariant.contains(*v))
+    }
+
+    /// Where a pure function of `operands` can be computed: before the loops when they all are
+    /// invariant, per lane when each is invariant or per-lane, else in the body.
+    fn place_of(&self, operands: &[&String]) -> Place {
+        if self.invariant(operands) {
+            Place::Pre
+        } else if operands
+            .iter()
+            .all(|v| self.invariant.contains(*v) || self.per_lane.contains(*v))
+        {
+            Place::Lane
+        } else {
+            Place::Body
+        }
+    }
+
+    /// Class `seed`'s per-lane values, for another residue class of the same kernel: their
+    /// reads and temporaries keep `seed`'s names (its `lane_pre` computes them, once for every
+    /// class: `codegen/cuda_residues.rs`), and this class's own temporaries are numbered after
+    /// `seed`'s. A per-lane value reads no index variable but the innermost, which no class
+    /// splits, so it is the same value at the same index in every class.
+    pub(crate) fn share_lanes_of(&mut self, seed: &Builder<'_>) {
+        let per_lane = &seed.per_lane;
+        self.memo.extend(
+            seed.memo
+                .iter()
+                .filter(|(_, v)| per_lane.contains(*v))
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        self.per_lane = seed.per_lane.clone();
+        self.temps = seed.temps;
+        self.vector_reads = seed
+            .vector_reads
+            .iter()
+            .filter(|r| r.fixed)
+            .cloned()
+            .collect();
     }
 
     fn param(&mut self, id: NodeId) -> usize {
@@ -232,17 +305,20 @@ impl<'a> Builder<'a> {
             off.residue_vars(&mut self.residues);
         }
         let v = if self.lanes_at.as_ref() == Some(&off) {
-            let name = self.vector_read(&buf, dtype, "q".into());
+            let name = self.vector_read(&buf, dtype, "q".into(), false);
             self.temp(dtype, format!("{name}.v[k]"))
         } else if let Some((v, rest)) = quad {
+            let fixed = rest.as_constant().is_some();
             let at = match rest.as_constant() {
                 Some(0) => format!("i{v}_l0 / 4"),
                 _ => format!("({} + i{v}_l0) / 4", rest.to_c("i")),
             };
-            let name = self.vector_read(&buf, dtype, at);
-            self.temp(dtype, format!("{name}.v[k]"))
+            let name = self.vector_read(&buf, dtype, at, fixed);
+            let place = if fixed { Place::Lane } else { Place::Body };
+            self.temp_in(dtype, format!("{name}.v[k]"), place)
         } else {
-            self.temp_where(dtype, format!("{buf}[{}]", off.to_c("i")), invariant)
+            let place = if invariant { Place::Pre } else { Place::Body };
+            self.temp_in(dtype, format!("{buf}[{}]", off.to_c("i")), place)
         };
         self.memo.insert(key, v.clone());
         v
@@ -250,7 +326,7 @@ impl<'a> Builder<'a> {
 
     /// The name of the vector of `buf` the lanes read at `at`, recorded the first time: `<buf>_v`
     /// at the written offset (`q`), `<buf>_w<n>` elsewhere.
-    fn vector_read(&mut self, buf: &str, dtype: DType, at: String) -> String {
+    fn vector_read(&mut self, buf: &str, dtype: DType, at: String, fixed: bool) -> String {
         if let Some(r) = self
             .vector_reads
             .iter()
@@ -267,6 +343,7 @@ impl<'a> Builder<'a> {
             dtype,
             name: name.clone(),
             at,
+            fixed,
         });
         name
     }
@@ -311,26 +388,25 @@ impl<'a> Builder<'a> {
             Prim::Unary(op) => {
                 let a = self.value(node.args[0], idx, false);
                 let e = unary_c(*op, &a, arg_dtype(0));
-                let invariant = self.invariant(&[&a]);
+                let place = self.place_of(&[&a]);
                 let trig = matches!(op, UnaryOp::Sin | UnaryOp::Cos);
-                if trig && arg_dtype(0) == DType::F32 && !invariant && !self.trig_args.contains(&a)
-                {
+                let checked = trig && arg_dtype(0) == DType::F32 && place != Place::Pre;
+                if checked && !self.trig_args.contains(&a) {
                     self.trig_args.push(a.clone());
                 }
-                self.temp_where(node.dtype, e, invariant)
+                self.temp_in(node.dtype, e, place)
             }
             Prim::Binary(op) => {
                 let a = self.value(node.args[0], idx, false);
                 let b = self.value(node.args[1], idx, false);
                 let e = binary_c(*op, &a, &b, arg_dtype(0));
-                self.temp_where(node.dtype, e, self.invariant(&[&a, &b]))
+                self.temp_of(node.dtype, e, &[&a, &b])
             }
             Prim::Where => {
                 let c = self.value(node.args[0], idx, false);
                 let a = self.value(node.args[1], idx, false);
                 let b = self.value(node.args[2], idx, false);
-                let invariant = self.invariant(&[&c, &a, &b]);
-                self.temp_where(node.dtype, format!("{c} ? {a} : {b}"), invariant)
+                self.temp_of(node.dtype, format!("{c} ? {a} : {b}"), &[&c, &a, &b])
             }
             Prim::Cast(to) => {
                 let a = self.value(node.args[0], idx, false);
@@ -339,7 +415,7 @@ impl<'a> Builder<'a> {
                 } else {
                     format!("({})({a})", ty(*to))
                 };
-                self.temp_where(node.dtype, e, self.invariant(&[&a]))
+                self.temp_of(node.dtype, e, &[&a])
             }
             Prim::Full { value, dtype, .. } => {
                 let literal = full_literal(*value, *dtype);
@@ -619,18 +695,20 @@ pub(crate) fn pointwise_body<'a>(
     roots: &[(NodeId, Option<NodeId>)],
     lanes: bool,
 ) -> PointwiseBody<'a> {
-    pointwise_body_in(g, sched, roots, lanes, None)
+    pointwise_body_in(g, sched, roots, lanes, None, None)
 }
 
 /// `pointwise_body` over one residue class of the elements (all of them without one). In a
 /// class, a load at the written offset is read like any other (`Builder::lane_var`), as the
-/// offset is no longer the flat vector index.
+/// offset is no longer the flat vector index. `shared`: another class's body, whose per-lane
+/// values this one reuses (`Builder::share_lanes_of`).
 pub(crate) fn pointwise_body_in<'a>(
     g: &'a Graph,
     sched: &'a Schedule,
     roots: &[(NodeId, Option<NodeId>)],
     lanes: bool,
     class: Option<&ResidueClass<'_>>,
+    shared: Option<&Builder<'_>>,
 ) -> PointwiseBody<'a> {
     let shape = &g.nodes[roots[0].0].shape;
     let mut ext: Vec<i64> = shape.iter().map(|&s| s as i64).collect();
@@ -644,6 +722,9 @@ pub(crate) fn pointwise_body_in<'a>(
     let mut b = Builder::new(g, sched, ext);
     if let Some(c) = class {
         b.params = c.params.to_vec();
+    }
+    if let Some(seed) = shared {
+        b.share_lanes_of(seed);
     }
     let written = linear(&idx, shape);
     // one output keeps the name `out`, so its text (and cached kernel) is what it always was
@@ -841,8 +922,7 @@ fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> Reductio
     let mut b = Builder::new(g, sched, space.iter().map(|&s| s as i64).collect());
     let x = b.value(a, &[Ix::var(0), Ix::var(1), Ix::var(3)], false);
     let y = b.value(bm, &[Ix::var(0), Ix::var(3), Ix::var(2)], false);
-    let invariant = b.invariant(&[&x, &y]);
-    let value = b.temp_where(DType::F64, format!("(double){x} * (double){y}"), invariant);
+    let value = b.temp_of(DType::F64, format!("(double){x} * (double){y}"), &[&x, &y]);
     let (acc_t, init, step) = reduce_c(ReduceOp::Sum, node.dtype);
     let out_idx = [Ix::var(0), Ix::var(1), Ix::var(2)];
     ReductionParts {

@@ -14,7 +14,9 @@ use kiln_core::device::ReduceSplit;
 use kiln_core::DType;
 
 use crate::backend::{plan_graph, Planned, Target};
-use crate::codegen::c::{pointwise_body, split_index, split_index_as, ty, Builder, PointwiseBody};
+use crate::codegen::c::{
+    pointwise_body, split_index, split_index_as, ty, Builder, PointwiseBody, VectorRead,
+};
 use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::schedule::Schedule;
 use crate::sequential::Sequence;
@@ -295,8 +297,19 @@ pub(super) fn aligned_test(g: &Graph, bodies: &[PointwiseBody<'_>]) -> String {
 }
 
 /// A lane-mode body's vector loads at lane 0's index, and its outputs' vectors.
-pub(super) fn vector_reads(text: &mut String, g: &Graph, lanes: &PointwiseBody<'_>) {
-    for r in &lanes.b.vector_reads {
+/// The vector reads of `lanes` (but those `hoisted_lanes` read for the body `hoisted` before the
+/// loop) and the output vectors its lanes fill.
+pub(super) fn vector_reads(
+    text: &mut String,
+    g: &Graph,
+    lanes: &PointwiseBody<'_>,
+    hoisted: Option<&PointwiseBody<'_>>,
+) {
+    let before = |r: &VectorRead| {
+        let read = |h: &PointwiseBody<'_>| h.b.vector_reads.iter().any(|x| x.fixed && x == r);
+        r.fixed && hoisted.is_some_and(read)
+    };
+    for r in lanes.b.vector_reads.iter().filter(|r| !before(r)) {
         let t = ty(r.dtype);
         let _ = writeln!(
             text,
@@ -313,6 +326,72 @@ pub(super) fn vector_reads(text: &mut String, g: &Graph, lanes: &PointwiseBody<'
     }
 }
 
+/// The extent of the innermost loop variable when a thread's lane variable stays the same from
+/// one iteration of its grid-stride loop to the next, and `lanes` has per-lane values to
+/// compute once per thread (`hoisted_lanes`): the lane variable is the innermost, and the loop's
+/// step — a multiple of `4 * block` elements, `block` the launch's threads per block — is a
+/// multiple of its extent. The kernel tests `block` when it runs (a horizontal launch's blocks
+/// are its own).
+pub(super) fn fixed_lanes(
+    lanes: &PointwiseBody<'_>,
+    vars: &[(usize, usize)],
+    block: u32,
+) -> Option<usize> {
+    let v = lanes.b.lane_var?;
+    let &(last, extent) = vars.last()?;
+    let fixed = last == v && extent > 0 && (4 * block as usize) % extent == 0;
+    (fixed && !lanes.b.lane_temps.is_empty()).then_some(extent)
+}
+
+/// What a vector loop over `fixed` lanes adds to its alignment test: the launch's block keeps
+/// the lane variable fixed.
+pub(super) fn fixed_test(fixed: Option<usize>) -> String {
+    match fixed {
+        Some(extent) => format!(" && (blockDim.x * 4) % {extent} == 0"),
+        None => String::new(),
+    }
+}
+
+/// The per-lane values of `lanes` (`Builder::lane_pre`) computed once per thread, before its
+/// grid-stride loop (`fixed_lanes` says the lane variable does not move): lane 0's lane
+/// variable from the thread's first vector, the vectors read at it alone, and each per-lane
+/// value of the four lanes into an array the loop's lanes read back (`lane_values`). A
+/// per-channel statistic's `1/sqrt(var + eps)` then costs a thread one computation instead of
+/// one per element.
+pub(super) fn hoisted_lanes(text: &mut String, lanes: &PointwiseBody<'_>, extent: usize) {
+    let Some(v) = lanes.b.lane_var else { return };
+    let _ = writeln!(text, "    const long long i{v}_l0 = (e0 * 4) % {extent};");
+    for r in lanes.b.vector_reads.iter().filter(|r| r.fixed) {
+        let t = ty(r.dtype);
+        let _ = writeln!(
+            text,
+            "    const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
+            r.name, r.buf, r.at
+        );
+    }
+    for (name, d) in &lanes.b.lane_temps {
+        let _ = writeln!(text, "    {} {name}_h[4];", ty(*d));
+    }
+    text.push_str("    #pragma unroll\n    for (int k = 0; k < 4; k++) {\n");
+    text.push_str(&lanes.b.lane_pre);
+    for (name, _) in &lanes.b.lane_temps {
+        let _ = writeln!(text, "    {name}_h[k] = {name};");
+    }
+    text.push_str("    }\n");
+}
+
+/// The per-lane values at the start of lane `k`'s body: read back from `hoisted_lanes`'
+/// arrays, or computed there when the lane variable moves.
+pub(super) fn lane_values(text: &mut String, lanes: &PointwiseBody<'_>, hoisted: bool) {
+    if !hoisted {
+        text.push_str(&lanes.b.lane_pre);
+        return;
+    }
+    for (name, d) in &lanes.b.lane_temps {
+        let _ = writeln!(text, "      const {} {name} = {name}_h[k];", ty(*d));
+    }
+}
+
 /// The loop over four-element vectors of a pointwise kernel in lane mode (`lanes`), taken when
 /// every vector pointer is aligned to its vector's size; it leaves `e0` at the first element it
 /// did not cover, for the scalar loop after it.
@@ -322,12 +401,18 @@ fn vector_loop(
     lanes: &PointwiseBody<'_>,
     vars: &[(usize, usize)],
     numel: usize,
+    block: u32,
 ) {
     let aligned = aligned_test(g, std::slice::from_ref(lanes));
     let nvec = numel / 4;
+    let fixed = fixed_lanes(lanes, vars, block);
+    let _ = writeln!(text, "  if ({aligned}{}) {{", fixed_test(fixed));
+    if let Some(extent) = fixed {
+        hoisted_lanes(text, lanes, extent);
+    }
     let _ = writeln!(
         text,
-        "  if ({aligned}) {{\n    for (long long q = e0; q < {nvec}; q += stride) {{"
+        "    for (long long q = e0; q < {nvec}; q += stride) {{"
     );
     // lane 0's index variables, where the lanes share all but the innermost (`Builder::lane_var`)
     if let Some(v) = lanes.b.lane_var {
@@ -337,7 +422,7 @@ fn vector_loop(
         };
         split_index_as(text, "q * 4", vars, "      ", "rem", name);
     }
-    vector_reads(text, g, lanes);
+    vector_reads(text, g, lanes, fixed.map(|_| lanes));
     let _ = writeln!(
         text,
         "      #pragma unroll\n      for (int k = 0; k < 4; k++) {{\n      const long long e = \
@@ -349,6 +434,7 @@ fn vector_loop(
         }
         None => split_index(text, "e", vars, "      ", "rem"),
     }
+    lane_values(text, lanes, fixed.is_some());
     text.push_str(&lanes.b.body);
     text.push_str(&lanes.stores);
     let _ = writeln!(text, "      }}");
@@ -426,7 +512,7 @@ impl Target for Cuda {
             // the same traversal loads the same buffers in the same order (and names the
             // hoisted values alike)
             if lanes.b.params == scalar.b.params && lanes.b.pre == scalar.b.pre {
-                vector_loop(&mut text, g, &lanes, &vars, numel);
+                vector_loop(&mut text, g, &lanes, &vars, numel, self.cfg.block);
                 vectorized = true;
             }
         }
@@ -598,7 +684,7 @@ pub(crate) mod tests {
     use kiln_core::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
 
     use super::*;
-    use crate::test_graphs::{binary, expand, input, kernels, push, slice};
+    use crate::test_graphs::{binary, expand, input, kernels, push, slice, unary};
 
     /// Every kind of kernel the generator writes: a vectorized and unrolled pointwise chain,
     /// reductions by a thread, a warp and a block per output element, and in-place updates of
@@ -746,6 +832,37 @@ pub(crate) mod tests {
             "{src}"
         );
         assert!(!vector_loop.contains("b0["), "{src}");
+    }
+
+    /// A channels-last tensor scaled by a per-channel `1/sqrt(var)`: the value depends on the
+    /// channel alone, and the grid-stride step (a multiple of 4 × 256 elements) keeps each
+    /// thread's channels, so a thread computes it once, before its loop, for its four lanes,
+    /// when the launch's block keeps the channels fixed; with 48 channels (1024 is no multiple
+    /// of 48) each lane computes it in the loop.
+    #[test]
+    fn per_channel_values_are_computed_once_per_thread() {
+        for (c, hoisted) in [(64usize, true), (48, false)] {
+            let mut g = Graph::default();
+            let shape = [8usize, 32, 32, c];
+            let x = input(&mut g, &shape);
+            let var = input(&mut g, &[1, 1, 1, c]);
+            let root = unary(&mut g, UnaryOp::Sqrt, var);
+            let rstd = unary(&mut g, UnaryOp::Recip, root);
+            let wide = expand(&mut g, rstd, &shape);
+            let y = binary(&mut g, BinaryOp::Mul, x, wide);
+            g.outputs.push(y);
+            let planned = kernels(&Cuda::new(132), &g);
+            assert_eq!(planned.len(), 1);
+            let src = &planned[0].0.source;
+            let vector_loop = &src[..src.find("\n    e0 = ").expect("a vector loop")];
+            let q_loop = vector_loop.find("for (int q = e0;").expect("a vector loop");
+            let sqrt = vector_loop.find("sqrtf(").expect("the square root");
+            assert_eq!(vector_loop.matches("sqrtf(").count(), 1, "{src}");
+            assert_eq!(sqrt < q_loop, hoisted, "{src}");
+            let test = format!("(blockDim.x * 4) % {c} == 0");
+            assert_eq!(vector_loop.contains(&test), hoisted, "{src}");
+            assert_eq!(vector_loop.contains("_h[k]"), hoisted, "{src}");
+        }
     }
 
     /// The default launch shape generates, byte for byte, the kernels kiln generated before

@@ -9,7 +9,10 @@ use std::fmt::Write;
 use kiln_compile::graph::{Graph, NodeId};
 
 use super::c::{split_index_as, ty, PointwiseBody};
-use super::cuda::{aligned_test, finish, parameters, vector_reads, Cuda, CudaKernel, VECTOR_FROM};
+use super::cuda::{
+    aligned_test, finish, fixed_lanes, fixed_test, hoisted_lanes, lane_values, parameters,
+    vector_reads, Cuda, CudaKernel, VECTOR_FROM,
+};
 use super::residues;
 use crate::schedule::Schedule;
 
@@ -51,7 +54,7 @@ pub(super) fn split(
         .then(|| split.build(g, sched, roots, whole, true))
         .flatten();
     let vectorized = match &lanes {
-        Some(lanes) => vector_classes(&mut text, g, lanes, &vars, numel),
+        Some(lanes) => vector_classes(&mut text, g, lanes, &vars, numel, cuda.cfg.block),
         None => false,
     };
     let _ = writeln!(text, "  for (; e0 < {numel}; e0 += stride) {{");
@@ -86,13 +89,17 @@ pub(super) fn split(
 /// The vector loop over the classes (`cuda.rs`'s `vector_loop`, one `case` per class): four
 /// consecutive elements of the innermost dim per iteration, when every buffer read or written
 /// as vectors is aligned. False, and nothing written, when a class's output offset is not a
-/// vector's (`Ix::quad_in`).
+/// vector's (`Ix::quad_in`). The classes share the first class's per-lane values
+/// (`residues::Split::build`), computed once per thread before the loop where the lane variable
+/// stays fixed (`cuda.rs`'s `hoisted_lanes`), else at the start of every class's lanes, with the
+/// first class's invariants they read.
 fn vector_classes(
     text: &mut String,
     g: &Graph,
     lanes: &[PointwiseBody<'_>],
     vars: &[(usize, usize)],
     numel: usize,
+    block: u32,
 ) -> bool {
     // the innermost dim, never split
     let Some(&(lane_var, _)) = vars.last() else {
@@ -105,24 +112,43 @@ fn vector_classes(
     else {
         return false;
     };
+    let Some(first) = lanes.first() else {
+        return false;
+    };
     let aligned = aligned_test(g, lanes);
     let nvec = numel / 4;
+    let fixed = fixed_lanes(first, vars, block);
+    let _ = writeln!(text, "  if ({aligned}{}) {{", fixed_test(fixed));
+    if let Some(extent) = fixed {
+        text.push_str(&first.b.pre);
+        hoisted_lanes(text, first, extent);
+    }
     let _ = writeln!(
         text,
-        "  if ({aligned}) {{\n    for (long long q = e0; q < {nvec}; q += stride) {{"
+        "    for (long long q = e0; q < {nvec}; q += stride) {{"
     );
     let name = |v: usize| var_name(v, Some(lane_var));
     split_index_as(text, "q * 4", vars, "      ", "rem", name);
     text.push_str("      switch (cls) {\n");
     for (c, (b, rest)) in lanes.iter().zip(&rests).enumerate() {
-        let _ = writeln!(text, "      case {c}: {{\n{}", b.b.pre);
-        vector_reads(text, g, b);
+        let _ = writeln!(text, "      case {c}: {{");
+        if c > 0 && fixed.is_none() {
+            // the first class's per-lane values, computed in each lane below, read its invariants
+            text.push_str(&first.b.pre);
+        }
+        text.push_str(&b.b.pre);
+        vector_reads(text, g, b, fixed.map(|_| first));
         let _ = writeln!(
             text,
             "      #pragma unroll\n      for (int k = 0; k < 4; k++) {{\n      const long long \
-             i{lane_var} = i{lane_var}_l0 + k;\n{}{}      }}",
-            b.b.body, b.stores
+             i{lane_var} = i{lane_var}_l0 + k;"
         );
+        lane_values(text, first, fixed.is_some());
+        if c > 0 {
+            // what this class computes per lane beyond the first class's values
+            text.push_str(&b.b.lane_pre);
+        }
+        let _ = writeln!(text, "{}{}      }}", b.b.body, b.stores);
         let at = format!("({} + i{lane_var}_l0) / 4", rest.to_c("i"));
         for (root, out) in &b.outputs {
             let t = ty(g.nodes[*root].dtype);

@@ -81,19 +81,24 @@ impl<'a> Split<'a> {
         whole: &PointwiseBody<'_>,
         lanes: bool,
     ) -> Option<Vec<PointwiseBody<'a>>> {
-        self.classes
-            .iter()
-            .map(|residues| {
-                let class = ResidueClass {
-                    dims: &self.dims,
-                    modulus: self.modulus,
-                    residues,
-                    params: &whole.b.params,
-                };
-                let b = pointwise_body_in(g, sched, roots, lanes, Some(&class));
-                (b.ok && b.b.params == whole.b.params).then_some(b)
-            })
-            .collect()
+        let mut bodies: Vec<PointwiseBody<'a>> = Vec::with_capacity(self.classes.len());
+        for residues in &self.classes {
+            let class = ResidueClass {
+                dims: &self.dims,
+                modulus: self.modulus,
+                residues,
+                params: &whole.b.params,
+            };
+            // in lane mode the classes share the first class's per-lane values (computed once
+            // per thread for all of them where the target can: `codegen/cuda_residues.rs`)
+            let first = bodies.first().filter(|_| lanes).map(|f| &f.b);
+            let b = pointwise_body_in(g, sched, roots, lanes, Some(&class), first);
+            if !b.ok || b.b.params != whole.b.params {
+                return None;
+            }
+            bodies.push(b);
+        }
+        Some(bodies)
     }
 
     /// The loops of the kernel, outermost first, as (dim, extent): each dim's extent within a
