@@ -10,7 +10,8 @@ use kiln_core::prim::Prim;
 use kiln_core::DType;
 
 use crate::backend::{Planned, Target};
-use crate::codegen::c::{reduce_accumulator, register_key, Accumulator, Builder};
+use crate::codegen::builder::{register_key, Builder};
+use crate::codegen::c::{reduce_accumulator, Accumulator};
 use crate::ir::index::Ix;
 use crate::ir::lower::{linear, Kind};
 use crate::runtime::plan::Alloc;

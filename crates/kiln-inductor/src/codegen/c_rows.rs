@@ -9,7 +9,8 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{finish_outputs, loops, parallel_rows, ty, Builder, Kernel, Nest};
+use super::builder::{ty, Builder};
+use super::c::{finish_outputs, loops, parallel_rows, Kernel, Nest};
 use super::c_horizontal::Threads;
 use super::c_sums::lane_sums;
 use crate::rows::{outputs, passes, Computes, RowLoops, RowReach};

@@ -8,9 +8,9 @@
 use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::{Prim, SUM_CHUNKED_FROM};
 
+use super::builder::{ty, Builder};
 use super::c::{
-    finish_outputs, parallel_rows, reduce_accumulator, reduce_loops, ty, Accumulator, Builder,
-    Kernel, Nest,
+    finish_outputs, parallel_rows, reduce_accumulator, reduce_loops, Accumulator, Kernel, Nest,
 };
 use super::c_sums::lane_sums;
 use crate::rows::outputs;

@@ -1,5 +1,5 @@
 //! CUDA C generation: the same schedule, planning (`backend::plan_graph`) and expression builder
-//! (`codegen::c::Builder`, whose C is also CUDA C) as the CPU target; only the loops differ. A
+//! (`codegen::builder::Builder`, whose C is also CUDA C) as the CPU target; only the loops differ. A
 //! pointwise kernel is a grid-stride loop over the output's elements, the flat index split into
 //! one index per dimension; a reduction gives each output element a thread, a warp or a block
 //! by the length of what it reduces (`codegen/cuda_reduce.rs`). A graph's kernels are a few
@@ -14,9 +14,8 @@ use kiln_core::device::ReduceSplit;
 use kiln_core::DType;
 
 use crate::backend::{plan_graph, Planned, Target};
-use crate::codegen::c::{
-    pointwise_body, split_index, split_index_as, ty, Builder, PointwiseBody, VectorRead,
-};
+use crate::codegen::builder::{ty, Builder, VectorRead};
+use crate::codegen::c::{pointwise_body, split_index, split_index_as, PointwiseBody};
 use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::schedule::Schedule;
 use crate::sequential::Sequence;

@@ -8,7 +8,8 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{reduce_accumulator, reduction_parts, split_index, ty, Accumulator, ReductionParts};
+use super::builder::ty;
+use super::c::{reduce_accumulator, reduction_parts, split_index, Accumulator, ReductionParts};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
 use crate::schedule::Schedule;
 use crate::split_reduction::is_outer;

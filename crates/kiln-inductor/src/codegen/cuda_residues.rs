@@ -8,7 +8,8 @@ use std::fmt::Write;
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use super::c::{split_index_as, ty, PointwiseBody};
+use super::builder::ty;
+use super::c::{split_index_as, PointwiseBody};
 use super::cuda::{
     aligned_test, finish, fixed_lanes, fixed_test, hoisted_lanes, lane_values, parameters,
     vector_reads, Cuda, CudaKernel, VECTOR_FROM,

@@ -18,7 +18,8 @@ use std::fmt::Write;
 use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::Prim;
 
-use super::c::{split_index, ty, Builder};
+use super::builder::{ty, Builder};
+use super::c::split_index;
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
 use crate::rows::{outputs, passes, Computes, RowLoops, RowReach};
 use crate::schedule::Schedule;

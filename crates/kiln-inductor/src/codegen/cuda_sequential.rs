@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use super::c::ty;
+use super::builder::ty;
 use super::cuda::{finish, member_fn, unrestricted, Cuda, CudaKernel};
 use crate::sequential::{Arg, InputInfo, Sequence};
 

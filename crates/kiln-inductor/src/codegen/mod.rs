@@ -1,5 +1,6 @@
-//! Source generation from the schedule. `c`: C with OpenMP for the CPU (and the expression
-//! builder both targets share; `c_horizontal`: independent C kernels in one parallel region;
+//! Source generation from the schedule. `builder`: the expression builder both targets share;
+//! `c`: C with OpenMP for the CPU (and the pointwise and reduction bodies both targets wrap their
+//! loops around); `c_horizontal`: independent C kernels in one parallel region;
 //! `c_rows`: row kernels, a loop over the rows with each member's pass inside; `c_siblings`:
 //! sums over the same loops in one walk, a lane array each; `c_sums`: float sums in the eager
 //! kernel's order (lane arrays and their fold, long sums in chunks); `c_trig`: pointwise loops over f32
@@ -12,6 +13,7 @@
 //! that differ only in integer literals built once); `template`: size-generic kernels of both
 //! targets.
 
+pub(crate) mod builder;
 pub mod c;
 pub(crate) mod c_horizontal;
 mod c_residues;
