@@ -10,9 +10,9 @@ use kiln_compile::graph::{Graph, NodeId};
 
 use super::builder::ty;
 use super::c::{split_index_as, PointwiseBody};
-use super::cuda::{
-    aligned_test, finish, fixed_lanes, fixed_test, hoisted_lanes, lane_values, parameters,
-    vector_reads, Cuda, CudaKernel, VECTOR_FROM,
+use super::cuda::{finish, parameters, Cuda, CudaKernel, VECTOR_FROM};
+use super::cuda_vector::{
+    aligned_test, fixed_lanes, fixed_test, hoisted_lanes, lane_values, vector_reads,
 };
 use super::residues;
 use crate::schedule::Schedule;

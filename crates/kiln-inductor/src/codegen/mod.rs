@@ -6,7 +6,7 @@
 //! kernel's order (lane arrays and their fold, long sums in chunks); `c_trig`: pointwise loops over f32
 //! sines and cosines in blocks, inline functions with a check of their range);
 //! `cuda`: CUDA C for NVIDIA GPUs, compiled by NVRTC (`cuda_compile`: graphs planned, built and
-//! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_residues`: its pointwise kernels split into residue classes of their output index (`residues`, shared with `c_residues`); `cuda_rows`: reductions over a row and the
+//! assembled, several sharing one NVRTC pool; `cuda_reduce`: its reduction kernels; `cuda_vector`: its pointwise kernels' vector loops; `cuda_residues`: its pointwise kernels split into residue classes of their output index (`residues`, shared with `c_residues`); `cuda_rows`: reductions over a row and the
 //! values that read them, a warp per row; `cuda_sequential`: a whole small graph in one block; `cuda_units`: a
 //! graph's kernels as a few translation units built on parallel threads; `cuda_sizes`: a symbolic
 //! graph's size-generic kernels in units of their own; `cuda_literals`: a static graph's kernels
@@ -31,5 +31,6 @@ mod cuda_sequential;
 mod cuda_sizes;
 mod cuda_tune;
 mod cuda_units;
+mod cuda_vector;
 mod residues;
 pub mod template;

@@ -1,0 +1,191 @@
+//! The CUDA target's vector loops: four consecutive elements of a pointwise kernel's innermost
+//! dim per iteration, read and written as 16-byte vectors where every buffer is aligned for
+//! them (a scalar loop after takes the rest), each lane's body built in lane mode
+//! (`Builder::lane_var`); and the per-lane values a thread computes once before its loop when
+//! the grid-stride step keeps its innermost index (`hoisted_lanes`).
+
+use std::fmt::Write;
+
+use kiln_compile::graph::Graph;
+use kiln_core::DType;
+
+use super::builder::{ty, VectorRead};
+use super::c::{split_index, split_index_as, PointwiseBody};
+
+/// The test that every buffer `bodies` read or write as vectors is aligned to its vector's size:
+/// each buffer once (an in-place output is also read as a vector).
+pub(super) fn aligned_test(g: &Graph, bodies: &[PointwiseBody<'_>]) -> String {
+    let mut vectors: Vec<(String, DType)> = Vec::new();
+    for b in bodies {
+        let read = b.b.vector_reads.iter().map(|r| (&r.buf, r.dtype));
+        let written = b.outputs.iter().map(|(root, n)| (n, g.nodes[*root].dtype));
+        for (name, d) in read.chain(written) {
+            if !vectors.iter().any(|(n, _)| n == name) {
+                vectors.push((name.clone(), d));
+            }
+        }
+    }
+    vectors
+        .iter()
+        .map(|(name, d)| {
+            format!(
+                "(unsigned long long){name} % {} == 0",
+                4 * d.size_in_bytes()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" && ")
+}
+
+/// A lane-mode body's vector loads at lane 0's index, and its outputs' vectors.
+/// The vector reads of `lanes` (but those `hoisted_lanes` read for the body `hoisted` before the
+/// loop) and the output vectors its lanes fill.
+pub(super) fn vector_reads(
+    text: &mut String,
+    g: &Graph,
+    lanes: &PointwiseBody<'_>,
+    hoisted: Option<&PointwiseBody<'_>>,
+) {
+    let before = |r: &VectorRead| {
+        let read = |h: &PointwiseBody<'_>| h.b.vector_reads.iter().any(|x| x.fixed && x == r);
+        r.fixed && hoisted.is_some_and(read)
+    };
+    for r in lanes.b.vector_reads.iter().filter(|r| !before(r)) {
+        let t = ty(r.dtype);
+        let _ = writeln!(
+            text,
+            "      const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
+            r.name, r.buf, r.at
+        );
+    }
+    for (root, name) in &lanes.outputs {
+        let _ = writeln!(
+            text,
+            "      kiln_v4<{}> {name}_s;",
+            ty(g.nodes[*root].dtype)
+        );
+    }
+}
+
+/// The extent of the innermost loop variable when a thread's lane variable stays the same from
+/// one iteration of its grid-stride loop to the next, and `lanes` has per-lane values to
+/// compute once per thread (`hoisted_lanes`): the lane variable is the innermost, and the loop's
+/// step — a multiple of `4 * block` elements, `block` the launch's threads per block — is a
+/// multiple of its extent. The kernel tests `block` when it runs (a horizontal launch's blocks
+/// are its own).
+pub(super) fn fixed_lanes(
+    lanes: &PointwiseBody<'_>,
+    vars: &[(usize, usize)],
+    block: u32,
+) -> Option<usize> {
+    let v = lanes.b.lane_var?;
+    let &(last, extent) = vars.last()?;
+    let fixed = last == v && extent > 0 && (4 * block as usize) % extent == 0;
+    (fixed && !lanes.b.lane_temps.is_empty()).then_some(extent)
+}
+
+/// What a vector loop over `fixed` lanes adds to its alignment test: the launch's block keeps
+/// the lane variable fixed.
+pub(super) fn fixed_test(fixed: Option<usize>) -> String {
+    match fixed {
+        Some(extent) => format!(" && (blockDim.x * 4) % {extent} == 0"),
+        None => String::new(),
+    }
+}
+
+/// The per-lane values of `lanes` (`Builder::lane_pre`) computed once per thread, before its
+/// grid-stride loop (`fixed_lanes` says the lane variable does not move): lane 0's lane
+/// variable from the thread's first vector, the vectors read at it alone, and each per-lane
+/// value of the four lanes into an array the loop's lanes read back (`lane_values`). A
+/// per-channel statistic's `1/sqrt(var + eps)` then costs a thread one computation instead of
+/// one per element.
+pub(super) fn hoisted_lanes(text: &mut String, lanes: &PointwiseBody<'_>, extent: usize) {
+    let Some(v) = lanes.b.lane_var else { return };
+    let _ = writeln!(text, "    const long long i{v}_l0 = (e0 * 4) % {extent};");
+    for r in lanes.b.vector_reads.iter().filter(|r| r.fixed) {
+        let t = ty(r.dtype);
+        let _ = writeln!(
+            text,
+            "    const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
+            r.name, r.buf, r.at
+        );
+    }
+    for (name, d) in &lanes.b.lane_temps {
+        let _ = writeln!(text, "    {} {name}_h[4];", ty(*d));
+    }
+    text.push_str("    #pragma unroll\n    for (int k = 0; k < 4; k++) {\n");
+    text.push_str(&lanes.b.lane_pre);
+    for (name, _) in &lanes.b.lane_temps {
+        let _ = writeln!(text, "    {name}_h[k] = {name};");
+    }
+    text.push_str("    }\n");
+}
+
+/// The per-lane values at the start of lane `k`'s body: read back from `hoisted_lanes`'
+/// arrays, or computed there when the lane variable moves.
+pub(super) fn lane_values(text: &mut String, lanes: &PointwiseBody<'_>, hoisted: bool) {
+    if !hoisted {
+        text.push_str(&lanes.b.lane_pre);
+        return;
+    }
+    for (name, d) in &lanes.b.lane_temps {
+        let _ = writeln!(text, "      const {} {name} = {name}_h[k];", ty(*d));
+    }
+}
+
+/// The loop over four-element vectors of a pointwise kernel in lane mode (`lanes`), taken when
+/// every vector pointer is aligned to its vector's size; it leaves `e0` at the first element it
+/// did not cover, for the scalar loop after it.
+pub(super) fn vector_loop(
+    text: &mut String,
+    g: &Graph,
+    lanes: &PointwiseBody<'_>,
+    vars: &[(usize, usize)],
+    numel: usize,
+    block: u32,
+) {
+    let aligned = aligned_test(g, std::slice::from_ref(lanes));
+    let nvec = numel / 4;
+    let fixed = fixed_lanes(lanes, vars, block);
+    let _ = writeln!(text, "  if ({aligned}{}) {{", fixed_test(fixed));
+    if let Some(extent) = fixed {
+        hoisted_lanes(text, lanes, extent);
+    }
+    let _ = writeln!(
+        text,
+        "    for (long long q = e0; q < {nvec}; q += stride) {{"
+    );
+    // lane 0's index variables, where the lanes share all but the innermost (`Builder::lane_var`)
+    if let Some(v) = lanes.b.lane_var {
+        let name = |w: usize| match w == v {
+            true => format!("i{w}_l0"),
+            false => format!("i{w}"),
+        };
+        split_index_as(text, "q * 4", vars, "      ", "rem", name);
+    }
+    vector_reads(text, g, lanes, fixed.map(|_| lanes));
+    let _ = writeln!(
+        text,
+        "      #pragma unroll\n      for (int k = 0; k < 4; k++) {{\n      const long long e = \
+         q * 4 + k;"
+    );
+    match lanes.b.lane_var {
+        Some(v) => {
+            let _ = writeln!(text, "      const long long i{v} = i{v}_l0 + k;");
+        }
+        None => split_index(text, "e", vars, "      ", "rem"),
+    }
+    lane_values(text, lanes, fixed.is_some());
+    text.push_str(&lanes.b.body);
+    text.push_str(&lanes.stores);
+    let _ = writeln!(text, "      }}");
+    for (root, name) in &lanes.outputs {
+        let t = ty(g.nodes[*root].dtype);
+        let _ = writeln!(text, "      ((kiln_v4<{t}> *){name})[q] = {name}_s;");
+    }
+    let _ = writeln!(
+        text,
+        "    }}\n    e0 = {} + (long long)kbid * blockDim.x + threadIdx.x;\n  }}",
+        nvec * 4
+    );
+}
