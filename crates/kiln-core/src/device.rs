@@ -168,8 +168,10 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         let _ = device;
         Ok(48 * 1024)
     }
-    /// Device time of `f`'s queued work: `f` runs once to warm up, then `reps` times between two
-    /// device events; the milliseconds per run. What max-autotune times candidate kernels with.
+    /// Device time of `f`'s queued work: `f` runs once to warm up, then `reps` times, each between
+    /// two device events (kiln-cuda empties the L2 cache before each, so a run reads its inputs
+    /// from memory as it would in a model); the milliseconds per run. What max-autotune times
+    /// candidate kernels with.
     /// Waits for the device. Runtimes without timing say "not supported" (the compiler then
     /// keeps its default kernels).
     fn time_launches(

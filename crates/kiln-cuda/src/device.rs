@@ -30,6 +30,8 @@ pub struct CudaDevice {
     /// NVRTC's target: "compute_90" on an H100.
     pub(crate) arch: &'static str,
     pub(crate) sm_count: u32,
+    /// Bytes of L2 cache (what a timing run evicts before each repetition: `event::time_cold`).
+    pub(crate) l2_bytes: usize,
     /// The most dynamic shared memory a block may opt in to (227 KiB on Hopper).
     pub(crate) shared_per_block: u32,
     /// The driver's name for the model ("NVIDIA H100 80GB HBM3"): part of max-autotune's keys.
@@ -114,6 +116,8 @@ impl CudaDevice {
         let minor =
             attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).map_err(|e| err("attr", e))?;
         let sms = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| err("attr", e))?;
+        // a driver that does not say gets Hopper's 50 MiB
+        let l2 = attr(CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(50 << 20);
         // a driver that does not say gets the limit every device gives without opting in
         let shared =
             attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).unwrap_or(48 << 10);
@@ -135,6 +139,7 @@ impl CudaDevice {
             cublaslt: Mutex::new(None),
             arch: Box::leak(format!("compute_{major}{minor}").into_boxed_str()),
             sm_count: sms.max(1) as u32,
+            l2_bytes: l2.max(0) as usize,
             shared_per_block: shared.max(48 << 10) as u32,
             name,
             recorder: AtomicU64::new(0),

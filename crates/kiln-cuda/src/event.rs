@@ -1,8 +1,10 @@
 //! CUDA events on a device's stream: mark a point in the queued work, wait for it, or time the
 //! device between two marks (`torch.cuda.Event(enable_timing=True)`).
 
+use std::sync::Arc;
+
 use cudarc::driver::{result, sys};
-use kiln_core::{Device, Result};
+use kiln_core::{DType, Device, Result};
 
 use crate::device::{cu_err, CudaDevice};
 
@@ -46,6 +48,33 @@ impl Event {
         unsafe { result::event::elapsed(self.ev, later.ev) }
             .map_err(|e| cu_err("cuEventElapsedTime", self.ordinal, e))
     }
+}
+
+/// Mean device milliseconds of `run` over `reps` runs, each started with the L2 cache holding none
+/// of its operands (twice the cache's bytes of a scratch buffer zeroed first, outside the timed
+/// span), as Triton's `do_bench` times candidates. Timed back to back, a GEMM's weights or a
+/// kernel's inputs stay in L2 from one run to the next, which in a model they are not: a
+/// batch-1 BERT layer's GEMMs read 2-9 MB of weights each, cold, and back to back the algorithms
+/// that stream weights best lose to those that reuse them from cache.
+pub(crate) fn time_cold(
+    dev: &Arc<CudaDevice>,
+    reps: usize,
+    run: &mut dyn FnMut() -> Result<()>,
+) -> Result<f32> {
+    let device = Device::Cuda(dev.ordinal);
+    let bytes = (2 * dev.l2_bytes).max(1 << 20);
+    let scratch = dev.alloc(bytes, DType::U8)?;
+    let mut total = 0.0;
+    for _ in 0..reps.max(1) {
+        dev.bind()?;
+        // SAFETY: the scratch buffer is live and `bytes` long
+        unsafe { result::memset_d8_async(scratch.ptr, 0, bytes, dev.stream) }
+            .map_err(|e| cu_err("cuMemsetD8Async", dev.ordinal, e))?;
+        let start = Event::record(device)?;
+        run()?;
+        total += start.elapsed_ms(&Event::record(device)?)?;
+    }
+    Ok(total / reps.max(1) as f32)
 }
 
 impl Drop for Event {

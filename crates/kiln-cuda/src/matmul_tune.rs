@@ -1,6 +1,7 @@
 //! max-autotune's GEMMs: `[B,M,K] x [B,K,N]` with the fastest of cuBLAS's default GEMM and the
 //! algorithms cuBLASLt's heuristics offer for the shape (up to `CANDIDATES`), each timed on the
-//! call's own operands the first time a shape is seen. The choice is kept for the process and written to disk
+//! call's own operands the first time a shape is seen, with the L2 cache emptied before each run
+//! (`event::time_cold`: in a model a GEMM's weights arrive from memory, not from the last run). The choice is kept for the process and written to disk
 //! (`cache_root()/gemm/<key>.txt`, keyed by the shape, the operands' layouts, the dtype,
 //! the math mode, the device model and the cuBLASLt version, with a checksum, atomically), so a
 //! later process runs it without timing. A choice read from disk is checked by cuBLASLt
@@ -20,7 +21,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
 use kiln_core::shape::Layout;
-use kiln_core::{DType, Device, Error, Result};
+use kiln_core::{DType, Error, Result};
 
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
@@ -320,7 +321,6 @@ impl Gemm<'_> {
     /// Times each candidate on the call's operands (its output written each run) and returns the
     /// fastest.
     fn fastest(&self) -> Result<Choice> {
-        let device = Device::Cuda(self.dev.ordinal);
         let mut best: Option<(f32, Choice)> = None;
         let default = Choice {
             algo: None,
@@ -340,11 +340,7 @@ impl Gemm<'_> {
             if self.run(&c).is_err() {
                 continue;
             }
-            let start = crate::event::Event::record(device)?;
-            for _ in 0..REPS {
-                self.run(&c)?;
-            }
-            let ms = start.elapsed_ms(&crate::event::Event::record(device)?)?;
+            let ms = crate::event::time_cold(self.dev, REPS, &mut || self.run(&c))?;
             if best.as_ref().map_or(true, |(t, _)| ms < *t) {
                 best = Some((ms, c));
             }

@@ -307,12 +307,8 @@ impl DeviceRuntime for CudaRuntime {
     ) -> Result<f64> {
         // the first run pays for first-touch costs (module load, cache misses of the TLB)
         f()?;
-        let start = crate::event::Event::record(device)?;
-        for _ in 0..reps.max(1) {
-            f()?;
-        }
-        let end = crate::event::Event::record(device)?;
-        Ok(f64::from(start.elapsed_ms(&end)?) / reps.max(1) as f64)
+        let dev = CudaDevice::get(ordinal("time_launches", device)?)?;
+        Ok(f64::from(crate::event::time_cold(&dev, reps, f)?))
     }
 
     fn device_key(&self, device: Device) -> Option<String> {
