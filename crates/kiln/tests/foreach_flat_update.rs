@@ -1,8 +1,7 @@
-//! A foreach Adam on a device updates its parameters and their views of the flat moments in
-//! place through one compiled function (`kiln-nn/src/optim/flat_update.rs`), compiled at the
-//! first step and replayed after (each of the three steps answered by it, none by the eager
-//! fallback), and its steps equal the per-parameter loop's, also when a parameter has no
-//! gradient. The mock device (host memory, CPU kernels) stands in for
+//! A foreach Adam on a device computes its flat update through one compiled function
+//! (`kiln-nn/src/optim/flat_update.rs`), compiled at the first step and replayed after (each of
+//! the three steps answered by it, none by the eager fallback), and its steps equal the
+//! per-parameter loop's, also when a parameter has no gradient (a part of the group updated). The mock device (host memory, CPU kernels) stands in for
 //! CUDA, so this checks the plumbing on any machine; `gpu_compile.rs` runs the generated kernel.
 //! One test in this binary: it counts the process's backend compiles.
 

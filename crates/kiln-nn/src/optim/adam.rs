@@ -193,58 +193,51 @@ pub(crate) fn update(
     ))
 }
 
-/// `update` member by member over a device group's parameters and the members' views of its
-/// flat moments, as one compiled function that writes all of them in place: each member's
-/// update is a kernel reading its parameter, gradient and moments where they live (the kernels
-/// launched side by side, `kiln-inductor/src/horizontal.rs`). An update over the flat
-/// concatenation instead copies every parameter and gradient into flat tensors and the new
-/// parameters back out, three passes more over the group (on ResNet-18's 11.7M parameters,
-/// ~0.1 ms of an 8.4 ms step on an H200).
-fn members_update(
+/// `update` over a device group's flat tensors, as one compiled function.
+fn flat_update(
     compiled: &FlatUpdate,
-    (params, grads): (&[Tensor], &[Tensor]),
-    states: &[Moments],
+    (p, g): (&Tensor, &Tensor),
+    s: &Moments,
     step: &Tensor,
     h: &Hyper,
     lr: &Tensor,
-) -> Result<()> {
-    let per = 4 + usize::from(h.amsgrad);
-    let mut inputs = Vec::with_capacity(per * params.len() + 2);
-    for ((p, g), s) in params.iter().zip(grads).zip(states) {
-        inputs.extend([
-            p.clone(),
-            g.clone(),
-            s.exp_avg.clone(),
-            s.exp_avg_sq.clone(),
-        ]);
-        inputs.extend(s.max_exp_avg_sq.clone());
-    }
+) -> Result<(Tensor, Moments)> {
+    let mut inputs = vec![
+        p.clone(),
+        g.clone(),
+        s.exp_avg.clone(),
+        s.exp_avg_sq.clone(),
+    ];
+    inputs.extend(s.max_exp_avg_sq.clone());
     inputs.extend([step.clone(), lr.clone()]);
     let h = *h;
-    // the member count is read from `xs`: the compiled function keeps its first call's closure,
-    // and a later call may update another set of members
     let rule = move |xs: &[Tensor]| -> Result<Vec<Tensor>> {
-        let (members, scalars) = xs.split_at(xs.len() - 2);
-        let (step, lr) = (&scalars[0], &scalars[1]);
-        let mut writes = Vec::with_capacity(members.len());
-        for m in members.chunks(per) {
-            let state = Moments {
-                exp_avg: m[2].clone(),
-                exp_avg_sq: m[3].clone(),
-                max_exp_avg_sq: h.amsgrad.then(|| m[4].clone()),
-            };
-            let (new_p, new) = update(&m[0], &m[1], &state, step, &h, lr)?;
-            writes.push((m[0].clone(), new_p));
-            writes.push((state.exp_avg, new.exp_avg));
-            writes.push((state.exp_avg_sq, new.exp_avg_sq));
-            if let (Some(old), Some(new)) = (state.max_exp_avg_sq, new.max_exp_avg_sq) {
-                writes.push((old, new));
-            }
-        }
-        assign_pairs(&writes)?;
-        Ok(Vec::new())
+        let n = xs.len();
+        let state = Moments {
+            exp_avg: xs[2].clone(),
+            exp_avg_sq: xs[3].clone(),
+            max_exp_avg_sq: (n == 7).then(|| xs[4].clone()),
+        };
+        let (new_p, new) = update(&xs[0], &xs[1], &state, &xs[n - 2], &h, &xs[n - 1])?;
+        let mut out = vec![new_p, new.exp_avg, new.exp_avg_sq];
+        out.extend(new.max_exp_avg_sq);
+        Ok(out)
     };
-    compiled.run(&inputs, rule).map(drop)
+    let mut out = compiled.run(&inputs, rule)?.into_iter();
+    let mut next = || {
+        out.next()
+            .ok_or_else(|| kiln_core::Error::arg("Adam.step", "the flat update lost an output"))
+    };
+    let new_p = next()?;
+    let moments = Moments {
+        exp_avg: next()?,
+        exp_avg_sq: next()?,
+        max_exp_avg_sq: match s.max_exp_avg_sq {
+            Some(_) => Some(next()?),
+            None => None,
+        },
+    };
+    Ok((new_p, moments))
 }
 
 pub(crate) struct AdamCore {
@@ -421,54 +414,35 @@ impl AdamCore {
                     .map(|&k| self.params[group.members[k]].clone())
                     .collect();
                 let gs: Vec<Tensor> = members.into_iter().map(|(_, g)| g).collect();
+                let (p_cat, g_cat) = (cat_flat(&ps)?, cat_flat(&gs)?);
                 let flat = &mut self.flat[gi];
+                let state = Moments {
+                    exp_avg: group.gather(&flat.exp_avg, &ks)?,
+                    exp_avg_sq: group.gather(&flat.exp_avg_sq, &ks)?,
+                    max_exp_avg_sq: match &flat.max_exp_avg_sq {
+                        Some(m) => Some(group.gather(m, &ks)?),
+                        None => None,
+                    },
+                };
                 // the class shares one step count: its first member's tensor holds it
                 let step = self.steps[group.members[ks[0]]].add(1.0)?;
-                if intercept::current().is_none() {
-                    // eager on a device: every member updated in place by one compiled function
-                    let states = ks
-                        .iter()
-                        .zip(&ps)
-                        .map(|(&k, p)| {
-                            let view = |state: &Tensor| group.member(state, k, p.shape());
-                            Ok(Moments {
-                                exp_avg: view(&flat.exp_avg)?,
-                                exp_avg_sq: view(&flat.exp_avg_sq)?,
-                                max_exp_avg_sq: flat
-                                    .max_exp_avg_sq
-                                    .as_ref()
-                                    .map(view)
-                                    .transpose()?,
-                            })
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    members_update(
-                        &self.flat_update,
-                        (&ps, &gs),
-                        &states,
-                        &step,
-                        &self.hyper,
-                        lr,
-                    )?;
-                } else {
-                    // traced (a compiled `opt.step()`): one update over the concatenation, its
-                    // state written whole, which the graph holds as inputs
-                    let (p_cat, g_cat) = (cat_flat(&ps)?, cat_flat(&gs)?);
-                    let state = Moments {
-                        exp_avg: group.gather(&flat.exp_avg, &ks)?,
-                        exp_avg_sq: group.gather(&flat.exp_avg_sq, &ks)?,
-                        max_exp_avg_sq: match &flat.max_exp_avg_sq {
-                            Some(m) => Some(group.gather(m, &ks)?),
-                            None => None,
-                        },
-                    };
-                    let (new_p, new) = update(&p_cat, &g_cat, &state, &step, &self.hyper, lr)?;
-                    group.write_params(&self.params, &ks, &new_p)?;
-                    group.scatter_in_place(&flat.exp_avg, &ks, new.exp_avg)?;
-                    group.scatter_in_place(&flat.exp_avg_sq, &ks, new.exp_avg_sq)?;
-                    if let (Some(m), Some(nm)) = (&flat.max_exp_avg_sq, new.max_exp_avg_sq) {
-                        group.scatter_in_place(m, &ks, nm)?;
-                    }
+                let (new_p, new) = flat_update(
+                    &self.flat_update,
+                    (&p_cat, &g_cat),
+                    &state,
+                    &step,
+                    &self.hyper,
+                    lr,
+                )?;
+                group.write_params(&self.params, &ks, &new_p)?;
+                let store = |state: &mut Tensor, new: Tensor| match self.traced {
+                    true => group.scatter_in_place(state, &ks, new),
+                    false => group.scatter(state, &ks, new),
+                };
+                store(&mut flat.exp_avg, new.exp_avg)?;
+                store(&mut flat.exp_avg_sq, new.exp_avg_sq)?;
+                if let (Some(m), Some(nm)) = (&mut flat.max_exp_avg_sq, new.max_exp_avg_sq) {
+                    store(m, nm)?;
                 }
                 let steps: Vec<(Tensor, Tensor)> = ks
                     .iter()

@@ -1,16 +1,15 @@
-//! A foreach optimizer's update on a device, compiled once into generated kernels.
+//! A foreach optimizer's flat update, compiled once into generated kernels on a device.
 //!
 //! Run eagerly, the update rule (`adam::update`) is about fifteen elementwise ops, each a pass over
 //! every parameter of the group: on a GPU that is the step's cost (PyTorch's foreach Adam runs about
 //! eight multi-tensor kernels; its `fused=True`, one). The same rule traced by kiln-compile's
-//! `compile_fn` for every member becomes one fused kernel per member, launched side by side, each
-//! reading its parameter, gradient and moments once and writing them back in place. Nothing is
-//! defined twice: the compiled function calls the eager rule.
+//! `compile_fn` becomes one fused kernel that reads the flat parameter, gradient and moments once
+//! and writes them once. Nothing is defined twice: the compiled function calls the eager rule.
 //!
-//! The compiled function writes only after its graph has run, so when it cannot be built — no
-//! `kiln` backend registered (kiln-nn used without the facade), a compile error — or fails, the
-//! eager rule runs on the same inputs and the step's result is the same up to rounding. Eager on
-//! the CPU, Adam does not come here: it updates member by member (`adam.rs`).
+//! The compiled function is pure (new tensors out, nothing written in place), so when it cannot be
+//! built — no `kiln` backend registered (kiln-nn used without the facade), a compile error — the
+//! eager rule runs on the same inputs and the step's result is the same up to rounding. Eager on the
+//! CPU, Adam does not come here: it updates member by member (`adam.rs`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
