@@ -39,7 +39,7 @@ pub(crate) struct Builder<'a> {
     pub(super) inplace: Vec<(NodeId, Ix, String)>,
     /// False once an in-place input is read anywhere but the index written.
     pub(super) inplace_ok: bool,
-    /// Lane mode (`codegen/cuda.rs`'s vector loop): the flat offset the kernel writes. A load at
+    /// Lane mode (`codegen/cuda_vector.rs`'s vector loop): the flat offset the kernel writes. A load at
     /// exactly that offset reads lane `k` of four consecutive elements loaded as one vector
     /// before the lanes run (`<buffer>_v.v[k]`).
     pub(super) lanes_at: Option<Ix>,
@@ -55,7 +55,7 @@ pub(crate) struct Builder<'a> {
     /// `VectorRead::fixed` vectors and invariants: a per-channel statistic of a channels-last
     /// tensor, its `1/sqrt(var + eps)`), their lines (`lane_pre`, in order) and types
     /// (`lane_temps`). A kernel whose threads keep their lane variable from one iteration to the
-    /// next computes them once per thread (`codegen/cuda.rs`'s `hoisted_lanes`); another runs
+    /// next computes them once per thread (`codegen/cuda_vector.rs`'s `hoisted_lanes`); another runs
     /// `lane_pre` at the start of each lane.
     per_lane: HashSet<String>,
     pub(crate) lane_pre: String,

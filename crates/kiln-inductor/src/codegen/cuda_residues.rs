@@ -87,12 +87,12 @@ pub(super) fn split(
     ))
 }
 
-/// The vector loop over the classes (`cuda.rs`'s `vector_loop`, one `case` per class): four
+/// The vector loop over the classes (`cuda_vector.rs`'s `vector_loop`, one `case` per class): four
 /// consecutive elements of the innermost dim per iteration, when every buffer read or written
 /// as vectors is aligned. False, and nothing written, when a class's output offset is not a
 /// vector's (`Ix::quad_in`). The classes share the first class's per-lane values
 /// (`residues::Split::build`), computed once per thread before the loop where the lane variable
-/// stays fixed (`cuda.rs`'s `hoisted_lanes`), else at the start of every class's lanes, with the
+/// stays fixed (`cuda_vector.rs`'s `hoisted_lanes`), else at the start of every class's lanes, with the
 /// first class's invariants they read.
 fn vector_classes(
     text: &mut String,
