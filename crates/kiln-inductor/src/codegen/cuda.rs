@@ -15,7 +15,7 @@ use kiln_core::device::ReduceSplit;
 use crate::backend::{plan_graph, Planned, Target};
 use crate::codegen::builder::{ty, Builder};
 use crate::codegen::c::{pointwise_body, split_index};
-use crate::codegen::cuda_vector::vector_loop;
+use crate::codegen::cuda_vector::{lane_grid, vector_loop};
 use crate::ir::lower::{small_matmul, MatmulDims};
 use crate::schedule::Schedule;
 use crate::sequential::Sequence;
@@ -327,13 +327,21 @@ impl Target for Cuda {
             "  const long long stride = knblk * blockDim.x;\n  long long e0 = kbid * \
              blockDim.x + threadIdx.x;"
         );
+        // a thread per vector of four where the vector loop can run (one per element would
+        // leave three blocks in four with nothing to do); the loops are grid-stride, so the
+        // scalar fallback is correct with these blocks too
+        let per_thread = if numel >= VECTOR_FROM { 4 } else { 1 };
+        let block = self.cfg.block;
+        let mut grid = self.blocks(numel.div_ceil(per_thread), block as usize);
+        let full = numel.div_ceil(per_thread).div_ceil(block as usize) > grid as usize;
         let mut vectorized = false;
         if numel >= VECTOR_FROM {
             let lanes = pointwise_body(g, sched, roots, true);
             // the same traversal loads the same buffers in the same order (and names the
             // hoisted values alike)
             if lanes.b.params == scalar.b.params && lanes.b.pre == scalar.b.pre {
-                vector_loop(&mut text, g, &lanes, &vars, numel, self.cfg.block);
+                grid = lane_grid(&lanes, &vars, block, grid, full);
+                vector_loop(&mut text, g, &lanes, &vars, numel, (block, grid));
                 vectorized = true;
             }
         }
@@ -367,12 +375,6 @@ impl Target for Cuda {
             .chain(scalar.outputs.iter().map(|o| &o.0));
         let text = self.narrow_index(g, buffers.copied(), numel, text);
         let params = parameters(&scalar.b, g, &scalar.outputs);
-        // a thread per vector of four where the vector loop can run (one per element would
-        // leave three blocks in four with nothing to do); the loops are grid-stride, so the
-        // scalar fallback is correct with these blocks too
-        let per_thread = if numel >= VECTOR_FROM { 4 } else { 1 };
-        let block = self.cfg.block;
-        let grid = self.blocks(numel.div_ceil(per_thread), block as usize);
         let ok = scalar.ok;
         (finish(scalar.b.params, params, text, grid, block), ok)
     }
@@ -656,15 +658,22 @@ pub(crate) mod tests {
     }
 
     /// A channels-last tensor scaled by a per-channel `1/sqrt(var)`: the value depends on the
-    /// channel alone, and the grid-stride step (a multiple of 4 × 256 elements) keeps each
-    /// thread's channels, so a thread computes it once, before its loop, for its four lanes,
-    /// when the launch's block keeps the channels fixed; with 48 channels (1024 is no multiple
-    /// of 48) each lane computes it in the loop.
+    /// channel alone, and where the grid-stride step keeps each thread's channels a thread
+    /// computes it once, before its loop, for its four lanes, behind a run-time test of the
+    /// step: 64 channels divide a block's 1024 elements; 160 do not, and the full grid of
+    /// 132 × 32 blocks is trimmed to 4220, a multiple of 5, so that its step is a whole number
+    /// of rows. 8212 channels (4 × 2053) would need a grid of 2053 blocks' multiples: each lane
+    /// computes the value in the loop.
     #[test]
     fn per_channel_values_are_computed_once_per_thread() {
-        for (c, hoisted) in [(64usize, true), (48, false)] {
+        let cases = [
+            ([8usize, 32, 32, 64], Some(("(blockDim.x * 4) % 64", 512))),
+            ([64, 56, 56, 160], Some(("(stride * 4) % 160", 4220))),
+            ([1, 2, 64, 8212], None),
+        ];
+        for (shape, hoisted) in cases {
             let mut g = Graph::default();
-            let shape = [8usize, 32, 32, c];
+            let c = shape[3];
             let x = input(&mut g, &shape);
             let var = input(&mut g, &[1, 1, 1, c]);
             let root = unary(&mut g, UnaryOp::Sqrt, var);
@@ -674,15 +683,18 @@ pub(crate) mod tests {
             g.outputs.push(y);
             let planned = kernels(&Cuda::new(132), &g);
             assert_eq!(planned.len(), 1);
-            let src = &planned[0].0.source;
+            let k = &planned[0].0;
+            let src = &k.source;
             let vector_loop = &src[..src.find("\n    e0 = ").expect("a vector loop")];
-            let q_loop = vector_loop.find("for (int q = e0;").expect("a vector loop");
+            let q_loop = vector_loop.find("q = e0;").expect("a vector loop");
             let sqrt = vector_loop.find("sqrtf(").expect("the square root");
             assert_eq!(vector_loop.matches("sqrtf(").count(), 1, "{src}");
-            assert_eq!(sqrt < q_loop, hoisted, "{src}");
-            let test = format!("(blockDim.x * 4) % {c} == 0");
-            assert_eq!(vector_loop.contains(&test), hoisted, "{src}");
-            assert_eq!(vector_loop.contains("_h[k]"), hoisted, "{src}");
+            assert_eq!(sqrt < q_loop, hoisted.is_some(), "{src}");
+            assert_eq!(vector_loop.contains("_h[k]"), hoisted.is_some(), "{src}");
+            if let Some((test, grid)) = hoisted {
+                assert!(vector_loop.contains(test), "{src}");
+                assert_eq!(k.grid[0], grid, "{shape:?}");
+            }
         }
     }
 

@@ -12,7 +12,7 @@ use super::builder::ty;
 use super::c::{split_index_as, PointwiseBody};
 use super::cuda::{finish, parameters, Cuda, CudaKernel, VECTOR_FROM};
 use super::cuda_vector::{
-    aligned_test, fixed_lanes, fixed_test, hoisted_lanes, lane_values, vector_reads,
+    aligned_test, fixed_lanes, fixed_test, hoisted_lanes, lane_grid, lane_values, vector_reads,
 };
 use super::residues;
 use crate::schedule::Schedule;
@@ -54,9 +54,15 @@ pub(super) fn split(
     let lanes = (numel >= VECTOR_FROM && shape[lane_var] % 4 == 0)
         .then(|| split.build(g, sched, roots, whole, true))
         .flatten();
+    let block = cuda.cfg.block;
+    let vec_grid = cuda.blocks(numel.div_ceil(4), block as usize);
+    let full = numel.div_ceil(4).div_ceil(block as usize) > vec_grid as usize;
     let vectorized = match &lanes {
-        Some(lanes) => vector_classes(&mut text, g, lanes, &vars, numel, cuda.cfg.block),
-        None => false,
+        Some(lanes) => {
+            let grid = lane_grid(&lanes[0], &vars, block, vec_grid, full);
+            vector_classes(&mut text, g, lanes, &vars, numel, (block, grid)).then_some(grid)
+        }
+        None => None,
     };
     let _ = writeln!(text, "  for (; e0 < {numel}; e0 += stride) {{");
     split_index_as(&mut text, "e0", &vars, "    ", "rem", |v| var_name(v, None));
@@ -76,15 +82,8 @@ pub(super) fn split(
         .chain(whole.outputs.iter().map(|o| &o.0));
     let text = cuda.narrow_index(g, buffers.copied(), numel, text);
     let params = parameters(&whole.b, g, &whole.outputs);
-    let per_thread = if vectorized { 4 } else { 1 };
-    let grid = cuda.blocks(numel.div_ceil(per_thread), cuda.cfg.block as usize);
-    Some(finish(
-        whole.b.params.clone(),
-        params,
-        text,
-        grid,
-        cuda.cfg.block,
-    ))
+    let grid = vectorized.unwrap_or_else(|| cuda.blocks(numel, block as usize));
+    Some(finish(whole.b.params.clone(), params, text, grid, block))
 }
 
 /// The vector loop over the classes (`cuda_vector.rs`'s `vector_loop`, one `case` per class): four
@@ -100,7 +99,7 @@ fn vector_classes(
     lanes: &[PointwiseBody<'_>],
     vars: &[(usize, usize)],
     numel: usize,
-    block: u32,
+    (block, grid): (u32, u32),
 ) -> bool {
     // the innermost dim, never split
     let Some(&(lane_var, _)) = vars.last() else {
@@ -118,11 +117,11 @@ fn vector_classes(
     };
     let aligned = aligned_test(g, lanes);
     let nvec = numel / 4;
-    let fixed = fixed_lanes(first, vars, block);
+    let fixed = fixed_lanes(first, vars, block, grid);
     let _ = writeln!(text, "  if ({aligned}{}) {{", fixed_test(fixed));
-    if let Some(extent) = fixed {
+    if let Some(f) = fixed {
         text.push_str(&first.b.pre);
-        hoisted_lanes(text, first, extent);
+        hoisted_lanes(text, first, f.extent);
     }
     let _ = writeln!(
         text,

@@ -10,7 +10,7 @@ use kiln_compile::graph::Graph;
 use kiln_core::DType;
 
 use super::builder::{ty, VectorRead};
-use super::c::{split_index, split_index_as, PointwiseBody};
+use super::c::{one_size, split_index, split_index_as, PointwiseBody};
 
 /// The test that every buffer `bodies` read or write as vectors is aligned to its vector's size:
 /// each buffer once (an in-place output is also read as a vector).
@@ -67,28 +67,82 @@ pub(super) fn vector_reads(
     }
 }
 
-/// The extent of the innermost loop variable when a thread's lane variable stays the same from
-/// one iteration of its grid-stride loop to the next, and `lanes` has per-lane values to
-/// compute once per thread (`hoisted_lanes`): the lane variable is the innermost, and the loop's
-/// step — a multiple of `4 * block` elements, `block` the launch's threads per block — is a
-/// multiple of its extent. The kernel tests `block` when it runs (a horizontal launch's blocks
-/// are its own).
+/// A vector loop whose threads keep their lane variable from one iteration to the next: the
+/// innermost extent, and whether a block's `4 * block` elements alone are a multiple of it (else
+/// the whole grid-stride step is).
+#[derive(Clone, Copy)]
+pub(super) struct Fixed {
+    pub(super) extent: usize,
+    by_block: bool,
+}
+
+/// The innermost extent of `lanes` when it has per-lane values to compute once per thread
+/// (`hoisted_lanes`) and is the lane variable; `None` otherwise, and in a size-generic kernel,
+/// whose text is fitted across sizes (`codegen/template.rs`): whether a step keeps the lane
+/// variable depends on the size.
+fn lane_extent(lanes: &PointwiseBody<'_>, vars: &[(usize, usize)]) -> Option<usize> {
+    if !one_size() {
+        return None;
+    }
+    let v = lanes.b.lane_var?;
+    let &(last, extent) = vars.last()?;
+    (last == v && extent > 0 && !lanes.b.lane_temps.is_empty()).then_some(extent)
+}
+
+/// Whether a thread's lane variable stays the same from one iteration of its grid-stride loop to
+/// the next, so `lanes`' per-lane values are computed once per thread (`hoisted_lanes`): the
+/// loop's step of `4 * block * grid` elements is a multiple of the innermost extent. The kernel
+/// tests the step when it runs (a horizontal launch's blocks are its own).
 pub(super) fn fixed_lanes(
     lanes: &PointwiseBody<'_>,
     vars: &[(usize, usize)],
     block: u32,
-) -> Option<usize> {
-    let v = lanes.b.lane_var?;
-    let &(last, extent) = vars.last()?;
-    let fixed = last == v && extent > 0 && (4 * block as usize) % extent == 0;
-    (fixed && !lanes.b.lane_temps.is_empty()).then_some(extent)
+    grid: u32,
+) -> Option<Fixed> {
+    let extent = lane_extent(lanes, vars)?;
+    let per_block = 4 * block as usize;
+    let by_block = per_block % extent == 0;
+    (by_block || (per_block * grid as usize) % extent == 0).then_some(Fixed { extent, by_block })
 }
 
-/// What a vector loop over `fixed` lanes adds to its alignment test: the launch's block keeps
-/// the lane variable fixed.
-pub(super) fn fixed_test(fixed: Option<usize>) -> String {
+/// The grid of a vector loop over `lanes`: `grid` blocks, or fewer by less than the extent's
+/// share, so that the grid-stride step is a multiple of the innermost extent (`fixed_lanes`)
+/// where the block alone is not (a channels-last tensor of 96 or 160 channels, where 1024
+/// elements a block are not a whole number of rows). Only a `full` grid — one whose threads
+/// loop — is trimmed; in a smaller one each thread runs at most once.
+pub(super) fn lane_grid(
+    lanes: &PointwiseBody<'_>,
+    vars: &[(usize, usize)],
+    block: u32,
+    grid: u32,
+    full: bool,
+) -> u32 {
+    let Some(extent) = lane_extent(lanes, vars).filter(|_| full) else {
+        return grid;
+    };
+    let per_block = 4 * block as usize;
+    let mut a = extent;
+    let mut b = per_block;
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    // the grid must be a multiple of this many blocks
+    let step = (extent / a) as u32;
+    if step <= 1 || step > grid / 2 {
+        return grid;
+    }
+    grid - grid % step
+}
+
+/// What a vector loop over `fixed` lanes adds to its alignment test: the launch's block (or its
+/// whole grid) keeps the lane variable fixed.
+pub(super) fn fixed_test(fixed: Option<Fixed>) -> String {
     match fixed {
-        Some(extent) => format!(" && (blockDim.x * 4) % {extent} == 0"),
+        Some(Fixed {
+            extent,
+            by_block: true,
+        }) => format!(" && (blockDim.x * 4) % {extent} == 0"),
+        Some(Fixed { extent, .. }) => format!(" && (stride * 4) % {extent} == 0"),
         None => String::new(),
     }
 }
@@ -142,14 +196,14 @@ pub(super) fn vector_loop(
     lanes: &PointwiseBody<'_>,
     vars: &[(usize, usize)],
     numel: usize,
-    block: u32,
+    (block, grid): (u32, u32),
 ) {
     let aligned = aligned_test(g, std::slice::from_ref(lanes));
     let nvec = numel / 4;
-    let fixed = fixed_lanes(lanes, vars, block);
+    let fixed = fixed_lanes(lanes, vars, block, grid);
     let _ = writeln!(text, "  if ({aligned}{}) {{", fixed_test(fixed));
-    if let Some(extent) = fixed {
-        hoisted_lanes(text, lanes, extent);
+    if let Some(f) = fixed {
+        hoisted_lanes(text, lanes, f.extent);
     }
     let _ = writeln!(
         text,
