@@ -57,7 +57,7 @@ impl PlanStep {
                 name: name.into(),
                 sizes,
             },
-            PlanStep::Extern { node } => Exec::Extern { node, tuned: false },
+            PlanStep::Extern { node } => Exec::Extern { node },
         })
     }
 }

@@ -8,10 +8,9 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kiln_compile::graph::{Graph, Op};
+use kiln_compile::graph::Graph;
 use kiln_compile::{symbolic, CompiledGraph};
 use kiln_core::device::{runtime_for, DeviceKernel, DeviceRuntime};
-use kiln_core::prim::Prim;
 use kiln_core::{profiler, Device, Result};
 
 use super::cuda::{plan, Cuda, CudaKernel, PRELUDE};
@@ -351,21 +350,10 @@ fn finish(
                 })
             })
         })
-        .map(|step| {
-            step.map(|mut e| {
-                if let crate::runtime::exec::Exec::Extern { node, tuned } = &mut e {
-                    let gemm = matches!(graph.nodes[*node].op, Op::Prim(Prim::Matmul));
-                    *tuned = flags.autotune && gemm;
-                }
-                e
-            })
-        })
         .collect::<Result<Vec<_>>>()?;
+    let compiled = Arc::new(CompiledCpu::new(graph, steps).with_tuned_gemms(flags.autotune));
     Ok(match flags.cuda_graphs {
-        true => {
-            let compiled = Arc::new(CompiledCpu::new(graph.clone(), steps));
-            Arc::new(CudaGraphed::new(compiled, &graph))
-        }
-        false => Arc::new(CompiledCpu::new(graph, steps)),
+        true => Arc::new(CudaGraphed::new(compiled.clone(), &compiled.graph)),
+        false => compiled,
     })
 }

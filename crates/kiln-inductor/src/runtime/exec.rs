@@ -53,8 +53,6 @@ pub enum Exec {
     },
     Extern {
         node: NodeId,
-        /// Run by the runtime's `execute_tuned` (max-autotune's GEMMs: the fastest algorithm).
-        tuned: bool,
     },
 }
 
@@ -66,6 +64,9 @@ pub struct CompiledCpu {
     /// For each step, the values no later step reads.
     pub free_after: Vec<Vec<NodeId>>,
     pool: BufferPool,
+    /// Whether extern matmuls run by the runtime's `execute_tuned` (max-autotune's GEMMs: the
+    /// fastest algorithm) rather than as eager execution runs them.
+    tuned_gemms: bool,
 }
 
 impl CompiledCpu {
@@ -82,7 +83,7 @@ impl CompiledCpu {
                         _ => None,
                     }))
                     .collect(),
-                Exec::Extern { node, .. } => graph.nodes[*node].args.clone(),
+                Exec::Extern { node } => graph.nodes[*node].args.clone(),
             };
             for r in reads {
                 last[r] = s;
@@ -103,7 +104,14 @@ impl CompiledCpu {
             steps,
             free_after,
             pool: BufferPool::default(),
+            tuned_gemms: false,
         }
+    }
+
+    /// The graph with its extern matmuls run tuned (`DeviceRuntime::execute_tuned`) when `on`.
+    pub fn with_tuned_gemms(mut self, on: bool) -> Self {
+        self.tuned_gemms = on;
+        self
     }
 
     /// The buffer kernel step `node` writes.
@@ -211,7 +219,7 @@ impl CompiledCpu {
                         vals[node] = Some(t);
                     }
                 }
-                Exec::Extern { node, tuned } => {
+                Exec::Extern { node } => {
                     let n = &g.nodes[*node];
                     let Op::Prim(p) = &n.op else { continue };
                     let args: Vec<Tensor> = n
@@ -222,9 +230,9 @@ impl CompiledCpu {
                     let refs: Vec<&Tensor> = args.iter().collect();
                     let p = rand_at(p, seed, base);
                     // a device graph computes everything on its device (see `Graph::device`)
-                    vals[*node] = Some(match tuned {
-                        true => execute_tuned(&p, &refs, self.device)?,
-                        false => apply_on(p, &refs, self.device)?,
+                    vals[*node] = Some(match p {
+                        Prim::Matmul if self.tuned_gemms => execute_tuned(&p, &refs, self.device)?,
+                        _ => apply_on(p, &refs, self.device)?,
                     });
                 }
             }
