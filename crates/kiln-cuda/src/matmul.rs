@@ -81,28 +81,9 @@ pub(crate) fn operand(dev: &Arc<CudaDevice>, buf: &CudaBuffer, l: &Layout) -> Re
     })
 }
 
-pub(crate) fn matmul(
-    dev: &Arc<CudaDevice>,
-    (a, la): (&CudaBuffer, &Layout),
-    (b, lb): (&CudaBuffer, &Layout),
-    out: &CudaBuffer,
-) -> Result<()> {
-    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
-    if batch * m * n == 0 {
-        return Ok(());
-    }
-    let too_big = [batch, m, n, k].iter().any(|&x| x > i32::MAX as usize);
-    if too_big {
-        return Err(Error::unsupported(
-            "matmul",
-            format!(
-                "sizes {:?} x {:?} exceed cuBLAS's 32-bit dims",
-                la.shape, lb.shape
-            ),
-        ));
-    }
-    let d = a.dtype;
-    let (ty, compute) = match d {
+/// cuBLAS's element type and compute type for `d` (TF32 for f32 when allowed).
+fn blas_types(d: DType) -> Result<(bsys::cudaDataType, bsys::cublasComputeType_t)> {
+    Ok(match d {
         DType::F32 if allow_tf32() => (
             bsys::cudaDataType::CUDA_R_32F,
             bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
@@ -130,7 +111,31 @@ pub(crate) fn matmul(
                 "cuBLAS matmul takes f32, f64, f16 or bf16",
             ))
         }
-    };
+    })
+}
+
+/// `out = a @ b` over `[batch, m, k]` and `[batch, k, n]` operands, as eager execution runs it.
+pub(crate) fn matmul(
+    dev: &Arc<CudaDevice>,
+    (a, la): (&CudaBuffer, &Layout),
+    (b, lb): (&CudaBuffer, &Layout),
+    out: &CudaBuffer,
+) -> Result<()> {
+    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
+    if batch * m * n == 0 {
+        return Ok(());
+    }
+    let too_big = [batch, m, n, k].iter().any(|&x| x > i32::MAX as usize);
+    if too_big {
+        return Err(Error::unsupported(
+            "matmul",
+            format!(
+                "sizes {:?} x {:?} exceed cuBLAS's 32-bit dims",
+                la.shape, lb.shape
+            ),
+        ));
+    }
+    blas_types(a.dtype)?;
     let out_bytes = (batch * m * n) as u64;
     if k == 0 {
         // an empty sum: zeros (cuBLAS would leave C untouched with beta 0 only if it ran)
@@ -139,7 +144,7 @@ pub(crate) fn matmul(
             cudarc::driver::result::memset_d8_async(
                 out.ptr,
                 0,
-                (out_bytes as usize) * d.size_in_bytes(),
+                (out_bytes as usize) * a.dtype.size_in_bytes(),
                 dev.stream,
             )
         }
@@ -148,6 +153,20 @@ pub(crate) fn matmul(
     }
     let ma = operand(dev, a, la)?;
     let mb = operand(dev, b, lb)?;
+    gemm(dev, a.dtype, (batch, m, n, k), (&ma, &mb), out)
+}
+
+/// `out = a @ b` by cuBLAS's strided-batched GEMM for operands already read as matrices
+/// (`operand`), `(batch, m, n, k)` within cuBLAS's 32-bit dims and `k` not 0: what `matmul`
+/// runs, and max-autotune's default candidate (`matmul_tune.rs`) on the operands it derived.
+pub(crate) fn gemm(
+    dev: &Arc<CudaDevice>,
+    d: DType,
+    (batch, m, n, k): (usize, usize, usize, usize),
+    (ma, mb): (&Mat, &Mat),
+    out: &CudaBuffer,
+) -> Result<()> {
+    let (ty, compute) = blas_types(d)?;
     let mut guard = dev.cublas.lock().unwrap_or_else(|e| e.into_inner());
     if guard.is_none() {
         dev.bind()?;

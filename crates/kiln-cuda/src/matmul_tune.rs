@@ -25,7 +25,7 @@ use kiln_core::{DType, Error, Result};
 
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
-use crate::matmul::{allow_tf32, operand};
+use crate::matmul::{allow_tf32, gemm, operand};
 use crate::matmul_lt::{launch, lt_handle, preference, set_desc, Descs, WORKSPACE};
 
 /// Algorithms asked of cuBLASLt's heuristics and timed per shape.
@@ -114,8 +114,8 @@ fn lt_err(dev: usize, what: &str, e: impl std::fmt::Debug) -> Error {
 }
 
 /// `out = a @ b` for f32, f16 or bf16 operands with the algorithm timed fastest for the shape
-/// (timed now when it has not been). Other dtypes, empty products and a shape first seen while
-/// the device records run `matmul::matmul`.
+/// (timed now when it has not been). Other dtypes and empty products run `matmul::matmul`, a
+/// shape first seen while the device records cuBLAS's default GEMM.
 pub(crate) fn matmul_tuned(
     dev: &Arc<CudaDevice>,
     (a, la): (&CudaBuffer, &Layout),
@@ -146,7 +146,8 @@ pub(crate) fn matmul_tuned(
     };
     // cuBLASLt's A is `b` and its B is `a` (row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ)
     let ptrs = [mb.ptr, ma.ptr, out.ptr];
-    let plain = || crate::matmul::matmul(dev, (a, la), (b, lb), out);
+    // cuBLAS's default GEMM of the same matrices (a strided operand is not copied again)
+    let plain = || gemm(dev, a.dtype, (batch, m, n, k), (&ma, &mb), out);
     let recording = dev.recorder.load(Ordering::Acquire) != 0;
     let tuned = match lookup(&key, recording) {
         Some(t) => t,

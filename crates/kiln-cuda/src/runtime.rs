@@ -51,27 +51,15 @@ pub(crate) fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBu
     Ok((cuda_buf(op, b)?, t.layout()))
 }
 
-impl DeviceRuntime for CudaRuntime {
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
-
-    fn upload(&self, device: Device, data: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>> {
-        let dev = CudaDevice::get(ordinal("to", device)?)?;
-        Ok(Arc::new(dev.upload(data)?))
-    }
-
-    fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage> {
-        let b = cuda_buf("to", buf)?;
-        b.dev.download(b, layout)
-    }
-
-    fn execute(
+impl CudaRuntime {
+    /// `prim` on `device`, its GEMMs as max-autotune's (`matmul_tune.rs`) when `tuned`.
+    fn run(
         &self,
         device: Device,
         prim: &Prim,
         inputs: &[&Tensor],
         meta: &OutMeta,
+        tuned: bool,
     ) -> Result<Arc<dyn DeviceBuffer>> {
         let name = prim.name();
         let dev = CudaDevice::get(ordinal(name, device)?)?;
@@ -160,11 +148,40 @@ impl DeviceRuntime for CudaRuntime {
             }
             Prim::Matmul if meta.dtype.is_float() => {
                 let out = dev.alloc(n, meta.dtype)?;
-                crate::matmul::matmul(&dev, ops[0], ops[1], &out)?;
+                match tuned {
+                    true => crate::matmul_tune::matmul_tuned(&dev, ops[0], ops[1], &out)?,
+                    false => crate::matmul::matmul(&dev, ops[0], ops[1], &out)?,
+                }
                 Ok(Arc::new(out))
             }
             _ => crate::fallback::run(&dev, prim, inputs),
         }
+    }
+}
+
+impl DeviceRuntime for CudaRuntime {
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn upload(&self, device: Device, data: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>> {
+        let dev = CudaDevice::get(ordinal("to", device)?)?;
+        Ok(Arc::new(dev.upload(data)?))
+    }
+
+    fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage> {
+        let b = cuda_buf("to", buf)?;
+        b.dev.download(b, layout)
+    }
+
+    fn execute(
+        &self,
+        device: Device,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+    ) -> Result<Arc<dyn DeviceBuffer>> {
+        self.run(device, prim, inputs, meta, false)
     }
 
     fn execute_tuned(
@@ -174,17 +191,7 @@ impl DeviceRuntime for CudaRuntime {
         inputs: &[&Tensor],
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>> {
-        match prim {
-            Prim::Matmul if meta.dtype.is_float() => {
-                let dev = CudaDevice::get(ordinal(prim.name(), device)?)?;
-                let out = dev.alloc(meta.shape.iter().product(), meta.dtype)?;
-                let a = operand(prim.name(), inputs[0])?;
-                let b = operand(prim.name(), inputs[1])?;
-                crate::matmul_tune::matmul_tuned(&dev, a, b, &out)?;
-                Ok(Arc::new(out))
-            }
-            _ => self.execute(device, prim, inputs, meta),
-        }
+        self.run(device, prim, inputs, meta, true)
     }
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
