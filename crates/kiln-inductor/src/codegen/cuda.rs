@@ -333,14 +333,13 @@ impl Target for Cuda {
         let per_thread = if numel >= VECTOR_FROM { 4 } else { 1 };
         let block = self.cfg.block;
         let mut grid = self.blocks(numel.div_ceil(per_thread), block as usize);
-        let full = numel.div_ceil(per_thread).div_ceil(block as usize) > grid as usize;
         let mut vectorized = false;
         if numel >= VECTOR_FROM {
             let lanes = pointwise_body(g, sched, roots, true);
             // the same traversal loads the same buffers in the same order (and names the
             // hoisted values alike)
             if lanes.b.params == scalar.b.params && lanes.b.pre == scalar.b.pre {
-                grid = lane_grid(&lanes, &vars, block, grid, full);
+                grid = lane_grid(self, &lanes, &vars, numel);
                 vector_loop(&mut text, g, &lanes, &vars, numel, (block, grid));
                 vectorized = true;
             }

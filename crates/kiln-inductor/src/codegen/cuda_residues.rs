@@ -55,11 +55,9 @@ pub(super) fn split(
         .then(|| split.build(g, sched, roots, whole, true))
         .flatten();
     let block = cuda.cfg.block;
-    let vec_grid = cuda.blocks(numel.div_ceil(4), block as usize);
-    let full = numel.div_ceil(4).div_ceil(block as usize) > vec_grid as usize;
     let vectorized = match &lanes {
         Some(lanes) => {
-            let grid = lane_grid(&lanes[0], &vars, block, vec_grid, full);
+            let grid = lane_grid(cuda, &lanes[0], &vars, numel);
             vector_classes(&mut text, g, lanes, &vars, numel, (block, grid)).then_some(grid)
         }
         None => None,

@@ -11,6 +11,7 @@ use kiln_core::DType;
 
 use super::builder::{ty, VectorRead};
 use super::c::{one_size, split_index, split_index_as, PointwiseBody};
+use super::cuda::Cuda;
 
 /// The test that every buffer `bodies` read or write as vectors is aligned to its vector's size:
 /// each buffer once (an in-place output is also read as a vector).
@@ -105,18 +106,21 @@ pub(super) fn fixed_lanes(
     (by_block || (per_block * grid as usize) % extent == 0).then_some(Fixed { extent, by_block })
 }
 
-/// The grid of a vector loop over `lanes`: `grid` blocks, or fewer by less than the extent's
-/// share, so that the grid-stride step is a multiple of the innermost extent (`fixed_lanes`)
-/// where the block alone is not (a channels-last tensor of 96 or 160 channels, where 1024
-/// elements a block are not a whole number of rows). Only a `full` grid — one whose threads
-/// loop — is trimmed; in a smaller one each thread runs at most once.
+/// The grid of `cuda`'s vector loop over the `numel` elements of `lanes`: a thread per vector of
+/// four (`Cuda::blocks`), or fewer blocks by less than the extent's share, so that the
+/// grid-stride step is a multiple of the innermost extent (`fixed_lanes`) where the block alone
+/// is not (a channels-last tensor of 96 or 160 channels, where 1024 elements a block are not a
+/// whole number of rows). Only a full grid — one whose threads loop — is trimmed; in a smaller
+/// one each thread runs at most once.
 pub(super) fn lane_grid(
+    cuda: &Cuda,
     lanes: &PointwiseBody<'_>,
     vars: &[(usize, usize)],
-    block: u32,
-    grid: u32,
-    full: bool,
+    numel: usize,
 ) -> u32 {
+    let (vectors, block) = (numel.div_ceil(4), cuda.cfg.block);
+    let grid = cuda.blocks(vectors, block as usize);
+    let full = vectors.div_ceil(block as usize) > grid as usize;
     let Some(extent) = lane_extent(lanes, vars).filter(|_| full) else {
         return grid;
     };
