@@ -89,8 +89,8 @@ pub(super) fn split(
 /// as vectors is aligned. False, and nothing written, when a class's output offset is not a
 /// vector's (`Ix::quad_in`). The classes share the first class's per-lane values
 /// (`residues::Split::build`), computed once per thread before the loop where the lane variable
-/// stays fixed (`cuda_vector.rs`'s `hoisted_lanes`), else at the start of every class's lanes, with the
-/// first class's invariants they read.
+/// stays fixed (`cuda_vector.rs`'s `hoisted_lanes`), else at the start of every class's lanes,
+/// with the first class's invariants they read.
 fn vector_classes(
     text: &mut String,
     g: &Graph,

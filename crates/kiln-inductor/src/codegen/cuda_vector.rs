@@ -38,7 +38,6 @@ pub(super) fn aligned_test(g: &Graph, bodies: &[PointwiseBody<'_>]) -> String {
         .join(" && ")
 }
 
-/// A lane-mode body's vector loads at lane 0's index, and its outputs' vectors.
 /// The vector reads of `lanes` (but those `hoisted_lanes` read for the body `hoisted` before the
 /// loop) and the output vectors its lanes fill.
 pub(super) fn vector_reads(
@@ -52,12 +51,7 @@ pub(super) fn vector_reads(
         r.fixed && hoisted.is_some_and(read)
     };
     for r in lanes.b.vector_reads.iter().filter(|r| !before(r)) {
-        let t = ty(r.dtype);
-        let _ = writeln!(
-            text,
-            "      const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
-            r.name, r.buf, r.at
-        );
+        vector_read(text, r, "      ");
     }
     for (root, name) in &lanes.outputs {
         let _ = writeln!(
@@ -66,6 +60,16 @@ pub(super) fn vector_reads(
             ty(g.nodes[*root].dtype)
         );
     }
+}
+
+/// The line loading vector `r`.
+fn vector_read(text: &mut String, r: &VectorRead, indent: &str) {
+    let t = ty(r.dtype);
+    let _ = writeln!(
+        text,
+        "{indent}const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
+        r.name, r.buf, r.at
+    );
 }
 
 /// A vector loop whose threads keep their lane variable from one iteration to the next: the
@@ -161,12 +165,7 @@ pub(super) fn hoisted_lanes(text: &mut String, lanes: &PointwiseBody<'_>, extent
     let Some(v) = lanes.b.lane_var else { return };
     let _ = writeln!(text, "    const long long i{v}_l0 = (e0 * 4) % {extent};");
     for r in lanes.b.vector_reads.iter().filter(|r| r.fixed) {
-        let t = ty(r.dtype);
-        let _ = writeln!(
-            text,
-            "    const kiln_v4<{t}> {} = ((const kiln_v4<{t}> *){})[{}];",
-            r.name, r.buf, r.at
-        );
+        vector_read(text, r, "    ");
     }
     for (name, d) in &lanes.b.lane_temps {
         let _ = writeln!(text, "    {} {name}_h[4];", ty(*d));
