@@ -4,7 +4,7 @@
 //!     cargo run --release -p kiln-bench -- WORKLOAD [--device cpu] [--mode default] [--quick]
 //!
 //! WORKLOAD: regional, adam, sincos, numpy_fn, train_digits, resnet18, dynamic, bert,
-//! train_resnet18, train_densenet121, norms, or all. One JSON object per line on
+//! train_resnet18, train_densenet121, norms, mlp, or all. One JSON object per line on
 //! stdout (`workload, variant, metric, value, unit, device`); a table on stderr at the end. With
 //! `OUT` set, the lines are also appended to `$OUT/results.jsonl`, as torch_baseline.py does.
 
@@ -30,19 +30,22 @@ const WORKLOADS: &[&str] = &[
     "train_resnet18",
     "train_densenet121",
     "norms",
+    "mlp",
 ];
 
 /// The workloads that run with `--device cuda` so far.
-const GPU_WORKLOADS: &[&str] = &["sincos", "adam", "resnet18", "regional", "dynamic", "norms"];
+const GPU_WORKLOADS: &[&str] = &[
+    "sincos", "adam", "resnet18", "regional", "dynamic", "norms", "mlp",
+];
 /// The model workloads, which run on CUDA too (a list of their own, so that GPU_WORKLOADS's line
 /// stays one edit for whoever moves the next workload over).
 const GPU_MODEL_WORKLOADS: &[&str] = &["bert", "train_resnet18", "train_densenet121"];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | bert
-            | train_resnet18 | train_densenet121 | norms | all
+            | train_resnet18 | train_densenet121 | norms | mlp | all
   --device  cpu (the default) or cuda / cuda:N (sincos, adam, regional, resnet18, dynamic,
-            norms, bert, train_*)
+            norms, mlp, bert, train_*)
   --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
             (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
@@ -196,6 +199,7 @@ fn main() -> ExitCode {
             "dynamic" => workloads::dynamic::run(&mut ctx),
             "bert" => workloads::bert::run(&mut ctx),
             "norms" => workloads::norms::run(&mut ctx),
+            "mlp" => workloads::mlp::run(&mut ctx),
             "train_resnet18" => workloads::train::run(&mut ctx, workloads::train::Arch::ResNet18),
             "train_densenet121" => {
                 workloads::train::run(&mut ctx, workloads::train::Arch::DenseNet121)

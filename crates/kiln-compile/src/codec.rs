@@ -2,7 +2,9 @@
 //! graph cache, `disk_cache.rs`): integers as LEB128 varints, floats by their bits, strings and
 //! lists length-first. Decoding never panics: a truncated or damaged record reads as `None`.
 
-use kiln_core::prim::{ArgReduceOp, BinaryOp, ConvParams, Prim, RandDist, ReduceOp, UnaryOp};
+use kiln_core::prim::{
+    Activation, ArgReduceOp, BinaryOp, ConvParams, Epilogue, Prim, RandDist, ReduceOp, UnaryOp,
+};
 use kiln_core::{DType, Device};
 
 use crate::graph::{Graph, Node, Op};
@@ -352,6 +354,11 @@ pub fn prim(w: &mut Writer, p: &Prim, seeds: Seeds) {
             conv(w, params);
             w.usizes(weight_shape);
         }
+        Prim::MatmulEpilogue(e) => {
+            w.u64(22);
+            w.bool(e.bias);
+            w.bool(e.act == Activation::Relu);
+        }
     }
 }
 
@@ -425,6 +432,13 @@ pub fn read_prim(r: &mut Reader) -> Option<Prim> {
             params: read_conv(r)?,
             weight_shape: four(r)?,
         },
+        22 => Prim::MatmulEpilogue(Epilogue {
+            bias: r.bool()?,
+            act: match r.bool()? {
+                true => Activation::Relu,
+                false => Activation::None,
+            },
+        }),
         _ => return None,
     })
 }
@@ -606,6 +620,14 @@ mod tests {
                 },
                 weight_shape: [4, 3, 2, 1],
             },
+            Prim::MatmulEpilogue(Epilogue {
+                bias: true,
+                act: Activation::Relu,
+            }),
+            Prim::MatmulEpilogue(Epilogue {
+                bias: false,
+                act: Activation::None,
+            }),
         ]);
         v
     }

@@ -106,6 +106,32 @@ pub enum RandDist {
     Normal,
 }
 
+/// What a `MatmulEpilogue` applies to `a @ b` before writing it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Epilogue {
+    /// `+ bias`, one value per output column (a third operand of shape `[N]`).
+    pub bias: bool,
+    pub act: Activation,
+}
+
+/// An activation a matmul applies to each element of its result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    None,
+    /// `where(x <= 0, 0, x)`: the core's `relu`, so NaN passes through.
+    Relu,
+}
+
+impl Epilogue {
+    /// The value `act` leaves for a result element `x` (`x` already plus its bias).
+    pub fn apply(self, x: f64) -> f64 {
+        match self.act {
+            Activation::Relu if x <= 0.0 => 0.0,
+            _ => x,
+        }
+    }
+}
+
 /// Geometry of a 2-D convolution (NCHW input, OIHW weight).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ConvParams {
@@ -242,6 +268,12 @@ pub enum Prim {
     // extern
     /// [B, M, K] x [B, K, N] -> [B, M, N]
     Matmul,
+    /// `act(a @ b + bias)`: `[B, M, K] x [B, K, N] (+ [N]) -> [B, M, N]`, the matmul and the
+    /// pointwise ops after it as one extern call (cuBLASLt's epilogues on a GPU). Written only by
+    /// the compiler (`kiln-inductor/src/epilogue.rs`), after autodiff, in place of the ops it
+    /// computes, so it has no derivative; eager execution runs the same matmul and then the
+    /// same elementwise ops, so it computes what they compute.
+    MatmulEpilogue(Epilogue),
     Conv2d(ConvParams),
     /// (grad_out, weight) -> grad_input of the given input shape
     Conv2dGradInput {
@@ -334,6 +366,7 @@ impl Prim {
             Prim::Gather { .. } => "gather",
             Prim::ScatterAdd { .. } => "scatter_add",
             Prim::Matmul => "matmul",
+            Prim::MatmulEpilogue(_) => "matmul_epilogue",
             Prim::Conv2d(_) => "conv2d",
             Prim::Conv2dGradInput { .. } => "conv2d_grad_input",
             Prim::Conv2dGradWeight { .. } => "conv2d_grad_weight",
@@ -691,6 +724,37 @@ impl Prim {
                 }
                 if dtypes[0] == DType::Bool {
                     return Err(Error::dtype(op, dtypes[0], "matmul needs numeric operands"));
+                }
+                OutMeta {
+                    shape: vec![a[0], a[1], b[2]],
+                    dtype: dtypes[0],
+                }
+            }
+            Prim::MatmulEpilogue(e) => {
+                arity(op, n, 2 + usize::from(e.bias))?;
+                same_dtypes(op, dtypes)?;
+                let (a, b) = (shapes[0], shapes[1]);
+                if a.len() != 3 || b.len() != 3 || a[0] != b[0] || a[2] != b[1] {
+                    return Err(Error::shape(
+                        op,
+                        format!("cannot multiply {a:?} by {b:?} (want [B,M,K] x [B,K,N])"),
+                    ));
+                }
+                if e.bias && shapes[2] != [b[2]] {
+                    return Err(Error::shape(
+                        op,
+                        format!(
+                            "bias {:?} for {} output columns: expected [{}]",
+                            shapes[2], b[2], b[2]
+                        ),
+                    ));
+                }
+                if !dtypes[0].is_float() {
+                    return Err(Error::dtype(
+                        op,
+                        dtypes[0],
+                        "a matmul epilogue needs floating-point operands",
+                    ));
                 }
                 OutMeta {
                     shape: vec![a[0], a[1], b[2]],

@@ -382,3 +382,88 @@ fn max_pool2d_gradient_goes_to_the_first_maximum_of_each_window() -> kiln_core::
     }
     Ok(())
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The compiler's fused `act(a @ b + bias)` prim computes, bit for bit, what the matmul and
+    /// the ops it replaces compute (`linear`'s add, `relu`), and the f64 reference to rounding;
+    /// on strided and transposed operands, size-0 and size-1 dims, every float dtype.
+    #[test]
+    fn matmul_epilogue_prim_equals_the_ops_it_replaces(m in 0usize..6, k in 1usize..5, n in 0usize..6, bias: bool, relu: bool, ta: bool, kind in kind(), seed: u64) {
+        use kiln_core::dispatch::apply;
+        use kiln_core::prim::{Activation, Epilogue, Prim};
+        let mut rng = TRng::new(seed);
+        for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+            let gen = |r: &mut TRng| r.uniform(-1.0, 1.0);
+            let a = match ta {
+                true => make(&[1, k, m], Kind::Contiguous, dtype, &mut rng, gen).transpose(-1, -2).unwrap(),
+                false => make(&[1, m, k], kind, dtype, &mut rng, gen),
+            };
+            let b = make(&[1, k, n], kind, dtype, &mut rng, gen);
+            let bv = make(&[n], kind, dtype, &mut rng, gen);
+            let e = Epilogue { bias, act: if relu { Activation::Relu } else { Activation::None } };
+            let mut ops = vec![&a, &b];
+            if bias {
+                ops.push(&bv);
+            }
+            let got = apply(Prim::MatmulEpilogue(e), &ops).unwrap();
+            let mut want = a.matmul(&b).unwrap();
+            if bias {
+                want = want.add(&bv).unwrap();
+            }
+            if relu {
+                want = want.relu().unwrap();
+            }
+            let ctx = format!("{dtype} [1,{m},{k}]{} @ [1,{k},{n}] {e:?}", if ta { "ᵀ" } else { "" });
+            prop_assert_eq!(got.shape(), want.shape(), "{}", ctx);
+            let (g, w) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+            let same = g.iter().zip(&w).all(|(x, y)| x.to_bits() == y.to_bits());
+            prop_assert!(same, "{}: {:?} != {:?}", ctx, g, w);
+            // and against f64 loops
+            let (av, bvv, biv) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap(), bv.to_vec_f64().unwrap());
+            let (mut r, _) = ref_matmul(&av, &[m, k], &bvv, &[k, n]);
+            for (i, x) in r.iter_mut().enumerate() {
+                if bias {
+                    *x += biv[i % n.max(1)];
+                }
+                if relu && *x <= 0.0 {
+                    *x = 0.0;
+                }
+            }
+            check(&got.reshape([m, n]).unwrap(), &r, &[m, n], dtype, &ctx);
+        }
+    }
+}
+
+/// A bias of the wrong length, a missing bias, integer operands: each a clear error naming the op.
+#[test]
+fn matmul_epilogue_prim_rejects_bad_operands() {
+    use kiln_core::dispatch::apply;
+    use kiln_core::prim::{Activation, Epilogue, Prim};
+    let a = Tensor::zeros(&[1, 3, 4], DType::F32).unwrap();
+    let b = Tensor::zeros(&[1, 4, 5], DType::F32).unwrap();
+    let with_bias = Prim::MatmulEpilogue(Epilogue {
+        bias: true,
+        act: Activation::Relu,
+    });
+    let err = apply(
+        with_bias.clone(),
+        &[&a, &b, &Tensor::zeros(&[4], DType::F32).unwrap()],
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("matmul_epilogue") && err.to_string().contains("[5]"),
+        "{err}"
+    );
+    let err = apply(with_bias, &[&a, &b]).unwrap_err();
+    assert!(err.to_string().contains("matmul_epilogue"), "{err}");
+    let ints = Tensor::zeros(&[1, 3, 4], DType::I64).unwrap();
+    let intb = Tensor::zeros(&[1, 4, 5], DType::I64).unwrap();
+    let relu = Prim::MatmulEpilogue(Epilogue {
+        bias: false,
+        act: Activation::Relu,
+    });
+    let err = apply(relu, &[&ints, &intb]).unwrap_err();
+    assert!(err.to_string().contains("matmul_epilogue"), "{err}");
+}

@@ -40,7 +40,7 @@ pub use conv_plan_cache::cudnn_plan_disk_hits;
 pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
-pub use matmul_lt::{matmul_epilogue, Epilogue};
+pub use matmul_lt::{epilogue_gemms, matmul_epilogue, Epilogue};
 pub use matmul_tune::{gemm_tune_disk_hits, gemms_tuned};
 pub use nvrtc::{kernel_cache_stats, kernel_compile_times};
 

@@ -7,10 +7,13 @@
 //! cuBLASLt's GELU is the tanh approximation (PyTorch's `gelu(approximate='tanh')`), hence the
 //! variant's name. TF32 follows `set_allow_tf32`, as cuBLAS matmul does.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::cublaslt::{result as lt, sys as ltsys};
+use kiln_core::prim::{self, Activation};
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Device, Error, Result, Tensor};
 
@@ -18,7 +21,7 @@ use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
 /// What cuBLASLt applies to `a @ b` before writing it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Epilogue {
     /// `a @ b`
     None,
@@ -35,13 +38,22 @@ pub enum Epilogue {
 }
 
 impl Epilogue {
-    fn has_bias(self) -> bool {
+    /// The compiler's epilogue (`Prim::MatmulEpilogue`'s) as cuBLASLt's.
+    pub fn of(e: prim::Epilogue) -> Epilogue {
+        match (e.bias, e.act) {
+            (false, Activation::None) => Epilogue::None,
+            (true, Activation::None) => Epilogue::Bias,
+            (false, Activation::Relu) => Epilogue::Relu,
+            (true, Activation::Relu) => Epilogue::BiasRelu,
+        }
+    }
+    pub(crate) fn has_bias(self) -> bool {
         matches!(
             self,
             Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGeluTanh
         )
     }
-    fn lt(self) -> ltsys::cublasLtEpilogue_t {
+    pub(crate) fn lt(self) -> ltsys::cublasLtEpilogue_t {
         use ltsys::cublasLtEpilogue_t::*;
         match self {
             Epilogue::None => CUBLASLT_EPILOGUE_DEFAULT,
@@ -52,6 +64,18 @@ impl Epilogue {
             Epilogue::BiasGeluTanh => CUBLASLT_EPILOGUE_GELU_BIAS,
         }
     }
+}
+
+static EPILOGUE_GEMMS: AtomicU64 = AtomicU64::new(0);
+
+/// `Prim::MatmulEpilogue` calls this process ran on a GPU through cuBLASLt (the compiler's fused
+/// bias and ReLU), tuned or not.
+pub fn epilogue_gemms() -> u64 {
+    EPILOGUE_GEMMS.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_epilogue_gemm() {
+    EPILOGUE_GEMMS.fetch_add(1, Ordering::Relaxed);
 }
 
 /// A device's cuBLASLt handle.
@@ -111,6 +135,44 @@ pub fn matmul_epilogue(
         Arc::new(out),
         Layout::contiguous(&[m, n]),
     ))
+}
+
+/// `Prim::MatmulEpilogue` (`[1, M, K] x [1, K, N] (+ [N])`) into `out` on `dev`. `false`, with
+/// nothing run, for what cuBLASLt's epilogues do not take (f64, several batches, an empty inner
+/// dim): the runtime runs those on the CPU. The compiler writes none of them.
+pub(crate) fn execute(
+    dev: &Arc<CudaDevice>,
+    ops: &[(&CudaBuffer, &Layout)],
+    e: prim::Epilogue,
+    out: &CudaBuffer,
+) -> Result<bool> {
+    let ((a, la), (b, lb)) = (ops[0], ops[1]);
+    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
+    let fits = [m, k, n].iter().all(|&x| x <= i32::MAX as usize);
+    if !matches!(out.dtype, DType::F32 | DType::F16 | DType::BF16) || batch != 1 || k == 0 || !fits
+    {
+        return Ok(false);
+    }
+    if m * n == 0 {
+        return Ok(true);
+    }
+    let matrix = |l: &Layout| Layout {
+        shape: l.shape[1..].to_vec(),
+        strides: l.strides[1..].to_vec(),
+        offset: l.offset,
+    };
+    let bias = ops.get(2).copied().filter(|_| e.bias);
+    let (la2, lb2) = (matrix(la), matrix(lb));
+    run(
+        dev,
+        (a, &la2),
+        (b, &lb2),
+        bias,
+        Epilogue::of(e),
+        out,
+        [m, k, n],
+    )?;
+    Ok(true)
 }
 
 fn check(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, epilogue: Epilogue) -> Result<()> {
@@ -289,6 +351,46 @@ pub(crate) fn set_desc<T>(
     }
 }
 
+/// What a GEMM's setup depends on: the device, the element and math types, the sizes, how
+/// cuBLASLt reads each operand (transposed?, leading dimension), the epilogue, and the alignment
+/// of each address (an algorithm may need 16-byte operands).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    ordinal: usize,
+    dtype: DType,
+    tf32: bool,
+    mkn: [usize; 3],
+    first: (bool, i64),
+    second: (bool, i64),
+    epilogue: Epilogue,
+    /// Of A, B, D and the bias, in bytes (at most 256; 0 for no bias).
+    align: [u32; 4],
+}
+
+/// A GEMM's descriptors and the algorithm the heuristic gave for them.
+struct Plan {
+    descs: Descs,
+    algo: ltsys::cublasLtMatmulAlgo_t,
+    workspace: usize,
+}
+
+// SAFETY: the algorithm is plain data; the descriptors are `Descs` (see there)
+unsafe impl Send for Plan {}
+unsafe impl Sync for Plan {}
+
+fn plans() -> &'static Mutex<HashMap<PlanKey, Arc<Plan>>> {
+    static PLANS: OnceLock<Mutex<HashMap<PlanKey, Arc<Plan>>>> = OnceLock::new();
+    PLANS.get_or_init(Default::default)
+}
+
+/// The largest power of two (at most 256) that divides the address.
+fn alignment(ptr: u64) -> u32 {
+    match ptr {
+        0 => 256,
+        p => 1 << p.trailing_zeros().min(8),
+    }
+}
+
 fn run(
     dev: &Arc<CudaDevice>,
     (a, la): (&CudaBuffer, &Layout),
@@ -300,16 +402,6 @@ fn run(
 ) -> Result<()> {
     let o = dev.ordinal;
     let e = |what: &'static str| move |x| lt_err(o, what, x);
-    let data = match out.dtype {
-        DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
-        DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
-        _ => ltsys::cudaDataType::CUDA_R_16BF,
-    };
-    let compute = if out.dtype == DType::F32 && crate::matmul::allow_tf32() {
-        ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
-    } else {
-        ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F
-    };
     // cuBLASLt's A is `b` (Bᵀ, [n, k]) and its B is `a` (Aᵀ, [k, m])
     let first = operand(dev, b, lb)?;
     let second = operand(dev, a, la)?;
@@ -322,7 +414,77 @@ fn run(
         }
         None => 0,
     };
+    let key = PlanKey {
+        ordinal: o,
+        dtype: out.dtype,
+        tf32: out.dtype == DType::F32 && crate::matmul::allow_tf32(),
+        mkn: [m, k, n],
+        first: (first.trans, first.ld),
+        second: (second.trans, second.ld),
+        epilogue,
+        align: [first.ptr, second.ptr, out.ptr, bias_ptr].map(alignment),
+    };
     let (_guard, handle) = lt_handle(dev)?;
+    let cached = plans()
+        .lock()
+        .unwrap_or_else(|x| x.into_inner())
+        .get(&key)
+        .cloned();
+    let plan = match cached {
+        Some(p) => p,
+        None => {
+            let p = Arc::new(plan(handle, &key, [&first, &second], o)?);
+            plans()
+                .lock()
+                .unwrap_or_else(|x| x.into_inner())
+                .insert(key, p.clone());
+            p
+        }
+    };
+    if epilogue.has_bias() {
+        use ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER;
+        // the descriptor is shared by every call of this key: set under the handle's mutex,
+        // which is held until the launch is queued
+        set_desc(
+            plan.descs.matmul,
+            CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+            &bias_ptr,
+        )
+        .map_err(e("bias"))?;
+    }
+    // SAFETY: the pointers address live buffers of the sizes the plan's layouts describe
+    unsafe {
+        launch(
+            dev,
+            handle,
+            &plan.descs,
+            [first.ptr, second.ptr, out.ptr],
+            &plan.algo,
+            plan.workspace,
+            e("matmul"),
+        )
+    }
+}
+
+/// The descriptors for `key` and the heuristic's first algorithm for them, asking for
+/// algorithms that work at the operands' alignment.
+fn plan(
+    handle: ltsys::cublasLtHandle_t,
+    key: &PlanKey,
+    [first, second]: [&Operand; 2],
+    o: usize,
+) -> Result<Plan> {
+    let e = |what: &'static str| move |x| lt_err(o, what, x);
+    let [m, k, n] = key.mkn;
+    let data = match key.dtype {
+        DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
+        DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
+        _ => ltsys::cudaDataType::CUDA_R_16BF,
+    };
+    let compute = match key.tf32 {
+        true => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        false => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
     let mut d = Descs::default();
     d.matmul =
         lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
@@ -336,10 +498,8 @@ fn run(
     use ltsys::cublasLtMatmulDescAttributes_t::*;
     set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(first.trans)).map_err(e("transa"))?;
     set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(second.trans)).map_err(e("transb"))?;
+    let epilogue = key.epilogue;
     set_desc(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue.lt()).map_err(e("epilogue"))?;
-    if epilogue.has_bias() {
-        set_desc(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr).map_err(e("bias"))?;
-    }
     for (rows, cols, ld) in [
         (first.rows, first.cols, first.ld),
         (second.rows, second.cols, second.ld),
@@ -350,6 +510,25 @@ fn run(
     }
     let (la_, lb_, lc_) = (d.layouts[0], d.layouts[1], d.layouts[2]);
     d.pref = preference().map_err(e("preference"))?;
+    use ltsys::cublasLtMatmulPreferenceAttributes_t::*;
+    let [aa, ab, ad, abias] = key.align;
+    for (attr, bytes) in [
+        (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, aa),
+        (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ab),
+        (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ad),
+        (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ad.min(abias)),
+    ] {
+        // SAFETY: a live preference; the value is a u32 as the attribute requires
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                d.pref,
+                attr,
+                (&bytes as *const u32).cast(),
+                std::mem::size_of::<u32>(),
+            )
+        }
+        .map_err(e("alignment"))?;
+    }
     // SAFETY: live handle and descriptors
     let heuristic =
         unsafe { lt::get_matmul_algo_heuristic(handle, d.matmul, la_, lb_, lc_, lc_, d.pref) }
@@ -359,23 +538,15 @@ fn run(
                     "heuristic",
                     format!(
                         "{x:?} for {epilogue:?} [{m}, {k}] @ [{k}, {n}] {}",
-                        out.dtype
+                        key.dtype
                     ),
                 )
             })?;
-    let (algo, ws) = (&heuristic.algo, heuristic.workspaceSize);
-    // SAFETY: the pointers address live buffers of the sizes `d`'s layouts describe
-    unsafe {
-        launch(
-            dev,
-            handle,
-            &d,
-            [first.ptr, second.ptr, out.ptr],
-            algo,
-            ws,
-            e("matmul"),
-        )
-    }
+    Ok(Plan {
+        algo: heuristic.algo,
+        workspace: heuristic.workspaceSize,
+        descs: d,
+    })
 }
 
 /// A matmul preference that allows `WORKSPACE` bytes of workspace.

@@ -26,7 +26,7 @@ use kiln_core::{DType, Error, Result};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 use crate::matmul::{allow_tf32, gemm, operand};
-use crate::matmul_lt::{launch, lt_handle, preference, set_desc, Descs, WORKSPACE};
+use crate::matmul_lt::{launch, lt_handle, preference, set_desc, Descs, Epilogue, WORKSPACE};
 
 /// Algorithms asked of cuBLASLt's heuristics and timed per shape.
 const CANDIDATES: usize = 8;
@@ -64,6 +64,8 @@ struct Key {
     k: usize,
     a: (bool, i32, i64),
     b: (bool, i32, i64),
+    /// What the GEMM applies before writing (a compiled graph's `Prim::MatmulEpilogue`).
+    epilogue: Epilogue,
 }
 
 /// A cuBLASLt algorithm and the workspace it asked for, or (`algo: None`) cuBLAS's own GEMM as
@@ -132,33 +134,98 @@ pub(crate) fn matmul_tuned(
     }
     let ma = operand(dev, a, la)?;
     let mb = operand(dev, b, lb)?;
+    // cuBLAS's default GEMM of the same matrices (a strided operand is not copied again)
+    let plain = || gemm(dev, a.dtype, (batch, m, n, k), (&ma, &mb), out);
+    tuned_gemm(
+        dev,
+        (&ma, &mb),
+        (Epilogue::None, 0),
+        out,
+        [batch, m, n, k],
+        Some(&plain),
+    )?;
+    Ok(())
+}
+
+/// `Prim::MatmulEpilogue` (`[1, M, K] x [1, K, N] (+ [N])`) with the cuBLASLt algorithm timed
+/// fastest for it among those its heuristics offer with the epilogue (cuBLAS's default GEMM
+/// has none, so it is no candidate). `false`, with nothing run, for what `matmul_lt::execute`
+/// takes instead: a shape first seen while the device records, and what cuBLASLt's epilogues
+/// do not take.
+pub(crate) fn matmul_epilogue_tuned(
+    dev: &Arc<CudaDevice>,
+    ops: &[(&CudaBuffer, &Layout)],
+    e: kiln_core::prim::Epilogue,
+    out: &CudaBuffer,
+) -> Result<bool> {
+    let ((a, la), (b, lb)) = (ops[0], ops[1]);
+    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
+    let dims_fit = [m, n, k].iter().all(|&x| x <= i32::MAX as usize);
+    if !matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16)
+        || batch != 1
+        || m * n * k == 0
+        || !dims_fit
+    {
+        return Ok(false);
+    }
+    let bias_copy;
+    let bias = match ops.get(2).filter(|_| e.bias) {
+        Some((buf, l)) if l.shape[0] <= 1 || l.strides[0] == 1 => buf.at(l.offset),
+        Some((buf, l)) => {
+            bias_copy = crate::kernels::elementwise::copy_strided(dev, buf, l)?;
+            bias_copy.ptr
+        }
+        None => 0,
+    };
+    let ma = operand(dev, a, la)?;
+    let mb = operand(dev, b, lb)?;
+    let epilogue = Epilogue::of(e);
+    tuned_gemm(dev, (&ma, &mb), (epilogue, bias), out, [1, m, n, k], None)
+}
+
+/// `out = epilogue(a @ b)` with the shape's tuned choice (tuned now when there is none);
+/// `plain`, cuBLAS's default GEMM, is a candidate when given (no epilogue) and what runs for a
+/// shape first seen while the device records. `false` when nothing ran: no choice while
+/// recording and no `plain`.
+fn tuned_gemm(
+    dev: &Arc<CudaDevice>,
+    (ma, mb): (&crate::matmul::Mat, &crate::matmul::Mat),
+    (epilogue, bias): (Epilogue, u64),
+    out: &CudaBuffer,
+    [batch, m, n, k]: [usize; 4],
+    plain: Option<&dyn Fn() -> Result<()>>,
+) -> Result<bool> {
     let key = Key {
         scope: kiln_core::cache::scope_id(),
         ordinal: dev.ordinal,
-        dtype: a.dtype,
-        tf32: a.dtype == DType::F32 && allow_tf32(),
+        dtype: out.dtype,
+        tf32: out.dtype == DType::F32 && allow_tf32(),
         batch,
         m,
         n,
         k,
         a: (ma.trans, ma.ld, ma.batch_stride),
         b: (mb.trans, mb.ld, mb.batch_stride),
+        epilogue,
     };
     // cuBLASLt's A is `b` and its B is `a` (row-major C = A B is column-major Cᵀ = Bᵀ Aᵀ)
     let ptrs = [mb.ptr, ma.ptr, out.ptr];
-    // cuBLAS's default GEMM of the same matrices (a strided operand is not copied again)
-    let plain = || gemm(dev, a.dtype, (batch, m, n, k), (&ma, &mb), out);
+    let untuned = || match plain {
+        Some(p) => p().map(|()| true),
+        None => Ok(false),
+    };
     let recording = dev.recorder.load(Ordering::Acquire) != 0;
     let tuned = match lookup(&key, recording) {
         Some(t) => t,
-        None if recording => return plain(),
-        None => tune(dev, &key, ptrs, &plain)?,
+        None if recording => return untuned(),
+        None => tune(dev, &key, ptrs, bias, plain)?,
     };
     let Some(algo) = &tuned.choice.algo else {
-        return plain();
+        return untuned();
     };
     let (_lock, handle) = lt_handle(dev)?;
     let err = |x| lt_err(dev.ordinal, "matmul", x);
+    set_bias(&tuned.descs, epilogue, bias).map_err(err)?;
     // SAFETY: the pointers address live buffers of the sizes the key's layouts describe
     unsafe {
         launch(
@@ -170,6 +237,21 @@ pub(crate) fn matmul_tuned(
             tuned.choice.workspace,
             err,
         )
+    }?;
+    Ok(true)
+}
+
+/// Points `descs` at the bias a call adds (under the cuBLASLt handle's mutex: the descriptors
+/// are shared by every call of their key).
+fn set_bias(
+    descs: &Descs,
+    epilogue: Epilogue,
+    bias: u64,
+) -> std::result::Result<(), lt::CublasError> {
+    use ltsys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER;
+    match epilogue.has_bias() {
+        true => set_desc(descs.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias),
+        false => Ok(()),
     }
 }
 
@@ -179,11 +261,13 @@ fn tune(
     dev: &Arc<CudaDevice>,
     key: &Key,
     ptrs: [u64; 3],
-    plain: &dyn Fn() -> Result<()>,
+    bias: u64,
+    plain: Option<&dyn Fn() -> Result<()>>,
 ) -> Result<Arc<Tuned>> {
     let descs = descriptors(dev.ordinal, key)?;
     let choice = {
         let (_lock, handle) = lt_handle(dev)?;
+        set_bias(&descs, key.epilogue, bias).map_err(|x| lt_err(dev.ordinal, "bias", x))?;
         let gemm = Gemm {
             dev,
             handle,
@@ -237,6 +321,7 @@ fn descriptors(o: usize, key: &Key) -> Result<Descs> {
     // cuBLASLt's first operand is `b`
     set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(b_trans)).map_err(e("transa"))?;
     set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(a_trans)).map_err(e("transb"))?;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &key.epilogue.lt()).map_err(e("epilogue"))?;
     let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
     // each stored matrix as (rows, cols) column-major, before its transpose
     let stored = |trans: bool, rows: u64, cols: u64| match trans {
@@ -285,8 +370,9 @@ struct Gemm<'a> {
     descs: &'a Descs,
     /// cuBLASLt's A, B and D (the call's `b`, `a` and output).
     ptrs: [u64; 3],
-    /// cuBLAS's default GEMM of the same operands (`Choice::algo` `None`).
-    plain: &'a dyn Fn() -> Result<()>,
+    /// cuBLAS's default GEMM of the same operands (`Choice::algo` `None`), where it computes
+    /// the same (no epilogue).
+    plain: Option<&'a dyn Fn() -> Result<()>>,
 }
 
 impl Gemm<'_> {
@@ -336,7 +422,8 @@ impl Gemm<'_> {
                 algo: Some(r.algo),
                 workspace: r.workspaceSize,
             });
-        for c in std::iter::once(default).chain(offered) {
+        let default = self.plain.map(|_| default);
+        for c in default.into_iter().chain(offered) {
             // an algorithm that fails to launch is skipped, not fatal
             if self.run(&c).is_err() {
                 continue;
@@ -353,7 +440,10 @@ impl Gemm<'_> {
     /// `out = a @ b` with `c`'s algorithm, queued on the device's stream.
     fn run(&self, c: &Choice) -> Result<()> {
         let Some(algo) = &c.algo else {
-            return (self.plain)();
+            return match self.plain {
+                Some(p) => p(),
+                None => Err(lt_err(self.dev.ordinal, "matmul", "no default GEMM")),
+            };
         };
         let err = |x| lt_err(self.dev.ordinal, "matmul", x);
         let (descs, ptrs) = (self.descs, self.ptrs);
@@ -372,6 +462,7 @@ impl Gemm<'_> {
         }
         let text = std::str::from_utf8(&text).ok()?;
         if text == "default" {
+            self.plain?;
             return Some(Choice {
                 algo: None,
                 workspace: 0,

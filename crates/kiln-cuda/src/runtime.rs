@@ -146,6 +146,19 @@ impl CudaRuntime {
                     None => crate::fallback::run(&dev, prim, inputs),
                 }
             }
+            Prim::MatmulEpilogue(e) => {
+                let out = dev.alloc(n, meta.dtype)?;
+                let ran = (tuned
+                    && crate::matmul_tune::matmul_epilogue_tuned(&dev, &ops, *e, &out)?)
+                    || crate::matmul_lt::execute(&dev, &ops, *e, &out)?;
+                match ran {
+                    true => {
+                        crate::matmul_lt::count_epilogue_gemm();
+                        Ok(Arc::new(out))
+                    }
+                    false => crate::fallback::run(&dev, prim, inputs),
+                }
+            }
             Prim::Matmul if meta.dtype.is_float() => {
                 let out = dev.alloc(n, meta.dtype)?;
                 match tuned {

@@ -368,7 +368,8 @@ fn group<T: Target>(
 /// device), which find nothing left in a graph AOT autograd split from a rewritten joint graph;
 /// one size of a symbolic graph too: the rewrites follow the graph's structure, so every size
 /// is rewritten alike and its kernels still fit the size-generic templates. Then per-channel and
-/// per-row arithmetic on broadcast values runs on the small shape.
+/// per-row arithmetic on broadcast values runs on the small shape, and a matmul's bias and ReLU
+/// join its call (`epilogue.rs`).
 pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     let mut g = match prepare_joint(graph) {
         Some(rewritten) => std::borrow::Cow::Owned(rewritten),
@@ -376,6 +377,9 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     };
     if let Some(sunk) = crate::sink_expands::sink_expands(&g) {
         g = std::borrow::Cow::Owned(sunk);
+    }
+    if let Some(fused) = crate::epilogue::fuse(&g) {
+        g = std::borrow::Cow::Owned(fused);
     }
     g
 }

@@ -8,6 +8,7 @@ mod backend;
 pub mod channels_last;
 pub mod codegen;
 mod cudagraphs;
+pub mod epilogue;
 mod footprint;
 mod horizontal;
 pub mod ir;

@@ -391,6 +391,65 @@ fn linear_relu_matmul_extern() -> Outcome {
     )
 }
 
+/// Linear layers' biases and ReLUs run in the GEMM (cuBLASLt's epilogues): two layers, two
+/// epilogue calls per compiled call and no pointwise kernel, in default mode, reduce-overhead
+/// (replayed from a CUDA graph) and max-autotune (tuned with the epilogue); f32 to rounding of
+/// the sums' order, bf16 to bf16's.
+fn linear_epilogues_run_in_the_gemm() -> Outcome {
+    fn mlp(x: &[Tensor]) -> Result<Vec<Tensor>> {
+        let h = x[0].linear(&x[1], Some(&x[2]))?.relu()?;
+        Ok(vec![h.linear(&x[3], Some(&x[4]))?])
+    }
+    let shapes: [&[usize]; 5] = [&[8, 48, 256], &[512, 256], &[512], &[96, 512], &[96]];
+    for (mode, dtype, tol) in [
+        (Mode::Default, DType::F32, 1e-5),
+        (Mode::ReduceOverhead, DType::F32, 1e-5),
+        (Mode::MaxAutotune, DType::F32, 1e-5),
+        (Mode::Default, DType::BF16, 2e-2),
+    ] {
+        let compiled = kiln::compile_fn(
+            mlp,
+            CompileOptions {
+                mode,
+                ..Default::default()
+            },
+        )
+        .map_err(err)?;
+        for call in 0..3u64 {
+            let x: Vec<Tensor> = shapes
+                .iter()
+                .enumerate()
+                .map(|(i, s)| {
+                    randn(s, 700 + 10 * call + i as u64)?
+                        .to_dtype(dtype)?
+                        .to(CUDA)
+                })
+                .collect::<Result<_>>()
+                .map_err(err)?;
+            let (gemms, before) = (kiln::cuda::epilogue_gemms(), exec_stats());
+            let got = compiled.call(&x).map_err(err)?;
+            let ran = kiln::cuda::epilogue_gemms() - gemms;
+            let launches = exec_stats().kernel_launches - before.kernel_launches;
+            let replayed = mode != Mode::Default && call > 0;
+            // a recording call may run the graph twice (once to warm up)
+            if !replayed && (ran < 2 || ran % 2 != 0 || launches != 0) {
+                return Err(format!(
+                    "{mode:?} {dtype} call {call}: {ran} epilogue GEMMs and {launches} generated \
+                     kernels, want 2 per run and 0"
+                ));
+            }
+            let want = mlp(&x).map_err(err)?;
+            let what = format!("{mode:?} {dtype} call {call}");
+            let (g, w) = (
+                got[0].to_dtype(DType::F32).map_err(err)?,
+                want[0].to_dtype(DType::F32).map_err(err)?,
+            );
+            close(&what, &g, &w, tol)?;
+        }
+    }
+    Ok(())
+}
+
 /// A CPU scalar tensor fed to a device graph is read on every call (not a constant captured at
 /// trace time).
 fn cpu_scalar_follows_its_value() -> Outcome {
@@ -1024,7 +1083,11 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 28] = [
+    let tests: [(&str, Check); 29] = [
+        (
+            "linear_epilogues_run_in_the_gemm",
+            linear_epilogues_run_in_the_gemm,
+        ),
         (
             "reduce_overhead_matmuls_match_eager",
             reduce_overhead_matmuls_match_eager,

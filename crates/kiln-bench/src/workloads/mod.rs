@@ -4,6 +4,7 @@
 pub mod adam;
 pub mod bert;
 pub mod dynamic;
+pub mod mlp;
 pub mod norms;
 pub mod numpy_fn;
 pub mod regional;

@@ -69,6 +69,7 @@ fn banned_from_recompute(p: &Prim) -> bool {
     matches!(
         p,
         Prim::Matmul
+            | Prim::MatmulEpilogue(_)
             | Prim::Conv2d { .. }
             | Prim::Conv2dGradInput { .. }
             | Prim::Conv2dGradWeight { .. }

@@ -118,6 +118,7 @@ pub fn is_differentiable(p: &Prim) -> bool {
             | Prim::Rand { .. }
             | Prim::Conv2dGradInput { .. }
             | Prim::Conv2dGradWeight { .. }
+            | Prim::MatmulEpilogue(_)
     ) && !matches!(p, Prim::Binary(b) if b.is_comparison() || b.is_logical())
         && !matches!(p, Prim::Cast(d) if !d.is_float())
 }

@@ -3,7 +3,7 @@
 
 use crate::dispatch::apply;
 use crate::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
-use crate::{Result, Tensor};
+use crate::{Error, Result, Tensor};
 
 type Grads = Vec<Option<Tensor>>;
 
@@ -283,5 +283,10 @@ pub(super) fn vjp(prim: &Prim, ins: &[Tensor], out: &Tensor, g: &Tensor) -> Resu
         | Prim::Rand { .. }
         | Prim::Conv2dGradInput { .. }
         | Prim::Conv2dGradWeight { .. } => Ok(vec![None; ins.len()]),
+        // written by the compiler after autodiff (`is_differentiable` says so): never recorded
+        Prim::MatmulEpilogue(_) => Err(Error::unsupported(
+            "matmul_epilogue",
+            "has no derivative: the compiler writes it after differentiating the ops it replaces",
+        )),
     }
 }

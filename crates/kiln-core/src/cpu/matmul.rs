@@ -6,7 +6,8 @@ use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
 use super::num::Num;
-use super::{as_f32, from_f32_like, typed};
+use super::{as_f32, contig_f64, from_f32_like, typed};
+use crate::prim::{Activation, Epilogue};
 use crate::shape::Layout;
 use crate::storage::CpuStorage;
 use crate::{DType, Tensor};
@@ -113,5 +114,103 @@ pub(super) fn matmul(a: &Tensor, b: &Tensor) -> CpuStorage {
         }
         (DType::U8, _, _) => CpuStorage::U8(naive(&typed(&sa, &la), &typed(&sb, &lb), bs, m, k, n)),
         (DType::Bool, _, _) => CpuStorage::Bool(Vec::new()), // rejected by Prim::infer
+    }
+}
+
+/// `act(a @ b + bias)` (`Prim::MatmulEpilogue`): the matmul as `matmul` runs it, then each row's
+/// bias and activation in place, rounded as the separate elementwise ops round them (a half
+/// result is rounded, then the bias added in f32 and rounded again), so a compiled graph that
+/// runs it computes what eager execution of the ops it replaced computes, bit for bit. The gemm
+/// crate has no epilogue hook, and accumulating onto a destination filled with the bias would
+/// add the bias at another point of the sum.
+pub(super) fn matmul_epilogue(inputs: &[&Tensor], e: Epilogue) -> CpuStorage {
+    let mut out = matmul(inputs[0], inputs[1]);
+    let n = inputs[1].shape()[2];
+    if n == 0 || (!e.bias && e.act == Activation::None) {
+        return out;
+    }
+    let bias: Option<Vec<f64>> = inputs
+        .get(2)
+        .filter(|_| e.bias)
+        .map(|t| contig_f64(&t.storage(), t.layout()));
+    let relu = e.act == Activation::Relu;
+    // rows of at least 16 KiB per task
+    let rows_per_task = (4096 / n).max(1);
+    match &mut out {
+        CpuStorage::F32(v) => {
+            let b: Option<Vec<f32>> = bias.map(|b| b.iter().map(|&x| x as f32).collect());
+            v.par_chunks_mut(n * rows_per_task).for_each(|rows| {
+                for row in rows.chunks_mut(n) {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        let y = b.as_ref().map_or(*x, |b| *x + b[j]);
+                        *x = if relu && y <= 0.0 { 0.0 } else { y };
+                    }
+                }
+            })
+        }
+        CpuStorage::F64(v) => v.par_chunks_mut(n * rows_per_task).for_each(|rows| {
+            for row in rows.chunks_mut(n) {
+                for (j, x) in row.iter_mut().enumerate() {
+                    let y = bias.as_ref().map_or(*x, |b| *x + b[j]);
+                    *x = if relu && y <= 0.0 { 0.0 } else { y };
+                }
+            }
+        }),
+        CpuStorage::F16(v) => half_rows(v, n, rows_per_task, bias.as_deref(), relu),
+        CpuStorage::BF16(v) => half_rows(v, n, rows_per_task, bias.as_deref(), relu),
+        // Prim::infer admits floating-point operands only
+        _ => {}
+    }
+    out
+}
+
+/// A half-precision result's epilogue: each element plus its bias in f32, rounded, then the
+/// activation (as the core's elementwise ops compute halves).
+fn half_rows<H: Copy + Send + Sync + HalfFloat>(
+    v: &mut [H],
+    n: usize,
+    rows_per_task: usize,
+    bias: Option<&[f64]>,
+    relu: bool,
+) {
+    let b: Option<Vec<H>> = bias.map(|b| b.iter().map(|&x| H::from_f32(x as f32)).collect());
+    v.par_chunks_mut(n * rows_per_task).for_each(|rows| {
+        for row in rows.chunks_mut(n) {
+            for (j, x) in row.iter_mut().enumerate() {
+                let y = match &b {
+                    Some(b) => H::from_f32(x.to_f32() + b[j].to_f32()),
+                    None => *x,
+                };
+                *x = if relu && y.to_f32() <= 0.0 {
+                    H::from_f32(0.0)
+                } else {
+                    y
+                };
+            }
+        }
+    })
+}
+
+/// The two 16-bit float types, through f32.
+trait HalfFloat {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl HalfFloat for half::f16 {
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+
+impl HalfFloat for half::bf16 {
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
     }
 }

@@ -78,6 +78,7 @@ pub(crate) fn execute(
             shape,
         ),
         Prim::Matmul => owned(matmul::matmul(inputs[0], inputs[1]), shape),
+        Prim::MatmulEpilogue(e) => owned(matmul::matmul_epilogue(inputs, *e), shape),
         Prim::Conv2d(p) => owned(conv::conv2d(inputs[0], inputs[1], p, shape), shape),
         Prim::Conv2dGradInput {
             params,

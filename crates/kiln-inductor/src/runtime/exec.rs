@@ -231,7 +231,9 @@ impl CompiledCpu {
                     let p = rand_at(p, seed, base);
                     // a device graph computes everything on its device (see `Graph::device`)
                     vals[*node] = Some(match p {
-                        Prim::Matmul if self.tuned_gemms => execute_tuned(&p, &refs, self.device)?,
+                        Prim::Matmul | Prim::MatmulEpilogue(_) if self.tuned_gemms => {
+                            execute_tuned(&p, &refs, self.device)?
+                        }
                         _ => apply_on(p, &refs, self.device)?,
                     });
                 }

@@ -1,0 +1,62 @@
+//! An MLP's forward pass, eager vs compiled: `Linear(1024, 4096) -> ReLU -> Linear(4096, 4096)
+//! -> ReLU -> Linear(4096, 1024)` on a [8192, 1024] f32 batch. Three GEMMs of 34-137 GFLOP in
+//! all; what the compiler adds around them is the biases and ReLUs, which it runs in the GEMMs'
+//! epilogues (`kiln-inductor/src/epilogue.rs`; `KILN_MATMUL_EPILOGUES=0` runs them as generated
+//! kernels instead, for a before/after in one build). `tools/torch_mlp.py` times PyTorch eager
+//! and torch.compile on the same model.
+
+use kiln::inductor::with_fresh_cache;
+use kiln::{DType, Tensor};
+
+use super::BenchResult;
+use crate::harness::{once, Ctx};
+
+const W: &str = "mlp_8192x1024";
+/// Each layer's (in, out) features.
+const LAYERS: [(usize, usize); 3] = [(1024, 4096), (4096, 4096), (4096, 1024)];
+const BATCH: usize = 8192;
+
+fn forward(a: &[Tensor]) -> kiln::Result<Tensor> {
+    let mut h = a[0].clone();
+    for (i, w) in a[1..].chunks(2).enumerate() {
+        h = h.linear(&w[0], Some(&w[1]))?;
+        if i + 1 < LAYERS.len() {
+            h = h.relu()?;
+        }
+    }
+    Ok(h)
+}
+
+pub fn run(ctx: &mut Ctx) -> BenchResult {
+    let timer = ctx.timer();
+    let mode = ctx.mode_name();
+    let mut args = vec![Tensor::randn(&[BATCH, LAYERS[0].0], DType::F32)?.to(ctx.dev)?];
+    for (i, o) in LAYERS {
+        let scale = 1.0 / (i as f64).sqrt();
+        args.push(
+            Tensor::randn(&[o, i], DType::F32)?
+                .mul(scale)?
+                .to(ctx.dev)?,
+        );
+        args.push(Tensor::randn(&[o], DType::F32)?.mul(scale)?.to(ctx.dev)?);
+    }
+    let flops: usize = LAYERS.iter().map(|(i, o)| 2 * BATCH * i * o).sum();
+    kiln::no_grad(|| -> BenchResult {
+        let eager = timer.time("mlp: eager", || forward(&args))?;
+        ctx.emit(W, "eager", "call", eager.us(), "us");
+        let g = kiln::compile_fn(|a: &[Tensor]| Ok(vec![forward(a)?]), ctx.opts())?;
+        let (r, t) = with_fresh_cache(|| once("mlp: cold compile", || g.call(&args)));
+        let compiled_out = r?.remove(0);
+        ctx.emit(W, mode, "cold_compile", t.as_secs_f64(), "s");
+        let diff = forward(&args)?
+            .sub(&compiled_out)?
+            .abs()?
+            .max(&[], false)?
+            .item::<f32>()?;
+        ctx.emit(W, mode, "max_abs_diff_vs_eager", diff as f64, "abs");
+        let t = timer.time("mlp: compiled", || g.call(&args))?;
+        ctx.emit(W, mode, "call", t.us(), "us");
+        ctx.emit(W, mode, "tflops", flops as f64 / t.s() / 1e12, "TFLOP/s");
+        Ok(())
+    })
+}

@@ -1,0 +1,470 @@
+//! Matmul epilogues: a linear layer's bias and the ReLU after it computed by the matmul call
+//! itself (`Prim::MatmulEpilogue`: cuBLASLt's `BIAS` / `RELU_BIAS` epilogues on a GPU; the CPU
+//! applies them to each row of the gemm crate's result in place). PyTorch's Inductor sends a
+//! linear layer to `addmm`, whose bias cuBLASLt adds; a ReLU after it it generates. Here both ride
+//! on the GEMM, so a `Linear -> ReLU` stack runs one call per layer and no pointwise kernel.
+//!
+//! The pattern, in the prims `linear` and `relu` trace to: `matmul(a, b)` (one batch: `linear`
+//! folds its batch dims into M), reshapes that keep the last dim N, `add(_, expand(bias))` where
+//! the bias is N values broadcast along the rows, then `where(le(_, 0), 0, _)`. Each part is
+//! optional but the matmul, and at least one of bias and ReLU must be there. A value inside the
+//! pattern that anything else reads, or that the graph returns, ends it: the forward half of a
+//! training step keeps its ReLU separate (the backward reads the pre-activation's mask), and
+//! takes the bias alone.
+//!
+//! What it computes: on the CPU, bit for bit what the separate ops compute (`cpu/matmul.rs`).
+//! On a GPU an f32 result is the same too where cuBLASLt's heuristic picks the kernel cuBLAS's
+//! GEMM picks (BERT's and the MLP workload's GEMMs: equal bit for bit), but cuBLASLt adds the
+//! bias to the f32 sum before a half-precision result's one rounding, where eager execution
+//! rounds the product and then the sum: f16 and bf16 results can differ from eager by a
+//! rounding (closer to the exact value).
+//!
+//! Applied to each graph the code generators take (`backend::prepare`), after autodiff: the
+//! prim has no derivative. A matmul the target would generate inline (`small_matmul`) keeps its
+//! fused pointwise readers instead. `KILN_MATMUL_EPILOGUES=0` turns the pass off (to measure
+//! it; part of the plan cache's key).
+
+use kiln_compile::graph::{Graph, Node, NodeId, Op};
+use kiln_core::prim::{Activation, BinaryOp, Epilogue, Prim};
+use kiln_core::{DType, Device};
+
+use crate::ir::lower::{matmul_dims, small_matmul};
+
+/// Fewest rows of a GPU matmul given an epilogue. With fewer, the product streams the weights
+/// (a GEMV in all but name), and cuBLAS's own GEMM picks kernels for that shape which cuBLASLt's
+/// heuristics do not offer with an epilogue: BERT-base at one sequence of 9 tokens replayed from
+/// a CUDA graph (nvidia-h200, alternating builds) took 0.997 / 0.998 ms with its 72 linear
+/// layers' biases in cuBLASLt's GEMMs against 0.978 / 0.979 ms with cuBLAS's GEMMs and generated
+/// bias adds. One 128-row tile of cuBLASLt's usual tiles is where the two choose alike (BERT at
+/// 32 x 128 tokens and the MLP workload: the same results bit for bit, the same time or less).
+const DEVICE_MIN_ROWS: usize = 128;
+
+/// One matmul and what it absorbs.
+struct Fused {
+    /// The value the epilogue call produces: the add or the ReLU's `where`.
+    last: NodeId,
+    a: NodeId,
+    b: NodeId,
+    /// A node of N elements whose linear order is the bias's (reshaped to `[N]` if need be).
+    bias: Option<NodeId>,
+    act: Activation,
+    /// `[1, M, N]`
+    shape: Vec<usize>,
+}
+
+/// Whether `id` is zero broadcast: a `Full` of 0 under reshapes and expands.
+fn is_zero(g: &Graph, mut id: NodeId) -> bool {
+    loop {
+        match &g.nodes[id].op {
+            Op::Prim(Prim::Reshape(_) | Prim::Expand(_)) => id = g.nodes[id].args[0],
+            Op::Prim(Prim::Full { value, .. }) => return *value == 0.0,
+            _ => return false,
+        }
+    }
+}
+
+/// The node holding N values that `id` broadcasts along every dim but the last (of size N),
+/// when it is such a broadcast: `expand(v)` where `v` is `[1, .., 1, N]`.
+fn bias_of(g: &Graph, id: NodeId, n: usize) -> Option<NodeId> {
+    let node = &g.nodes[id];
+    let Op::Prim(Prim::Expand(_)) = node.op else {
+        return None;
+    };
+    let v = node.args[0];
+    let s = &g.nodes[v].shape;
+    let rows_of_one = s.split_last().is_some_and(|(&last, rest)| {
+        last == n && rest.iter().all(|&d| d == 1) && node.shape.last() == Some(&n)
+    });
+    rows_of_one.then_some(v)
+}
+
+/// The epilogue pattern that starts at matmul `mm`, if there is one.
+fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> Option<Fused> {
+    let node = &g.nodes[mm];
+    // cuBLASLt's epilogues take f32, f16 and bf16; the CPU's gemm f64 too
+    let on_cpu = node.device == Device::Cpu;
+    if !matches!(node.op, Op::Prim(Prim::Matmul))
+        || !(matches!(node.dtype, DType::F32 | DType::F16 | DType::BF16)
+            || (on_cpu && node.dtype == DType::F64))
+        || node.shape.first() != Some(&1)
+    {
+        return None;
+    }
+    if matmul_dims(g, node).is_some_and(small_matmul) {
+        return None;
+    }
+    let (m, n) = (node.shape[1], node.shape[2]);
+    if !on_cpu && m < DEVICE_MIN_ROWS {
+        return None;
+    }
+    // read by exactly one node, `reader`, and not returned
+    let only_reader = |id: NodeId| match users[id].as_slice() {
+        [r] if !is_output[id] => Some(*r),
+        _ => None,
+    };
+    let mut cur = mm;
+    while let Some(r) = only_reader(cur) {
+        let reshape = matches!(g.nodes[r].op, Op::Prim(Prim::Reshape(_)));
+        if !reshape || g.nodes[r].shape.last() != Some(&n) {
+            break;
+        }
+        cur = r;
+    }
+    let mut bias = None;
+    if let Some(add) = only_reader(cur) {
+        let add_node = &g.nodes[add];
+        if matches!(add_node.op, Op::Prim(Prim::Binary(BinaryOp::Add))) {
+            let other = match add_node.args[..] {
+                [x, o] if x == cur => o,
+                [o, x] if x == cur => o,
+                _ => return None,
+            };
+            let v = bias_of(g, other, n)
+                .filter(|&v| g.nodes[v].dtype == node.dtype && g.nodes[v].device == node.device)?;
+            bias = Some(v);
+            cur = add;
+        }
+    }
+    let relu = relu_of(g, users, is_output, cur);
+    let act = match relu {
+        Some(_) => Activation::Relu,
+        None => Activation::None,
+    };
+    if bias.is_none() && act == Activation::None {
+        return None;
+    }
+    Some(Fused {
+        last: relu.unwrap_or(cur),
+        a: node.args[0],
+        b: node.args[1],
+        bias,
+        act,
+        shape: node.shape.clone(),
+    })
+}
+
+/// The ReLU `where(le(x, 0), 0, x)` when it is all that reads `x` (its two nodes) and the
+/// graph returns neither `x` nor the mask: its `where` node.
+fn relu_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> Option<NodeId> {
+    if is_output[x] {
+        return None;
+    }
+    let (mut le, mut sel) = (None, None);
+    for &u in &users[x] {
+        match (&g.nodes[u].op, g.nodes[u].args.as_slice()) {
+            (Op::Prim(Prim::Binary(BinaryOp::Le)), &[v, z]) if v == x && is_zero(g, z) => {
+                le = Some(u)
+            }
+            (Op::Prim(Prim::Where), &[_, z, v]) if v == x && is_zero(g, z) => sel = Some(u),
+            _ => return None,
+        }
+    }
+    let (le, sel) = (le?, sel?);
+    let sel_reads_le = g.nodes[sel].args[0] == le;
+    (users[x].len() == 2 && sel_reads_le && users[le] == [sel] && !is_output[le]).then_some(sel)
+}
+
+/// Whether the pass runs: unless `KILN_MATMUL_EPILOGUES=0`.
+fn enabled() -> bool {
+    std::env::var("KILN_MATMUL_EPILOGUES").as_deref() != Ok("0")
+}
+
+/// `g` with its matmul epilogues fused, or `None` when it has none (or the pass is off).
+pub fn fuse(g: &Graph) -> Option<Graph> {
+    if !enabled() {
+        return None;
+    }
+    let mut users = vec![Vec::new(); g.nodes.len()];
+    for (id, node) in g.nodes.iter().enumerate() {
+        for &a in &node.args {
+            if !users[a].contains(&id) {
+                users[a].push(id);
+            }
+        }
+    }
+    let mut is_output = vec![false; g.nodes.len()];
+    for &o in &g.outputs {
+        is_output[o] = true;
+    }
+    let mut at_last: Vec<Option<Fused>> = (0..g.nodes.len()).map(|_| None).collect();
+    for mm in 0..g.nodes.len() {
+        if let Some(f) = pattern(g, &users, &is_output, mm) {
+            let last = f.last;
+            at_last[last] = Some(f);
+        }
+    }
+    if at_last.iter().all(Option::is_none) {
+        return None;
+    }
+    let mut out = g.empty_like(g.nodes.len());
+    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
+    for (id, node) in g.nodes.iter().enumerate() {
+        let Some(f) = at_last[id].take() else {
+            // a node the pattern absorbed is read by no node written out: pruned below
+            let args = node.args.iter().map(|&a| map[a]).collect();
+            map.push(out.push(Node {
+                args,
+                ..node.clone()
+            }));
+            continue;
+        };
+        let mut args = vec![map[f.a], map[f.b]];
+        if let Some(v) = f.bias {
+            let v = map[v];
+            let n = *f.shape.last().unwrap_or(&0);
+            args.push(match out.nodes[v].shape == [n] {
+                true => v,
+                false => out.push(Node {
+                    op: Op::Prim(Prim::Reshape(vec![n])),
+                    args: vec![v],
+                    shape: vec![n],
+                    ..out.nodes[v].clone()
+                }),
+            });
+        }
+        let epilogue = Epilogue {
+            bias: f.bias.is_some(),
+            act: f.act,
+        };
+        let call = out.push(Node {
+            op: Op::Prim(Prim::MatmulEpilogue(epilogue)),
+            args,
+            shape: f.shape.clone(),
+            ..node.clone()
+        });
+        map.push(match node.shape == f.shape {
+            true => call,
+            false => out.push(Node {
+                op: Op::Prim(Prim::Reshape(node.shape.clone())),
+                args: vec![call],
+                ..node.clone()
+            }),
+        });
+    }
+    out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
+    Some(prune(&out))
+}
+
+/// `g` without the nodes no output depends on (inputs stay: they are the call's arguments).
+fn prune(g: &Graph) -> Graph {
+    let mut live = vec![false; g.nodes.len()];
+    for &o in &g.outputs {
+        live[o] = true;
+    }
+    for id in (0..g.nodes.len()).rev() {
+        if matches!(g.nodes[id].op, Op::Input(_)) {
+            live[id] = true;
+        }
+        if live[id] {
+            for &a in &g.nodes[id].args {
+                live[a] = true;
+            }
+        }
+    }
+    let mut out = g.empty_like(g.nodes.len());
+    let mut map = vec![usize::MAX; g.nodes.len()];
+    for (id, node) in g.nodes.iter().enumerate() {
+        if live[id] {
+            let args = node.args.iter().map(|&a| map[a]).collect();
+            map[id] = out.push(Node {
+                args,
+                ..node.clone()
+            });
+        }
+    }
+    out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::backends::Interpreter;
+    use kiln_compile::CompiledGraph;
+    use kiln_core::{Result, Tensor};
+
+    use super::*;
+    use crate::test_graphs::traced;
+
+    fn epilogues(g: &Graph) -> Vec<Epilogue> {
+        g.nodes
+            .iter()
+            .filter_map(|n| match n.op {
+                Op::Prim(Prim::MatmulEpilogue(e)) => Some(e),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Runs each graph `f` traces to fused, on the interpreter.
+    struct Fused;
+
+    impl kiln_compile::Backend for Fused {
+        fn name(&self) -> &str {
+            "fused_epilogues"
+        }
+        fn compile(
+            &self,
+            graph: &Graph,
+            _ctx: &kiln_compile::BackendContext,
+        ) -> Result<std::sync::Arc<dyn CompiledGraph>> {
+            let g = fuse(graph).unwrap_or_else(|| graph.clone());
+            Ok(std::sync::Arc::new(Interpreter::new(g)))
+        }
+    }
+
+    /// `f`'s graph with its epilogues fused, after checking that the fused graph computes what
+    /// `f` computes eagerly, bit for bit (the CPU's epilogue rounds as the separate ops do).
+    fn fused(
+        f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + Clone + 'static,
+        args: &[Tensor],
+    ) -> Result<Option<Graph>> {
+        let want = f(args)?;
+        let compiled = kiln_compile::compile_fn(
+            f.clone(),
+            kiln_compile::CompileOptions::default().custom_backend(std::sync::Arc::new(Fused)),
+        )?;
+        let got = kiln_core::no_grad(|| compiled.call(args))?;
+        assert_eq!(want.len(), got.len());
+        for (w, o) in want.iter().zip(&got) {
+            assert_eq!(w.shape(), o.shape());
+            assert_eq!(w.to_vec::<f32>()?, o.to_vec::<f32>()?);
+        }
+        Ok(fuse(&traced(f, args)?))
+    }
+
+    fn mlp_args() -> Result<Vec<Tensor>> {
+        Ok(vec![
+            Tensor::randn(&[4, 24, 64], DType::F32)?,
+            Tensor::randn(&[128, 64], DType::F32)?,
+            Tensor::randn(&[128], DType::F32)?,
+            Tensor::randn(&[32, 128], DType::F32)?,
+            Tensor::randn(&[32], DType::F32)?,
+        ])
+    }
+
+    /// `linear -> relu -> linear` on a [4, 24, 64] batch: two calls, the first with its bias
+    /// and ReLU, the second with its bias; no pointwise op is left.
+    #[test]
+    fn a_linear_relu_stack_is_one_call_per_layer() -> Result<()> {
+        let fused = fused(
+            |a: &[Tensor]| {
+                let h = a[0].linear(&a[1], Some(&a[2]))?.relu()?;
+                Ok(vec![h.linear(&a[3], Some(&a[4]))?])
+            },
+            &mlp_args()?,
+        )?
+        .expect("two epilogues");
+        let relu = Epilogue {
+            bias: true,
+            act: Activation::Relu,
+        };
+        let bias = Epilogue {
+            bias: true,
+            act: Activation::None,
+        };
+        assert_eq!(epilogues(&fused), [relu, bias]);
+        let pointwise = fused
+            .nodes
+            .iter()
+            .filter(|n| matches!(&n.op, Op::Prim(p) if p.is_elementwise()))
+            .count();
+        assert_eq!(pointwise, 0, "{}", fused.to_code("fused"));
+        assert_eq!(fused.nodes[fused.outputs[0]].shape, [4, 24, 32]);
+        Ok(())
+    }
+
+    /// A pre-activation the graph returns (as a training step's forward saves what its
+    /// backward reads) keeps the ReLU out of the call; the bias still joins it. A matmul with
+    /// no bias or ReLU after it, or a residual (full-size) add, stays a plain matmul.
+    #[test]
+    fn values_read_elsewhere_end_the_pattern() -> Result<()> {
+        let mut args = mlp_args()?;
+        args.push(Tensor::randn(&[128, 128], DType::F32)?);
+        let fused = fused(
+            |a: &[Tensor]| {
+                let pre = a[0].linear(&a[1], Some(&a[2]))?;
+                let h = pre.relu()?;
+                let plain = h.matmul(&a[3].t()?)?;
+                let residual = h.linear(&a[5], None)?.add(&h)?;
+                Ok(vec![pre, plain, residual])
+            },
+            &args,
+        )?
+        .expect("the first layer's bias");
+        assert_eq!(
+            epilogues(&fused),
+            [Epilogue {
+                bias: true,
+                act: Activation::None
+            }]
+        );
+        let selects = fused
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Prim(Prim::Where)))
+            .count();
+        assert_eq!(selects, 1, "the ReLU stays");
+        Ok(())
+    }
+
+    /// A ReLU straight after a matmul (no bias) joins it; a matmul small enough to be generated
+    /// inline keeps its readers.
+    #[test]
+    fn relu_alone_joins_and_small_matmuls_stay() -> Result<()> {
+        let args = vec![
+            Tensor::randn(&[96, 64], DType::F32)?,
+            Tensor::randn(&[64, 128], DType::F32)?,
+            Tensor::randn(&[4, 8], DType::F32)?,
+            Tensor::randn(&[8, 8], DType::F32)?,
+            Tensor::randn(&[8], DType::F32)?,
+        ];
+        let fused = fused(
+            |a: &[Tensor]| {
+                Ok(vec![
+                    a[0].matmul(&a[1])?.relu()?,
+                    a[2].linear(&a[3], Some(&a[4]))?.relu()?,
+                ])
+            },
+            &args,
+        )?
+        .expect("the large matmul's ReLU");
+        assert_eq!(
+            epilogues(&fused),
+            [Epilogue {
+                bias: false,
+                act: Activation::Relu
+            }]
+        );
+        Ok(())
+    }
+
+    /// On a GPU a matmul of fewer than `DEVICE_MIN_ROWS` rows keeps cuBLAS's GEMM and its bias
+    /// add; from that many rows on, the bias joins the call. f64 stays with cuBLAS (cuBLASLt's
+    /// epilogues take no f64).
+    #[test]
+    fn gpu_matmuls_of_few_rows_or_f64_keep_their_bias_add() {
+        use crate::test_graphs::{binary, expand, input, push};
+        let bias_add = |m: usize, dtype: DType| {
+            let mut g = Graph::default();
+            let a = input(&mut g, &[1, m, 256]);
+            let b = input(&mut g, &[1, 256, 64]);
+            let bias = input(&mut g, &[1, 1, 64]);
+            let mm = push(&mut g, Op::Prim(Prim::Matmul), vec![a, b], &[1, m, 64]);
+            let e = expand(&mut g, bias, &[1, m, 64]);
+            let y = binary(&mut g, BinaryOp::Add, mm, e);
+            for node in &mut g.nodes {
+                node.dtype = dtype;
+            }
+            g.outputs = vec![y];
+            fuse(&g).map(|f| epilogues(&f))
+        };
+        let bias = Epilogue {
+            bias: true,
+            act: Activation::None,
+        };
+        assert_eq!(bias_add(DEVICE_MIN_ROWS - 1, DType::F32), None);
+        assert_eq!(bias_add(DEVICE_MIN_ROWS, DType::F32), Some(vec![bias]));
+        assert_eq!(bias_add(DEVICE_MIN_ROWS, DType::BF16), Some(vec![bias]));
+        assert_eq!(bias_add(DEVICE_MIN_ROWS, DType::F64), None);
+    }
+}

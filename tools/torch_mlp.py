@@ -1,0 +1,67 @@
+"""PyTorch's side of kiln-bench's `mlp` workload: Linear(1024, 4096) -> ReLU -> Linear(4096,
+4096) -> ReLU -> Linear(4096, 1024) on a [8192, 1024] f32 batch, forward, eager and torch.compile
+(default and max-autotune), on the CPU or on CUDA. Same JSON lines and workload name as
+kiln-bench, so both go in one table. TF32 off, as kiln's default.
+
+    python3 tools/torch_mlp.py [cpu|cuda]
+"""
+import json
+import sys
+import time
+
+import torch
+
+W = "mlp_8192x1024"
+
+
+def emit(variant, metric, value, unit, device):
+    r = dict(workload=W, variant=variant, metric=metric, value=round(value, 4), unit=unit,
+             device=device)
+    print(json.dumps(r), flush=True)
+
+
+def median_s(fn, device, warmup=3, runs=15):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
+        torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
+        torch.nn.Linear(4096, 1024),
+    ).to(device)
+    x = torch.randn(8192, 1024, device=device)
+    flops = 2 * 8192 * (1024 * 4096 + 4096 * 4096 + 4096 * 1024)
+    with torch.no_grad():
+        t = median_s(lambda: model(x), device)
+        emit("eager", "call", t * 1e6, "us", device)
+        for mode in ["default", "max-autotune-no-cudagraphs"]:
+            torch._dynamo.reset()
+            g = torch.compile(model, mode=mode)
+            t0 = time.perf_counter()
+            g(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            emit(mode, "cold_compile", time.perf_counter() - t0, "s", device)
+            t = median_s(lambda: g(x), device)
+            emit(mode, "call", t * 1e6, "us", device)
+            emit(mode, "tflops", flops / t / 1e12, "TFLOP/s", device)
+
+
+if __name__ == "__main__":
+    main()
