@@ -357,7 +357,11 @@ pub fn prim(w: &mut Writer, p: &Prim, seeds: Seeds) {
         Prim::MatmulEpilogue(e) => {
             w.u64(22);
             w.bool(e.bias);
-            w.bool(e.act == Activation::Relu);
+            w.u64(match e.act {
+                Activation::None => 0,
+                Activation::Relu => 1,
+                Activation::GeluTanh => 2,
+            });
         }
     }
 }
@@ -434,9 +438,11 @@ pub fn read_prim(r: &mut Reader) -> Option<Prim> {
         },
         22 => Prim::MatmulEpilogue(Epilogue {
             bias: r.bool()?,
-            act: match r.bool()? {
-                true => Activation::Relu,
-                false => Activation::None,
+            act: match r.u64()? {
+                0 => Activation::None,
+                1 => Activation::Relu,
+                2 => Activation::GeluTanh,
+                _ => return None,
             },
         }),
         _ => return None,
@@ -627,6 +633,10 @@ mod tests {
             Prim::MatmulEpilogue(Epilogue {
                 bias: false,
                 act: Activation::None,
+            }),
+            Prim::MatmulEpilogue(Epilogue {
+                bias: true,
+                act: Activation::GeluTanh,
             }),
         ]);
         v

@@ -120,15 +120,16 @@ pub enum Activation {
     None,
     /// `where(x <= 0, 0, x)`: the core's `relu`, so NaN passes through.
     Relu,
+    /// GELU's tanh approximation, as the core's `gelu_tanh` composes it:
+    /// `x * (tanh((x + x * x * x * 0.044715) * sqrt(2 / pi)) + 1) * 0.5`.
+    GeluTanh,
 }
 
-impl Epilogue {
-    /// The value `act` leaves for a result element `x` (`x` already plus its bias).
-    pub fn apply(self, x: f64) -> f64 {
-        match self.act {
-            Activation::Relu if x <= 0.0 => 0.0,
-            _ => x,
-        }
+impl Activation {
+    /// `gelu_tanh`'s constants, as its composition writes them.
+    pub const GELU_CUBE: f64 = 0.044715;
+    pub fn gelu_scale() -> f64 {
+        (2.0 / std::f64::consts::PI).sqrt()
     }
 }
 
@@ -317,6 +318,17 @@ fn same_dtypes(op: &'static str, dtypes: &[DType]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The shape of `[B, M, K] x [B, K, N]`: `[B, M, N]`.
+fn batched_product(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec<usize>> {
+    if a.len() != 3 || b.len() != 3 || a[0] != b[0] || a[2] != b[1] {
+        return Err(Error::shape(
+            op,
+            format!("cannot multiply {a:?} by {b:?} (want [B,M,K] x [B,K,N])"),
+        ));
+    }
+    Ok(vec![a[0], a[1], b[2]])
 }
 
 fn arity(op: &'static str, n: usize, want: usize) -> Result<()> {
@@ -715,18 +727,12 @@ impl Prim {
             Prim::Matmul => {
                 arity(op, n, 2)?;
                 same_dtypes(op, dtypes)?;
-                let (a, b) = (shapes[0], shapes[1]);
-                if a.len() != 3 || b.len() != 3 || a[0] != b[0] || a[2] != b[1] {
-                    return Err(Error::shape(
-                        op,
-                        format!("cannot multiply {a:?} by {b:?} (want [B,M,K] x [B,K,N])"),
-                    ));
-                }
+                let shape = batched_product(op, shapes[0], shapes[1])?;
                 if dtypes[0] == DType::Bool {
                     return Err(Error::dtype(op, dtypes[0], "matmul needs numeric operands"));
                 }
                 OutMeta {
-                    shape: vec![a[0], a[1], b[2]],
+                    shape,
                     dtype: dtypes[0],
                 }
             }
@@ -734,12 +740,7 @@ impl Prim {
                 arity(op, n, 2 + usize::from(e.bias))?;
                 same_dtypes(op, dtypes)?;
                 let (a, b) = (shapes[0], shapes[1]);
-                if a.len() != 3 || b.len() != 3 || a[0] != b[0] || a[2] != b[1] {
-                    return Err(Error::shape(
-                        op,
-                        format!("cannot multiply {a:?} by {b:?} (want [B,M,K] x [B,K,N])"),
-                    ));
-                }
+                let shape = batched_product(op, a, b)?;
                 if e.bias && shapes[2] != [b[2]] {
                     return Err(Error::shape(
                         op,
@@ -757,7 +758,7 @@ impl Prim {
                     ));
                 }
                 OutMeta {
-                    shape: vec![a[0], a[1], b[2]],
+                    shape,
                     dtype: dtypes[0],
                 }
             }

@@ -387,10 +387,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     /// The compiler's fused `act(a @ b + bias)` prim computes, bit for bit, what the matmul and
-    /// the ops it replaces compute (`linear`'s add, `relu`), and the f64 reference to rounding;
-    /// on strided and transposed operands, size-0 and size-1 dims, every float dtype.
+    /// the ops it replaces compute (`linear`'s add, `relu`, `gelu_tanh`), and the f64 reference
+    /// to rounding; on strided and transposed operands, size-0 and size-1 dims, every float
+    /// dtype.
     #[test]
-    fn matmul_epilogue_prim_equals_the_ops_it_replaces(m in 0usize..6, k in 1usize..5, n in 0usize..6, bias: bool, relu: bool, ta: bool, kind in kind(), seed: u64) {
+    fn matmul_epilogue_prim_equals_the_ops_it_replaces(m in 0usize..6, k in 1usize..5, n in 0usize..6, bias: bool, act in 0usize..3, ta: bool, kind in kind(), seed: u64) {
         use kiln_core::dispatch::apply;
         use kiln_core::prim::{Activation, Epilogue, Prim};
         let mut rng = TRng::new(seed);
@@ -402,7 +403,8 @@ proptest! {
             };
             let b = make(&[1, k, n], kind, dtype, &mut rng, gen);
             let bv = make(&[n], kind, dtype, &mut rng, gen);
-            let e = Epilogue { bias, act: if relu { Activation::Relu } else { Activation::None } };
+            let act = [Activation::None, Activation::Relu, Activation::GeluTanh][act];
+            let e = Epilogue { bias, act };
             let mut ops = vec![&a, &b];
             if bias {
                 ops.push(&bv);
@@ -412,9 +414,11 @@ proptest! {
             if bias {
                 want = want.add(&bv).unwrap();
             }
-            if relu {
-                want = want.relu().unwrap();
-            }
+            want = match act {
+                Activation::None => want,
+                Activation::Relu => want.relu().unwrap(),
+                Activation::GeluTanh => want.gelu_tanh().unwrap(),
+            };
             let ctx = format!("{dtype} [1,{m},{k}]{} @ [1,{k},{n}] {e:?}", if ta { "ᵀ" } else { "" });
             prop_assert_eq!(got.shape(), want.shape(), "{}", ctx);
             let (g, w) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
@@ -427,9 +431,14 @@ proptest! {
                 if bias {
                     *x += biv[i % n.max(1)];
                 }
-                if relu && *x <= 0.0 {
-                    *x = 0.0;
-                }
+                *x = match act {
+                    Activation::None => *x,
+                    Activation::Relu => x.max(0.0),
+                    Activation::GeluTanh => {
+                        let c = (2.0 / std::f64::consts::PI).sqrt();
+                        0.5 * *x * (1.0 + (c * (*x + 0.044715 * x.powi(3))).tanh())
+                    }
+                };
             }
             check(&got.reshape([m, n]).unwrap(), &r, &[m, n], dtype, &ctx);
         }

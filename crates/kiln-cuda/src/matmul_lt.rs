@@ -45,6 +45,8 @@ impl Epilogue {
             (true, Activation::None) => Epilogue::Bias,
             (false, Activation::Relu) => Epilogue::Relu,
             (true, Activation::Relu) => Epilogue::BiasRelu,
+            (false, Activation::GeluTanh) => Epilogue::GeluTanh,
+            (true, Activation::GeluTanh) => Epilogue::BiasGeluTanh,
         }
     }
     pub(crate) fn has_bias(self) -> bool {
@@ -476,15 +478,7 @@ fn plan(
 ) -> Result<Plan> {
     let e = |what: &'static str| move |x| lt_err(o, what, x);
     let [m, k, n] = key.mkn;
-    let data = match key.dtype {
-        DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
-        DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
-        _ => ltsys::cudaDataType::CUDA_R_16BF,
-    };
-    let compute = match key.tf32 {
-        true => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-        false => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-    };
+    let (data, compute) = lt_types(key.dtype, key.tf32);
     let mut d = Descs::default();
     d.matmul =
         lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
@@ -547,6 +541,24 @@ fn plan(
         workspace: heuristic.workspaceSize,
         descs: d,
     })
+}
+
+/// cuBLASLt's element type for `dtype` (f32, f16 or bf16) and its compute type: f32, with TF32
+/// math when `tf32`.
+pub(crate) fn lt_types(
+    dtype: DType,
+    tf32: bool,
+) -> (ltsys::cudaDataType, ltsys::cublasComputeType_t) {
+    let data = match dtype {
+        DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
+        DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
+        _ => ltsys::cudaDataType::CUDA_R_16BF,
+    };
+    let compute = match tf32 {
+        true => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        false => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    (data, compute)
 }
 
 /// A matmul preference that allows `WORKSPACE` bytes of workspace.

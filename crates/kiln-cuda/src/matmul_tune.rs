@@ -300,15 +300,7 @@ fn tune(
 /// transpose, column-major) with its batch stride, and a preference for the workspace allowed.
 fn descriptors(o: usize, key: &Key) -> Result<Descs> {
     let e = |what: &'static str| move |x| lt_err(o, what, x);
-    let data = match key.dtype {
-        DType::F32 => ltsys::cudaDataType::CUDA_R_32F,
-        DType::F16 => ltsys::cudaDataType::CUDA_R_16F,
-        _ => ltsys::cudaDataType::CUDA_R_16BF,
-    };
-    let compute = match key.tf32 {
-        true => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-        false => ltsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-    };
+    let (data, compute) = crate::matmul_lt::lt_types(key.dtype, key.tf32);
     let mut d = Descs::default();
     d.matmul =
         lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;

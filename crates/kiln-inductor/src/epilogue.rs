@@ -1,12 +1,13 @@
-//! Matmul epilogues: a linear layer's bias and the ReLU after it computed by the matmul call
-//! itself (`Prim::MatmulEpilogue`: cuBLASLt's `BIAS` / `RELU_BIAS` epilogues on a GPU; the CPU
-//! applies them to each row of the gemm crate's result in place). PyTorch's Inductor sends a
+//! Matmul epilogues: a linear layer's bias and the ReLU or tanh-GELU after it computed by the
+//! matmul call itself (`Prim::MatmulEpilogue`: cuBLASLt's `BIAS` / `RELU_BIAS` / `GELU_BIAS`
+//! epilogues on a GPU; the CPU applies them to each row of the gemm crate's result in place). PyTorch's Inductor sends a
 //! linear layer to `addmm`, whose bias cuBLASLt adds; a ReLU after it it generates. Here both ride
 //! on the GEMM, so a `Linear -> ReLU` stack runs one call per layer and no pointwise kernel.
 //!
 //! The pattern, in the prims `linear` and `relu` trace to: `matmul(a, b)` (one batch: `linear`
 //! folds its batch dims into M), reshapes that keep the last dim N, `add(_, expand(bias))` where
-//! the bias is N values broadcast along the rows, then `where(le(_, 0), 0, _)`. Each part is
+//! the bias is N values broadcast along the rows, then `where(le(_, 0), 0, _)` or the nine ops of
+//! `gelu_tanh` (cuBLASLt's `GELU_BIAS`; the exact, erf-based `gelu` has no cuBLASLt form). Each part is
 //! optional but the matmul, and at least one of bias and ReLU must be there. A value inside the
 //! pattern that anything else reads, or that the graph returns, ends it: the forward half of a
 //! training step keeps its ReLU separate (the backward reads the pre-activation's mask), and
@@ -25,7 +26,7 @@
 //! it; part of the plan cache's key).
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
-use kiln_core::prim::{Activation, BinaryOp, Epilogue, Prim};
+use kiln_core::prim::{Activation, BinaryOp, Epilogue, Prim, UnaryOp};
 use kiln_core::{DType, Device};
 
 use crate::ir::lower::{matmul_dims, small_matmul};
@@ -125,16 +126,18 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
             cur = add;
         }
     }
-    let relu = relu_of(g, users, is_output, cur);
-    let act = match relu {
-        Some(_) => Activation::Relu,
-        None => Activation::None,
+    let (act, last) = match relu_of(g, users, is_output, cur) {
+        Some(r) => (Activation::Relu, r),
+        None => match gelu_tanh_of(g, users, is_output, cur) {
+            Some(r) => (Activation::GeluTanh, r),
+            None => (Activation::None, cur),
+        },
     };
     if bias.is_none() && act == Activation::None {
         return None;
     }
     Some(Fused {
-        last: relu.unwrap_or(cur),
+        last,
         a: node.args[0],
         b: node.args[1],
         bias,
@@ -167,6 +170,58 @@ fn relu_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> O
 /// Whether the pass runs: unless `KILN_MATMUL_EPILOGUES=0`.
 fn enabled() -> bool {
     std::env::var("KILN_MATMUL_EPILOGUES").as_deref() != Ok("0")
+}
+
+/// Whether `id` is the constant `v` broadcast: a `Full` of `v` under reshapes and expands.
+fn is_constant(g: &Graph, mut id: NodeId, v: f64) -> bool {
+    loop {
+        match &g.nodes[id].op {
+            Op::Prim(Prim::Reshape(_) | Prim::Expand(_)) => id = g.nodes[id].args[0],
+            Op::Prim(Prim::Full { value, .. }) => return *value == v,
+            _ => return false,
+        }
+    }
+}
+
+/// GELU's tanh approximation of `x`, as `Tensor::gelu_tanh` composes it, when it is all that
+/// reads `x` and the graph returns none of its inner values: its last node.
+/// `x * (tanh((x + x * x * x * c) * k) + 1) * 0.5`: nine ops, four of them reading `x`.
+fn gelu_tanh_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> Option<NodeId> {
+    let only_reader = |id: NodeId| match users[id].as_slice() {
+        [r] if !is_output[id] => Some(*r),
+        _ => None,
+    };
+    // `id` is `op(a, b)` with operands `a` and `b` in either order
+    let is = |id: NodeId, op: BinaryOp, a: NodeId, b: &dyn Fn(NodeId) -> bool| {
+        let n = &g.nodes[id];
+        matches!(n.op, Op::Prim(Prim::Binary(o)) if o == op)
+            && matches!(n.args[..], [p, q] if (p == a && b(q)) || (q == a && b(p)))
+    };
+    let node = |n: NodeId| move |id: NodeId| id == n;
+    let constant = |v: f64| move |id: NodeId| is_constant(g, id, v);
+    if is_output[x] {
+        return None;
+    }
+    let square = *users[x]
+        .iter()
+        .find(|&&u| is(u, BinaryOp::Mul, x, &node(x)))?;
+    let cube = only_reader(square).filter(|&c| is(c, BinaryOp::Mul, square, &node(x)))?;
+    let scaled = only_reader(cube)
+        .filter(|&c| is(c, BinaryOp::Mul, cube, &constant(Activation::GELU_CUBE)))?;
+    let sum = only_reader(scaled).filter(|&c| is(c, BinaryOp::Add, scaled, &node(x)))?;
+    let inner = only_reader(sum)
+        .filter(|&c| is(c, BinaryOp::Mul, sum, &constant(Activation::gelu_scale())))?;
+    let tanh = only_reader(inner).filter(|&t| {
+        matches!(g.nodes[t].op, Op::Prim(Prim::Unary(UnaryOp::Tanh))) && g.nodes[t].args == [inner]
+    })?;
+    let plus_one = only_reader(tanh).filter(|&c| is(c, BinaryOp::Add, tanh, &constant(1.0)))?;
+    let times_x = only_reader(plus_one).filter(|&c| is(c, BinaryOp::Mul, plus_one, &node(x)))?;
+    let half = only_reader(times_x).filter(|&c| is(c, BinaryOp::Mul, times_x, &constant(0.5)))?;
+    let mut readers = users[x].clone();
+    readers.sort_unstable();
+    let mut want = vec![square, cube, sum, times_x];
+    want.sort_unstable();
+    (readers == want).then_some(half)
 }
 
 /// `g` with its matmul epilogues fused, or `None` when it has none (or the pass is off).
@@ -370,6 +425,37 @@ mod tests {
             .count();
         assert_eq!(pointwise, 0, "{}", fused.to_code("fused"));
         assert_eq!(fused.nodes[fused.outputs[0]].shape, [4, 24, 32]);
+        Ok(())
+    }
+
+    /// A tanh-approximated GELU joins the GEMM as cuBLASLt's `GELU_BIAS`; the exact (erf) GELU,
+    /// which cuBLASLt has not, leaves the call the bias alone.
+    #[test]
+    fn tanh_gelu_joins_and_exact_gelu_stays() -> Result<()> {
+        let fused = fused(
+            |a: &[Tensor]| {
+                let h = a[0].linear(&a[1], Some(&a[2]))?.gelu_tanh()?;
+                let exact = a[0].linear(&a[1], Some(&a[2]))?.gelu()?;
+                Ok(vec![h.linear(&a[3], Some(&a[4]))?, exact])
+            },
+            &mlp_args()?,
+        )?
+        .expect("three epilogues");
+        let with = |act| Epilogue { bias: true, act };
+        assert_eq!(
+            epilogues(&fused),
+            [
+                with(Activation::GeluTanh),
+                with(Activation::None),
+                with(Activation::None)
+            ]
+        );
+        let tanhs = fused
+            .nodes
+            .iter()
+            .filter(|n| matches!(n.op, Op::Prim(Prim::Unary(UnaryOp::Tanh))))
+            .count();
+        assert_eq!(tanhs, 0, "{}", fused.to_code("fused"));
         Ok(())
     }
 

@@ -391,22 +391,30 @@ fn linear_relu_matmul_extern() -> Outcome {
     )
 }
 
-/// Linear layers' biases and ReLUs run in the GEMM (cuBLASLt's epilogues): two layers, two
-/// epilogue calls per compiled call and no pointwise kernel, in default mode, reduce-overhead
-/// (replayed from a CUDA graph) and max-autotune (tuned with the epilogue); f32 to rounding of
-/// the sums' order, bf16 to bf16's.
+/// Linear layers' biases and activations run in the GEMM (cuBLASLt's epilogues): two layers, two
+/// epilogue calls per compiled call and no generated kernel, in default mode, reduce-overhead
+/// (replayed from a CUDA graph) and max-autotune (tuned with the epilogue); ReLU in f32 to the
+/// rounding of the sums' order and in bf16 to bf16's; GELU's tanh form to the rounding of
+/// cuBLASLt's own tanh.
 fn linear_epilogues_run_in_the_gemm() -> Outcome {
-    fn mlp(x: &[Tensor]) -> Result<Vec<Tensor>> {
+    fn relu_mlp(x: &[Tensor]) -> Result<Vec<Tensor>> {
         let h = x[0].linear(&x[1], Some(&x[2]))?.relu()?;
         Ok(vec![h.linear(&x[3], Some(&x[4]))?])
     }
+    fn gelu_mlp(x: &[Tensor]) -> Result<Vec<Tensor>> {
+        let h = x[0].linear(&x[1], Some(&x[2]))?.gelu_tanh()?;
+        Ok(vec![h.linear(&x[3], Some(&x[4]))?])
+    }
+    type Mlp = fn(&[Tensor]) -> Result<Vec<Tensor>>;
     let shapes: [&[usize]; 5] = [&[8, 48, 256], &[512, 256], &[512], &[96, 512], &[96]];
-    for (mode, dtype, tol) in [
-        (Mode::Default, DType::F32, 1e-5),
-        (Mode::ReduceOverhead, DType::F32, 1e-5),
-        (Mode::MaxAutotune, DType::F32, 1e-5),
-        (Mode::Default, DType::BF16, 2e-2),
-    ] {
+    let cases: [(&str, Mlp, Mode, DType, f64); 5] = [
+        ("relu", relu_mlp, Mode::Default, DType::F32, 1e-5),
+        ("relu", relu_mlp, Mode::ReduceOverhead, DType::F32, 1e-5),
+        ("relu", relu_mlp, Mode::MaxAutotune, DType::F32, 1e-5),
+        ("relu", relu_mlp, Mode::Default, DType::BF16, 2e-2),
+        ("gelu_tanh", gelu_mlp, Mode::Default, DType::F32, 1e-4),
+    ];
+    for (name, mlp, mode, dtype, tol) in cases {
         let compiled = kiln::compile_fn(
             mlp,
             CompileOptions {
@@ -430,16 +438,16 @@ fn linear_epilogues_run_in_the_gemm() -> Outcome {
             let got = compiled.call(&x).map_err(err)?;
             let ran = kiln::cuda::epilogue_gemms() - gemms;
             let launches = exec_stats().kernel_launches - before.kernel_launches;
+            let what = format!("{name} {mode:?} {dtype} call {call}");
             let replayed = mode != Mode::Default && call > 0;
             // a recording call may run the graph twice (once to warm up)
             if !replayed && (ran < 2 || ran % 2 != 0 || launches != 0) {
                 return Err(format!(
-                    "{mode:?} {dtype} call {call}: {ran} epilogue GEMMs and {launches} generated \
-                     kernels, want 2 per run and 0"
+                    "{what}: {ran} epilogue GEMMs and {launches} generated kernels, want 2 per \
+                     run and 0"
                 ));
             }
             let want = mlp(&x).map_err(err)?;
-            let what = format!("{mode:?} {dtype} call {call}");
             let (g, w) = (
                 got[0].to_dtype(DType::F32).map_err(err)?,
                 want[0].to_dtype(DType::F32).map_err(err)?,

@@ -5,7 +5,7 @@
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
-use super::num::Num;
+use super::num::{Float, Num};
 use super::{as_f32, contig_f64, from_f32_like, typed};
 use crate::prim::{Activation, Epilogue};
 use crate::shape::Layout;
@@ -118,11 +118,11 @@ pub(super) fn matmul(a: &Tensor, b: &Tensor) -> CpuStorage {
 }
 
 /// `act(a @ b + bias)` (`Prim::MatmulEpilogue`): the matmul as `matmul` runs it, then each row's
-/// bias and activation in place, rounded as the separate elementwise ops round them (a half
-/// result is rounded, then the bias added in f32 and rounded again), so a compiled graph that
-/// runs it computes what eager execution of the ops it replaced computes, bit for bit. The gemm
-/// crate has no epilogue hook, and accumulating onto a destination filled with the bias would
-/// add the bias at another point of the sum.
+/// bias and activation in place, each op rounded as the separate elementwise ops round it (a
+/// half result is rounded, then the bias added in f32 and rounded again, ...), so a compiled
+/// graph that runs it computes what eager execution of the ops it replaced computes, bit for
+/// bit. The gemm crate has no epilogue hook, and accumulating onto a destination filled with the
+/// bias would add the bias at another point of the sum.
 pub(super) fn matmul_epilogue(inputs: &[&Tensor], e: Epilogue) -> CpuStorage {
     let mut out = matmul(inputs[0], inputs[1]);
     let n = inputs[1].shape()[2];
@@ -133,84 +133,114 @@ pub(super) fn matmul_epilogue(inputs: &[&Tensor], e: Epilogue) -> CpuStorage {
         .get(2)
         .filter(|_| e.bias)
         .map(|t| contig_f64(&t.storage(), t.layout()));
-    let relu = e.act == Activation::Relu;
-    // rows of at least 16 KiB per task
-    let rows_per_task = (4096 / n).max(1);
+    let bias = bias.as_deref();
     match &mut out {
-        CpuStorage::F32(v) => {
-            let b: Option<Vec<f32>> = bias.map(|b| b.iter().map(|&x| x as f32).collect());
-            v.par_chunks_mut(n * rows_per_task).for_each(|rows| {
-                for row in rows.chunks_mut(n) {
-                    for (j, x) in row.iter_mut().enumerate() {
-                        let y = b.as_ref().map_or(*x, |b| *x + b[j]);
-                        *x = if relu && y <= 0.0 { 0.0 } else { y };
-                    }
-                }
-            })
-        }
-        CpuStorage::F64(v) => v.par_chunks_mut(n * rows_per_task).for_each(|rows| {
-            for row in rows.chunks_mut(n) {
-                for (j, x) in row.iter_mut().enumerate() {
-                    let y = bias.as_ref().map_or(*x, |b| *x + b[j]);
-                    *x = if relu && y <= 0.0 { 0.0 } else { y };
-                }
-            }
-        }),
-        CpuStorage::F16(v) => half_rows(v, n, rows_per_task, bias.as_deref(), relu),
-        CpuStorage::BF16(v) => half_rows(v, n, rows_per_task, bias.as_deref(), relu),
+        CpuStorage::F32(v) => epilogue_rows(v, n, bias, e.act),
+        CpuStorage::F64(v) => epilogue_rows(v, n, bias, e.act),
+        CpuStorage::F16(v) => epilogue_rows(v, n, bias, e.act),
+        CpuStorage::BF16(v) => epilogue_rows(v, n, bias, e.act),
         // Prim::infer admits floating-point operands only
         _ => {}
     }
     out
 }
 
-/// A half-precision result's epilogue: each element plus its bias in f32, rounded, then the
-/// activation (as the core's elementwise ops compute halves).
-fn half_rows<H: Copy + Send + Sync + HalfFloat>(
-    v: &mut [H],
-    n: usize,
-    rows_per_task: usize,
-    bias: Option<&[f64]>,
-    relu: bool,
-) {
-    let b: Option<Vec<H>> = bias.map(|b| b.iter().map(|&x| H::from_f32(x as f32)).collect());
+/// Each `n`-wide row of `v` plus `bias`, then `act`, in place, in parallel over rows.
+fn epilogue_rows<T: EpilogueMath>(v: &mut [T], n: usize, bias: Option<&[f64]>, act: Activation) {
+    // constants as a scalar operand of the tensor's dtype holds them (`Tensor::full`)
+    let bias: Option<Vec<T>> = bias.map(|b| b.iter().map(|&x| T::constant(x)).collect());
+    let gelu = [Activation::GELU_CUBE, Activation::gelu_scale(), 1.0, 0.5].map(T::constant);
+    let zero = T::constant(0.0);
+    // rows of at least 16 KiB per task
+    let rows_per_task = (4096 / n).max(1);
     v.par_chunks_mut(n * rows_per_task).for_each(|rows| {
         for row in rows.chunks_mut(n) {
             for (j, x) in row.iter_mut().enumerate() {
-                let y = match &b {
-                    Some(b) => H::from_f32(x.to_f32() + b[j].to_f32()),
-                    None => *x,
-                };
-                *x = if relu && y.to_f32() <= 0.0 {
-                    H::from_f32(0.0)
-                } else {
-                    y
+                let y = bias.as_ref().map_or(*x, |b| x.add(b[j]));
+                *x = match act {
+                    Activation::None => y,
+                    Activation::Relu if y.le_zero() => zero,
+                    Activation::Relu => y,
+                    Activation::GeluTanh => gelu_tanh(y, gelu),
                 };
             }
         }
     })
 }
 
-/// The two 16-bit float types, through f32.
-trait HalfFloat {
-    fn to_f32(self) -> f32;
-    fn from_f32(x: f32) -> Self;
+/// `Tensor::gelu_tanh`'s ops in its order: `x * (tanh((x + x * x * x * c) * k) + 1) * 0.5`.
+fn gelu_tanh<T: EpilogueMath>(x: T, [c, k, one, half]: [T; 4]) -> T {
+    let cube = x.mul(x).mul(x);
+    let inner = x.add(cube.mul(c)).mul(k);
+    x.mul(inner.tanh().add(one)).mul(half)
 }
 
-impl HalfFloat for half::f16 {
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
+/// The arithmetic of the core's elementwise kernels on one dtype: f32 and f64 natively, the
+/// half types in f32 with each result rounded.
+trait EpilogueMath: Copy + Send + Sync {
+    fn constant(v: f64) -> Self;
+    fn add(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn tanh(self) -> Self;
+    fn le_zero(self) -> bool;
+}
+
+impl EpilogueMath for f32 {
+    fn constant(v: f64) -> Self {
+        v as f32
     }
-    fn from_f32(x: f32) -> Self {
-        half::f16::from_f32(x)
+    fn add(self, o: Self) -> Self {
+        self + o
+    }
+    fn mul(self, o: Self) -> Self {
+        self * o
+    }
+    fn tanh(self) -> Self {
+        Float::tanh(self)
+    }
+    fn le_zero(self) -> bool {
+        self <= 0.0
     }
 }
 
-impl HalfFloat for half::bf16 {
-    fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
+impl EpilogueMath for f64 {
+    fn constant(v: f64) -> Self {
+        v
     }
-    fn from_f32(x: f32) -> Self {
-        half::bf16::from_f32(x)
+    fn add(self, o: Self) -> Self {
+        self + o
+    }
+    fn mul(self, o: Self) -> Self {
+        self * o
+    }
+    fn tanh(self) -> Self {
+        Float::tanh(self)
+    }
+    fn le_zero(self) -> bool {
+        self <= 0.0
     }
 }
+
+macro_rules! half_math {
+    ($t:ty) => {
+        impl EpilogueMath for $t {
+            fn constant(v: f64) -> Self {
+                <$t>::from_f64(v)
+            }
+            fn add(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + o.to_f32())
+            }
+            fn mul(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() * o.to_f32())
+            }
+            fn tanh(self) -> Self {
+                <$t>::from_f32(Float::tanh(self.to_f32()))
+            }
+            fn le_zero(self) -> bool {
+                self.to_f32() <= 0.0
+            }
+        }
+    };
+}
+half_math!(half::f16);
+half_math!(half::bf16);

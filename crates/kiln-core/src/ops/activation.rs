@@ -23,9 +23,13 @@ impl Tensor {
     }
     /// GELU's tanh approximation (`approximate='tanh'`).
     pub fn gelu_tanh(&self) -> Result<Tensor> {
+        use crate::prim::Activation;
         let x = self.to_dtype(self.dtype().to_float())?;
-        let k = (2.0 / std::f64::consts::PI).sqrt();
-        let inner = x.add(&x.mul(&x)?.mul(&x)?.mul(0.044715)?)?.mul(k)?;
+        // the compiler's GELU epilogue (`Activation::GeluTanh`) matches these ops and constants
+        let k = Activation::gelu_scale();
+        let inner = x
+            .add(&x.mul(&x)?.mul(&x)?.mul(Activation::GELU_CUBE)?)?
+            .mul(k)?;
         x.mul(&inner.tanh()?.add(1.0)?)?.mul(0.5)
     }
     pub fn leaky_relu(&self, slope: f64) -> Result<Tensor> {
