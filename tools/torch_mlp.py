@@ -1,6 +1,7 @@
 """PyTorch's side of kiln-bench's `mlp` workload: Linear(1024, 4096) -> ReLU -> Linear(4096,
 4096) -> ReLU -> Linear(4096, 1024) on a [8192, 1024] f32 batch, forward, eager and torch.compile
-(default and max-autotune), on the CPU or on CUDA. Same JSON lines and workload name as
+(default and max-autotune), then a training step (forward, mean-square loss, backward; eager and
+torch.compile default), on the CPU or on CUDA. Same JSON lines and workload name as
 kiln-bench, so both go in one table. TF32 off, as kiln's default.
 
     python3 tools/torch_mlp.py [cpu|cuda]
@@ -61,6 +62,29 @@ def main():
             t = median_s(lambda: g(x), device)
             emit(mode, "call", t * 1e6, "us", device)
             emit(mode, "tflops", flops / t / 1e12, "TFLOP/s", device)
+    # the training step: forward, mean-square loss, backward (no optimizer)
+    global W
+    W = "mlp_8192x1024_train"
+
+    def step(f):
+        for p in model.parameters():
+            p.grad = None
+        y = f(x)
+        loss = (y * y).mean()
+        loss.backward()
+        return loss
+
+    t = median_s(lambda: step(model), device)
+    emit("eager", "call", t * 1e6, "us", device)
+    torch._dynamo.reset()
+    g = torch.compile(model)
+    t0 = time.perf_counter()
+    step(g)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    emit("default", "cold_compile", time.perf_counter() - t0, "s", device)
+    t = median_s(lambda: step(g), device)
+    emit("default", "call", t * 1e6, "us", device)
 
 
 if __name__ == "__main__":

@@ -387,12 +387,14 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
 /// A joint graph (forward and backward, before AOT autograd partitions it) rewritten as the
 /// code generators want it: one-per-row gathers and their gradients' scatter_adds as sums and
 /// selects over the row (`one_hot.rs`), then NHWC values for cuDNN on a device
-/// (`channels_last.rs`). `None` when neither rewrites anything. Tests that capture graphs call
+/// (`channels_last.rs`), then the backward's reads of a matmul-fed ReLU's mask taken from its
+/// output (`relu_mask.rs`). `None` when none rewrites anything. Tests that capture graphs call
 /// it to see what the `kiln` backend partitions.
 pub fn prepare_joint(joint: &Graph) -> Option<Graph> {
     let picked = crate::one_hot::one_hot(joint);
-    let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(joint));
-    nhwc.or(picked)
+    let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(joint)).or(picked);
+    let masks = crate::relu_mask::relu_masks_from_outputs(nhwc.as_ref().unwrap_or(joint));
+    masks.or(nhwc)
 }
 
 /// How `ctx` asks for CUDA graphs to be compiled. torch.compile's modes: reduce-overhead and

@@ -54,7 +54,7 @@ struct Fused {
 }
 
 /// Whether `id` is zero broadcast: a `Full` of 0 under reshapes and expands.
-fn is_zero(g: &Graph, mut id: NodeId) -> bool {
+pub(crate) fn is_zero(g: &Graph, mut id: NodeId) -> bool {
     loop {
         match &g.nodes[id].op {
             Op::Prim(Prim::Reshape(_) | Prim::Expand(_)) => id = g.nodes[id].args[0],
@@ -66,7 +66,7 @@ fn is_zero(g: &Graph, mut id: NodeId) -> bool {
 
 /// The node holding N values that `id` broadcasts along every dim but the last (of size N),
 /// when it is such a broadcast: `expand(v)` where `v` is `[1, .., 1, N]`.
-fn bias_of(g: &Graph, id: NodeId, n: usize) -> Option<NodeId> {
+pub(crate) fn bias_of(g: &Graph, id: NodeId, n: usize) -> Option<NodeId> {
     let node = &g.nodes[id];
     let Op::Prim(Prim::Expand(_)) = node.op else {
         return None;
@@ -167,8 +167,9 @@ fn relu_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> O
     (users[x].len() == 2 && sel_reads_le && users[le] == [sel] && !is_output[le]).then_some(sel)
 }
 
-/// Whether the pass runs: unless `KILN_MATMUL_EPILOGUES=0`.
-fn enabled() -> bool {
+/// Whether the pass runs (and `relu_mask.rs`, which serves it): unless
+/// `KILN_MATMUL_EPILOGUES=0`.
+pub(crate) fn enabled() -> bool {
     std::env::var("KILN_MATMUL_EPILOGUES").as_deref() != Ok("0")
 }
 

@@ -15,6 +15,7 @@ pub mod ir;
 mod one_hot;
 mod parallel;
 mod plan_cache;
+mod relu_mask;
 mod repeats;
 mod rows;
 pub mod runtime;

@@ -2,8 +2,10 @@
 //! -> ReLU -> Linear(4096, 1024)` on a [8192, 1024] f32 batch: three GEMMs, 412 GFLOP in
 //! all; what the compiler adds around them is the biases and ReLUs, which it runs in the GEMMs'
 //! epilogues (`kiln-inductor/src/epilogue.rs`; `KILN_MATMUL_EPILOGUES=0` runs them as generated
-//! kernels instead, for a before/after in one build). `tools/torch_mlp.py` times PyTorch eager
-//! and torch.compile on the same model.
+//! kernels instead, for a before/after in one build). Then a training step's forward and backward
+//! (loss: the output's mean square; no optimizer), where the forward saves each ReLU's output
+//! rather than its mask (`relu_mask.rs`) so the ReLUs join the GEMMs there too.
+//! `tools/torch_mlp.py` times PyTorch eager and torch.compile on the same model.
 
 use kiln::inductor::with_fresh_cache;
 use kiln::{DType, Tensor};
@@ -58,5 +60,56 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
         ctx.emit(W, mode, "call", t.us(), "us");
         ctx.emit(W, mode, "tflops", flops as f64 / t.s() / 1e12, "TFLOP/s");
         Ok(())
-    })
+    })?;
+    train(ctx, &args)
+}
+
+/// The training step: forward, mean-square loss, backward into the weights' and biases'
+/// gradients (three times the forward's flops).
+fn train(ctx: &mut Ctx, args: &[Tensor]) -> BenchResult {
+    let timer = ctx.timer();
+    let mode = ctx.mode_name();
+    let w = format!("{W}_train");
+    let params: Vec<Tensor> = args[1..]
+        .iter()
+        .map(|p| p.detach().with_grad())
+        .collect::<kiln::Result<_>>()?;
+    let mut inputs = vec![args[0].clone()];
+    inputs.extend(params.iter().cloned());
+    let step = |f: &dyn Fn(&[Tensor]) -> kiln::Result<Tensor>| -> kiln::Result<Tensor> {
+        for p in &params {
+            p.set_grad(None);
+        }
+        let y = f(&inputs)?;
+        let loss = y.mul(&y)?.mean(&[], false)?;
+        loss.backward()?;
+        Ok(loss)
+    };
+    let eager = timer.time("mlp train: eager", || step(&forward))?;
+    ctx.emit(&w, "eager", "call", eager.us(), "us");
+    let g = kiln::compile_fn(|a: &[Tensor]| Ok(vec![forward(a)?]), ctx.opts())?;
+    let compiled = |a: &[Tensor]| -> kiln::Result<Tensor> { Ok(g.call(a)?.remove(0)) };
+    let (r, t) = with_fresh_cache(|| once("mlp train: cold compile", || step(&compiled)));
+    r?;
+    ctx.emit(&w, mode, "cold_compile", t.as_secs_f64(), "s");
+    let grads = |ps: &[Tensor]| -> kiln::Result<Vec<Tensor>> {
+        ps.iter()
+            .map(|p| {
+                p.grad()
+                    .ok_or_else(|| kiln::Error::arg("mlp", "no gradient"))
+            })
+            .collect()
+    };
+    step(&forward)?;
+    let want = grads(&params)?;
+    step(&compiled)?;
+    let mut diff = 0f32;
+    for (a, b) in grads(&params)?.iter().zip(&want) {
+        let d = a.sub(b)?.abs()?.max(&[], false)?.item::<f32>()?;
+        diff = diff.max(d);
+    }
+    ctx.emit(&w, mode, "max_abs_grad_diff_vs_eager", diff as f64, "abs");
+    let t = timer.time("mlp train: compiled", || step(&compiled))?;
+    ctx.emit(&w, mode, "call", t.us(), "us");
+    Ok(())
 }
