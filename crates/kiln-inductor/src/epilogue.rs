@@ -167,6 +167,19 @@ fn relu_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> O
     (users[x].len() == 2 && sel_reads_le && users[le] == [sel] && !is_output[le]).then_some(sel)
 }
 
+/// Each node's readers, in node order, each once.
+pub(crate) fn readers(g: &Graph) -> Vec<Vec<NodeId>> {
+    let mut users = vec![Vec::new(); g.nodes.len()];
+    for (id, node) in g.nodes.iter().enumerate() {
+        for &a in &node.args {
+            if !users[a].contains(&id) {
+                users[a].push(id);
+            }
+        }
+    }
+    users
+}
+
 /// Whether the pass runs (and `relu_mask.rs`, which serves it): unless
 /// `KILN_MATMUL_EPILOGUES=0`.
 pub(crate) fn enabled() -> bool {
@@ -230,14 +243,7 @@ pub fn fuse(g: &Graph) -> Option<Graph> {
     if !enabled() {
         return None;
     }
-    let mut users = vec![Vec::new(); g.nodes.len()];
-    for (id, node) in g.nodes.iter().enumerate() {
-        for &a in &node.args {
-            if !users[a].contains(&id) {
-                users[a].push(id);
-            }
-        }
-    }
+    let users = readers(g);
     let mut is_output = vec![false; g.nodes.len()];
     for &o in &g.outputs {
         is_output[o] = true;

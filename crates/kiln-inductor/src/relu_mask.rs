@@ -17,7 +17,7 @@
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::{BinaryOp, Prim};
 
-use crate::epilogue::{bias_of, is_zero};
+use crate::epilogue::{bias_of, is_zero, readers};
 
 /// Whether `x` is a matmul's value, reshaped, with or without a bias broadcast added: what a
 /// matmul epilogue could end in.
@@ -69,14 +69,7 @@ pub fn relu_masks_from_outputs(g: &Graph) -> Option<Graph> {
     if !crate::epilogue::enabled() {
         return None;
     }
-    let mut users = vec![Vec::new(); g.nodes.len()];
-    for (id, node) in g.nodes.iter().enumerate() {
-        for &a in &node.args {
-            if !users[a].contains(&id) {
-                users[a].push(id);
-            }
-        }
-    }
+    let users = readers(g);
     let relu_of_mask = relus(g, &users);
     if relu_of_mask.iter().all(Option::is_none) {
         return None;

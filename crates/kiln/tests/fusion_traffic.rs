@@ -3,38 +3,18 @@
 //! one a GPU gets. Batch norm's backward is the case: a fusion decision that writes one more
 //! activation-sized buffer shows here as bytes, deterministically, long before a benchmark.
 
+#[path = "support/capture.rs"]
+mod capture;
 #[path = "../../kiln-core/tests/support/mock_device.rs"]
 mod mock_device;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use capture::Capture;
 use kiln::compiler::graph::Graph;
-use kiln::compiler::{Backend, BackendContext, CompiledGraph};
 use kiln::nn::{BatchNorm2d, Conv2d, Conv2dConfig, Module, ReLU, Sequential};
 use kiln::prelude::*;
 use mock_device::{setup, DEV};
-
-/// Records the graphs AOT autograd hands it (rewritten channels-last as the `kiln` backend
-/// rewrites a device's joint graph) and runs them on the interpreter.
-struct Capture(Mutex<Vec<Graph>>);
-
-impl Backend for Capture {
-    fn name(&self) -> &str {
-        "capture"
-    }
-    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
-        kiln::inductor::prepare_joint(joint)
-    }
-    fn compile(&self, graph: &Graph, _ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(graph.clone());
-        Ok(Arc::new(kiln::compiler::backends::Interpreter::new(
-            graph.clone(),
-        )))
-    }
-}
 
 /// An H100's multiprocessors: the split reductions' chunk counts depend on them.
 const SMS: u32 = 132;
@@ -90,7 +70,7 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
         .add(conv()?);
     m.train(true);
     m.to(DEV)?;
-    let capture = Arc::new(Capture(Mutex::new(Vec::new())));
+    let capture = Capture::new();
     let aot = Arc::new(kiln::compiler::aot::AotBackend::new(
         "capture",
         capture.clone(),
@@ -99,7 +79,7 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
     let shape = [16, 64, 32, 32];
     let x = Tensor::randn(&shape, DType::F32)?.to(DEV)?;
     compiled.forward(&x)?.sum(&[], false)?.backward()?;
-    let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let graphs = capture.graphs();
     assert_eq!(graphs.len(), 2, "a forward and a backward graph");
     let activation = shape.iter().product::<usize>() * 4;
     let (bytes, table) = generated_bytes(&graphs[1]);
@@ -128,7 +108,7 @@ fn all_bytes(g: &Graph) -> usize {
 #[test]
 fn cross_entropy_reads_the_logits_once() -> Result<()> {
     setup();
-    let capture = Arc::new(Capture(Mutex::new(Vec::new())));
+    let capture = Capture::new();
     let aot = Arc::new(kiln::compiler::aot::AotBackend::new(
         "capture",
         capture.clone(),
@@ -151,7 +131,7 @@ fn cross_entropy_reads_the_logits_once() -> Result<()> {
     let targets: Vec<i64> = (0..rows as i64).map(|i| (i * 7) % classes as i64).collect();
     let t = Tensor::from_vec(targets, &[rows])?.to(DEV)?;
     loss.call(&[x.clone(), t])?.remove(0).backward()?;
-    let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let graphs = capture.graphs();
     assert_eq!(graphs.len(), 2, "a forward and a backward graph");
     let logits = rows * classes * 4;
     for (g, name, most) in [(&graphs[0], "forward", 2.1), (&graphs[1], "backward", 2.1)] {

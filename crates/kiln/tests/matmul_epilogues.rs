@@ -3,35 +3,14 @@
 //! layers' biases and the ReLU run in the matmul calls (`epilogue.rs`); the compiled step's
 //! loss and gradients equal eager ones bit for bit.
 
-use std::sync::{Arc, Mutex};
+#[path = "support/capture.rs"]
+mod capture;
 
-use kiln::compiler::graph::{Graph, Op};
-use kiln::compiler::{Backend, BackendContext, CompiledGraph};
+use capture::Capture;
+use kiln::compiler::graph::Op;
 use kiln::core::prim::{Activation, Epilogue, Prim};
 use kiln::nn::{Linear, Module, ReLU, Sequential};
 use kiln::prelude::*;
-
-/// Records the graphs AOT autograd hands it (the joint graph rewritten as the `kiln` backend
-/// rewrites it) and runs them on the interpreter.
-struct Capture(Mutex<Vec<Graph>>);
-
-impl Backend for Capture {
-    fn name(&self) -> &str {
-        "capture"
-    }
-    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
-        kiln::inductor::prepare_joint(joint)
-    }
-    fn compile(&self, graph: &Graph, _ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(graph.clone());
-        Ok(Arc::new(kiln::compiler::backends::Interpreter::new(
-            graph.clone(),
-        )))
-    }
-}
 
 fn model() -> Result<Sequential> {
     manual_seed(3);
@@ -62,14 +41,14 @@ fn a_training_step_runs_bias_and_relu_in_the_matmuls() -> Result<()> {
     kiln::inductor::register();
     let m = model()?;
     let want = step(&m, &|x| m.forward(x))?;
-    let capture = Arc::new(Capture(Mutex::new(Vec::new())));
+    let capture = Capture::new();
     let compiled = kiln::compile(
         &m,
         CompileOptions::default().custom_backend(capture.clone()),
     )?;
     let got = step(&m, &|x| compiled.forward(x))?;
     assert_eq!(got, want, "interpreted halves");
-    let graphs = capture.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let graphs = capture.graphs();
     let forward = graphs.first().expect("a forward graph");
     // the forward returns no mask (a bool value) for its backward
     let masks = forward

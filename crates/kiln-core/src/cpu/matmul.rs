@@ -185,41 +185,29 @@ trait EpilogueMath: Copy + Send + Sync {
     fn le_zero(self) -> bool;
 }
 
-impl EpilogueMath for f32 {
-    fn constant(v: f64) -> Self {
-        v as f32
-    }
-    fn add(self, o: Self) -> Self {
-        self + o
-    }
-    fn mul(self, o: Self) -> Self {
-        self * o
-    }
-    fn tanh(self) -> Self {
-        Float::tanh(self)
-    }
-    fn le_zero(self) -> bool {
-        self <= 0.0
-    }
+macro_rules! float_math {
+    ($t:ty) => {
+        impl EpilogueMath for $t {
+            fn constant(v: f64) -> Self {
+                v as $t
+            }
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            fn tanh(self) -> Self {
+                Float::tanh(self)
+            }
+            fn le_zero(self) -> bool {
+                self <= 0.0
+            }
+        }
+    };
 }
-
-impl EpilogueMath for f64 {
-    fn constant(v: f64) -> Self {
-        v
-    }
-    fn add(self, o: Self) -> Self {
-        self + o
-    }
-    fn mul(self, o: Self) -> Self {
-        self * o
-    }
-    fn tanh(self) -> Self {
-        Float::tanh(self)
-    }
-    fn le_zero(self) -> bool {
-        self <= 0.0
-    }
-}
+float_math!(f32);
+float_math!(f64);
 
 macro_rules! half_math {
     ($t:ty) => {
