@@ -353,6 +353,23 @@ pub(crate) fn set_desc<T>(
     }
 }
 
+/// The address cuBLASLt reads a bias vector at (0 for none): the vector's own where its
+/// elements are adjacent, else a contiguous copy's, returned with it to be kept alive until the
+/// GEMM is queued.
+pub(crate) fn bias_address(
+    dev: &Arc<CudaDevice>,
+    bias: Option<(&CudaBuffer, &Layout)>,
+) -> Result<(u64, Option<CudaBuffer>)> {
+    Ok(match bias {
+        Some((buf, l)) if l.shape[0] <= 1 || l.strides[0] == 1 => (buf.at(l.offset), None),
+        Some((buf, l)) => {
+            let copy = crate::kernels::elementwise::copy_strided(dev, buf, l)?;
+            (copy.ptr, Some(copy))
+        }
+        None => (0, None),
+    })
+}
+
 /// What a GEMM's setup depends on: the device, the element and math types, the sizes, how
 /// cuBLASLt reads each operand (transposed?, leading dimension), the epilogue, and the alignment
 /// of each address (an algorithm may need 16-byte operands).
@@ -407,15 +424,7 @@ fn run(
     // cuBLASLt's A is `b` (Bᵀ, [n, k]) and its B is `a` (Aᵀ, [k, m])
     let first = operand(dev, b, lb)?;
     let second = operand(dev, a, la)?;
-    let bias_copy;
-    let bias_ptr = match bias {
-        Some((buf, l)) if l.shape[0] <= 1 || l.strides[0] == 1 => buf.at(l.offset),
-        Some((buf, l)) => {
-            bias_copy = crate::kernels::elementwise::copy_strided(dev, buf, l)?;
-            bias_copy.ptr
-        }
-        None => 0,
-    };
+    let (bias_ptr, _bias_copy) = bias_address(dev, bias)?;
     let key = PlanKey {
         ordinal: o,
         dtype: out.dtype,

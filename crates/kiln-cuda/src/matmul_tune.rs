@@ -168,15 +168,8 @@ pub(crate) fn matmul_epilogue_tuned(
     {
         return Ok(false);
     }
-    let bias_copy;
-    let bias = match ops.get(2).filter(|_| e.bias) {
-        Some((buf, l)) if l.shape[0] <= 1 || l.strides[0] == 1 => buf.at(l.offset),
-        Some((buf, l)) => {
-            bias_copy = crate::kernels::elementwise::copy_strided(dev, buf, l)?;
-            bias_copy.ptr
-        }
-        None => 0,
-    };
+    let (bias, _bias_copy) =
+        crate::matmul_lt::bias_address(dev, ops.get(2).copied().filter(|_| e.bias))?;
     let ma = operand(dev, a, la)?;
     let mb = operand(dev, b, lb)?;
     let epilogue = Epilogue::of(e);

@@ -87,7 +87,14 @@ pub fn cublaslt_epilogues() -> Outcome {
                         .t()
                         .map_err(e)?
                 };
+                // the bias every other element of a longer vector (copied for cuBLASLt) in the
+                // transposed case
                 let bias = match ep {
+                    Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGeluTanh if j == 1 => {
+                        let pairs = cast(input(&mut rng, &[n, 2], -1.0, 1.0, false).map_err(e)?)
+                            .map_err(e)?;
+                        Some(pairs.narrow(1, 0, 1).map_err(e)?.reshape([n]).map_err(e)?)
+                    }
                     Epilogue::Bias | Epilogue::BiasRelu | Epilogue::BiasGeluTanh => {
                         Some(cast(input(&mut rng, &[n], -1.0, 1.0, false).map_err(e)?).map_err(e)?)
                     }
