@@ -276,10 +276,12 @@ pub fn fuse(g: &Graph) -> Option<Graph> {
             let n = *f.shape.last().unwrap_or(&0);
             args.push(match out.nodes[v].shape == [n] {
                 true => v,
+                // a prim of the bias (an input, perhaps, which may require grad)
                 false => out.push(Node {
                     op: Op::Prim(Prim::Reshape(vec![n])),
                     args: vec![v],
                     shape: vec![n],
+                    requires_grad: false,
                     ..out.nodes[v].clone()
                 }),
             });
