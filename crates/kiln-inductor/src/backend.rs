@@ -368,8 +368,8 @@ fn group<T: Target>(
 /// device), which find nothing left in a graph AOT autograd split from a rewritten joint graph;
 /// one size of a symbolic graph too: the rewrites follow the graph's structure, so every size
 /// is rewritten alike and its kernels still fit the size-generic templates. Then per-channel and
-/// per-row arithmetic on broadcast values runs on the small shape, and a matmul's bias and ReLU
-/// join its call (`epilogue.rs`).
+/// per-row arithmetic on broadcast values runs on the small shape, and on a device a matmul's
+/// bias and activation join its call (`epilogue.rs`).
 pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     let mut g = match prepare_joint(graph) {
         Some(rewritten) => std::borrow::Cow::Owned(rewritten),
@@ -378,8 +378,11 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     if let Some(sunk) = crate::sink_expands::sink_expands(&g) {
         g = std::borrow::Cow::Owned(sunk);
     }
-    if let Some(fused) = crate::epilogue::fuse(&g) {
-        g = std::borrow::Cow::Owned(fused);
+    // a device's GEMM library takes the epilogues; the CPU's gemm crate has no hook for them
+    if g.device() != kiln_core::Device::Cpu {
+        if let Some(fused) = crate::epilogue::fuse(&g) {
+            g = std::borrow::Cow::Owned(fused);
+        }
     }
     g
 }
@@ -387,12 +390,16 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
 /// A joint graph (forward and backward, before AOT autograd partitions it) rewritten as the
 /// code generators want it: one-per-row gathers and their gradients' scatter_adds as sums and
 /// selects over the row (`one_hot.rs`), then NHWC values for cuDNN on a device
-/// (`channels_last.rs`), then the backward's reads of a matmul-fed ReLU's mask taken from its
-/// output (`relu_mask.rs`). `None` when none rewrites anything. Tests that capture graphs call
+/// (`channels_last.rs`), then, on a device, the backward's reads of a matmul-fed ReLU's mask
+/// taken from its output (`relu_mask.rs`). `None` when none rewrites anything. Tests that capture graphs call
 /// it to see what the `kiln` backend partitions.
 pub fn prepare_joint(joint: &Graph) -> Option<Graph> {
     let picked = crate::one_hot::one_hot(joint);
     let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(joint)).or(picked);
+    // what lets a training forward's ReLUs join their GEMMs, where `prepare` fuses epilogues
+    if joint.device() == kiln_core::Device::Cpu {
+        return nhwc;
+    }
     let masks = crate::relu_mask::relu_masks_from_outputs(nhwc.as_ref().unwrap_or(joint));
     masks.or(nhwc)
 }

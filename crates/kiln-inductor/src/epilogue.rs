@@ -1,44 +1,46 @@
 //! Matmul epilogues: a linear layer's bias and the ReLU or tanh-GELU after it computed by the
 //! matmul call itself (`Prim::MatmulEpilogue`: cuBLASLt's `BIAS` / `RELU_BIAS` / `GELU_BIAS`
-//! epilogues on a GPU; the CPU applies them to each row of the gemm crate's result in place). PyTorch's Inductor sends a
-//! linear layer to `addmm`, whose bias cuBLASLt adds; a ReLU after it it generates. Here both ride
-//! on the GEMM, so a `Linear -> ReLU` stack runs one call per layer and no pointwise kernel.
+//! epilogues). PyTorch's Inductor sends a linear layer to `addmm`, whose bias cuBLASLt adds; a
+//! ReLU after it it generates. Here both ride on the GEMM, so a `Linear -> ReLU` stack runs one
+//! call per layer and no pointwise kernel.
 //!
 //! The pattern, in the prims `linear` and `relu` trace to: `matmul(a, b)` (one batch: `linear`
 //! folds its batch dims into M), reshapes that keep the last dim N, `add(_, expand(bias))` where
-//! the bias is N values broadcast along the rows, then `where(le(_, 0), 0, _)` or the nine ops of
-//! `gelu_tanh` (cuBLASLt's `GELU_BIAS`; the exact, erf-based `gelu` has no cuBLASLt form). Each part is
-//! optional but the matmul, and at least one of bias and ReLU must be there. A value inside the
-//! pattern that anything else reads, or that the graph returns, ends it: the forward half of a
-//! training step keeps its ReLU separate (the backward reads the pre-activation's mask), and
-//! takes the bias alone.
+//! the bias is N values broadcast along the rows, then `where(le(_, 0), 0, _)` or the nine ops
+//! of `gelu_tanh` (the exact, erf-based `gelu` has no cuBLASLt form). Each part is optional but
+//! the matmul, and at least a bias or an activation must be there. A value inside the pattern
+//! that anything else reads, or that the graph returns, ends it (a training forward whose
+//! backward reads the pre-activation's mask keeps its ReLU apart: `relu_mask.rs` points the
+//! backward at the output's mask instead).
 //!
-//! What it computes: on the CPU, bit for bit what the separate ops compute (`cpu/matmul.rs`).
-//! On a GPU an f32 result is the same too where cuBLASLt's heuristic picks the kernel cuBLAS's
-//! GEMM picks (BERT's and the MLP workload's GEMMs: equal bit for bit), but cuBLASLt adds the
-//! bias to the f32 sum before a half-precision result's one rounding, where eager execution
-//! rounds the product and then the sum: f16 and bf16 results can differ from eager by a
-//! rounding (closer to the exact value).
+//! What it computes: an f32 result equals eager's where cuBLASLt's heuristic picks the kernel
+//! cuBLAS's GEMM picks (BERT's and the MLP workload's GEMMs: equal bit for bit), but cuBLASLt
+//! adds the bias to the f32 sum before a half-precision result's one rounding, where eager
+//! execution rounds the product and then the sum: f16 and bf16 results can differ from eager by
+//! a rounding (closer to the exact value).
 //!
-//! Applied to each graph the code generators take (`backend::prepare`), after autodiff: the
-//! prim has no derivative. A matmul the target would generate inline (`small_matmul`) keeps its
-//! fused pointwise readers instead. `KILN_MATMUL_EPILOGUES=0` turns the pass off (to measure
-//! it; part of the plan cache's key).
+//! Applied to each device graph the code generators take (`backend::prepare`), after autodiff:
+//! the prim has no derivative. A CPU graph keeps the generated kernel after its gemm: the gemm
+//! crate has no epilogue hook, and a pass over each row of its result is that kernel's own work
+//! (the prim's CPU kernel, for an interpreted graph, runs the ops it stands for). A matmul the
+//! target would generate inline (`small_matmul`) keeps its fused pointwise readers instead.
+//! `KILN_MATMUL_EPILOGUES=0` turns the pass off (to measure it; part of the plan cache's key).
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::{Activation, BinaryOp, Epilogue, Prim, UnaryOp};
-use kiln_core::{DType, Device};
+use kiln_core::DType;
 
 use crate::ir::lower::{matmul_dims, small_matmul};
+use crate::matchers::{is_constant, readers, relu_parts};
 
-/// Fewest rows of a GPU matmul given an epilogue. With fewer, the product streams the weights
+/// Fewest rows of a matmul given an epilogue. With fewer, the product streams the weights
 /// (a GEMV in all but name), and cuBLAS's own GEMM picks kernels for that shape which cuBLASLt's
 /// heuristics do not offer with an epilogue: BERT-base at one sequence of 9 tokens replayed from
 /// a CUDA graph (nvidia-h200, alternating builds) took 0.997 / 0.998 ms with its 72 linear
 /// layers' biases in cuBLASLt's GEMMs against 0.978 / 0.979 ms with cuBLAS's GEMMs and generated
 /// bias adds. One 128-row tile of cuBLASLt's usual tiles is where the two choose alike (BERT at
 /// 32 x 128 tokens and the MLP workload: the same results bit for bit, the same time or less).
-const DEVICE_MIN_ROWS: usize = 128;
+const MIN_ROWS: usize = 128;
 
 /// One matmul and what it absorbs.
 struct Fused {
@@ -53,14 +55,11 @@ struct Fused {
     shape: Vec<usize>,
 }
 
-/// Whether `id` is zero broadcast: a `Full` of 0 under reshapes and expands.
-pub(crate) fn is_zero(g: &Graph, mut id: NodeId) -> bool {
-    loop {
-        match &g.nodes[id].op {
-            Op::Prim(Prim::Reshape(_) | Prim::Expand(_)) => id = g.nodes[id].args[0],
-            Op::Prim(Prim::Full { value, .. }) => return *value == 0.0,
-            _ => return false,
-        }
+/// The one node that reads `id`, when `id` is read by exactly one and not returned.
+fn only_reader(users: &[Vec<NodeId>], is_output: &[bool], id: NodeId) -> Option<NodeId> {
+    match users[id].as_slice() {
+        [r] if !is_output[id] => Some(*r),
+        _ => None,
     }
 }
 
@@ -82,11 +81,9 @@ pub(crate) fn bias_of(g: &Graph, id: NodeId, n: usize) -> Option<NodeId> {
 /// The epilogue pattern that starts at matmul `mm`, if there is one.
 fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> Option<Fused> {
     let node = &g.nodes[mm];
-    // cuBLASLt's epilogues take f32, f16 and bf16; the CPU's gemm f64 too
-    let on_cpu = node.device == Device::Cpu;
+    // cuBLASLt's epilogues take f32, f16 and bf16
     if !matches!(node.op, Op::Prim(Prim::Matmul))
-        || !(matches!(node.dtype, DType::F32 | DType::F16 | DType::BF16)
-            || (on_cpu && node.dtype == DType::F64))
+        || !matches!(node.dtype, DType::F32 | DType::F16 | DType::BF16)
         || node.shape.first() != Some(&1)
     {
         return None;
@@ -95,14 +92,10 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
         return None;
     }
     let (m, n) = (node.shape[1], node.shape[2]);
-    if !on_cpu && m < DEVICE_MIN_ROWS {
+    if m < MIN_ROWS {
         return None;
     }
-    // read by exactly one node, `reader`, and not returned
-    let only_reader = |id: NodeId| match users[id].as_slice() {
-        [r] if !is_output[id] => Some(*r),
-        _ => None,
-    };
+    let only_reader = |id: NodeId| only_reader(users, is_output, id);
     let mut cur = mm;
     while let Some(r) = only_reader(cur) {
         let reshape = matches!(g.nodes[r].op, Op::Prim(Prim::Reshape(_)));
@@ -149,62 +142,21 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
 /// The ReLU `where(le(x, 0), 0, x)` when it is all that reads `x` (its two nodes) and the
 /// graph returns neither `x` nor the mask: its `where` node.
 fn relu_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> Option<NodeId> {
-    if is_output[x] {
+    if is_output[x] || users[x].len() != 2 {
         return None;
     }
-    let (mut le, mut sel) = (None, None);
-    for &u in &users[x] {
-        match (&g.nodes[u].op, g.nodes[u].args.as_slice()) {
-            (Op::Prim(Prim::Binary(BinaryOp::Le)), &[v, z]) if v == x && is_zero(g, z) => {
-                le = Some(u)
-            }
-            (Op::Prim(Prim::Where), &[_, z, v]) if v == x && is_zero(g, z) => sel = Some(u),
-            _ => return None,
-        }
-    }
-    let (le, sel) = (le?, sel?);
-    let sel_reads_le = g.nodes[sel].args[0] == le;
-    (users[x].len() == 2 && sel_reads_le && users[le] == [sel] && !is_output[le]).then_some(sel)
-}
-
-/// Each node's readers, in node order, each once.
-pub(crate) fn readers(g: &Graph) -> Vec<Vec<NodeId>> {
-    let mut users = vec![Vec::new(); g.nodes.len()];
-    for (id, node) in g.nodes.iter().enumerate() {
-        for &a in &node.args {
-            if !users[a].contains(&id) {
-                users[a].push(id);
-            }
-        }
-    }
-    users
-}
-
-/// Whether the pass runs (and `relu_mask.rs`, which serves it): unless
-/// `KILN_MATMUL_EPILOGUES=0`.
-pub(crate) fn enabled() -> bool {
-    std::env::var("KILN_MATMUL_EPILOGUES").as_deref() != Ok("0")
-}
-
-/// Whether `id` is the constant `v` broadcast: a `Full` of `v` under reshapes and expands.
-fn is_constant(g: &Graph, mut id: NodeId, v: f64) -> bool {
-    loop {
-        match &g.nodes[id].op {
-            Op::Prim(Prim::Reshape(_) | Prim::Expand(_)) => id = g.nodes[id].args[0],
-            Op::Prim(Prim::Full { value, .. }) => return *value == v,
-            _ => return false,
-        }
-    }
+    let sel = *users[x]
+        .iter()
+        .find(|&&u| relu_parts(g, u).is_some_and(|(_, v)| v == x))?;
+    let (le, _) = relu_parts(g, sel)?;
+    (users[x].contains(&le) && only_reader(users, is_output, le) == Some(sel)).then_some(sel)
 }
 
 /// GELU's tanh approximation of `x`, as `Tensor::gelu_tanh` composes it, when it is all that
 /// reads `x` and the graph returns none of its inner values: its last node.
 /// `x * (tanh((x + x * x * x * c) * k) + 1) * 0.5`: nine ops, four of them reading `x`.
 fn gelu_tanh_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> Option<NodeId> {
-    let only_reader = |id: NodeId| match users[id].as_slice() {
-        [r] if !is_output[id] => Some(*r),
-        _ => None,
-    };
+    let only_reader = |id: NodeId| only_reader(users, is_output, id);
     // `id` is `op(a, b)` with operands `a` and `b` in either order
     let is = |id: NodeId, op: BinaryOp, a: NodeId, b: &dyn Fn(NodeId) -> bool| {
         let n = &g.nodes[id];
@@ -236,6 +188,12 @@ fn gelu_tanh_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId)
     let mut want = vec![square, cube, sum, times_x];
     want.sort_unstable();
     (readers == want).then_some(half)
+}
+
+/// Whether the pass runs (and `relu_mask.rs`, which serves it): unless
+/// `KILN_MATMUL_EPILOGUES=0`.
+pub(crate) fn enabled() -> bool {
+    std::env::var("KILN_MATMUL_EPILOGUES").as_deref() != Ok("0")
 }
 
 /// `g` with its matmul epilogues fused, or `None` when it has none (or the pass is off).
@@ -398,7 +356,7 @@ mod tests {
 
     fn mlp_args() -> Result<Vec<Tensor>> {
         Ok(vec![
-            Tensor::randn(&[4, 24, 64], DType::F32)?,
+            Tensor::randn(&[4, 32, 64], DType::F32)?,
             Tensor::randn(&[128, 64], DType::F32)?,
             Tensor::randn(&[128], DType::F32)?,
             Tensor::randn(&[32, 128], DType::F32)?,
@@ -406,7 +364,7 @@ mod tests {
         ])
     }
 
-    /// `linear -> relu -> linear` on a [4, 24, 64] batch: two calls, the first with its bias
+    /// `linear -> relu -> linear` on a [4, 32, 64] batch: two calls, the first with its bias
     /// and ReLU, the second with its bias; no pointwise op is left.
     #[test]
     fn a_linear_relu_stack_is_one_call_per_layer() -> Result<()> {
@@ -433,7 +391,7 @@ mod tests {
             .filter(|n| matches!(&n.op, Op::Prim(p) if p.is_elementwise()))
             .count();
         assert_eq!(pointwise, 0, "{}", fused.to_code("fused"));
-        assert_eq!(fused.nodes[fused.outputs[0]].shape, [4, 24, 32]);
+        assert_eq!(fused.nodes[fused.outputs[0]].shape, [4, 32, 32]);
         Ok(())
     }
 
@@ -507,7 +465,7 @@ mod tests {
     #[test]
     fn relu_alone_joins_and_small_matmuls_stay() -> Result<()> {
         let args = vec![
-            Tensor::randn(&[96, 64], DType::F32)?,
+            Tensor::randn(&[128, 64], DType::F32)?,
             Tensor::randn(&[64, 128], DType::F32)?,
             Tensor::randn(&[4, 8], DType::F32)?,
             Tensor::randn(&[8, 8], DType::F32)?,
@@ -533,11 +491,11 @@ mod tests {
         Ok(())
     }
 
-    /// On a GPU a matmul of fewer than `DEVICE_MIN_ROWS` rows keeps cuBLAS's GEMM and its bias
-    /// add; from that many rows on, the bias joins the call. f64 stays with cuBLAS (cuBLASLt's
-    /// epilogues take no f64).
+    /// A matmul of fewer than `MIN_ROWS` rows keeps cuBLAS's GEMM and its bias add; from that
+    /// many rows on, the bias joins the call. f64 stays with cuBLAS (cuBLASLt's epilogues take
+    /// no f64).
     #[test]
-    fn gpu_matmuls_of_few_rows_or_f64_keep_their_bias_add() {
+    fn matmuls_of_few_rows_or_f64_keep_their_bias_add() {
         use crate::test_graphs::{binary, expand, input, push};
         let bias_add = |m: usize, dtype: DType| {
             let mut g = Graph::default();
@@ -557,9 +515,9 @@ mod tests {
             bias: true,
             act: Activation::None,
         };
-        assert_eq!(bias_add(DEVICE_MIN_ROWS - 1, DType::F32), None);
-        assert_eq!(bias_add(DEVICE_MIN_ROWS, DType::F32), Some(vec![bias]));
-        assert_eq!(bias_add(DEVICE_MIN_ROWS, DType::BF16), Some(vec![bias]));
-        assert_eq!(bias_add(DEVICE_MIN_ROWS, DType::F64), None);
+        assert_eq!(bias_add(MIN_ROWS - 1, DType::F32), None);
+        assert_eq!(bias_add(MIN_ROWS, DType::F32), Some(vec![bias]));
+        assert_eq!(bias_add(MIN_ROWS, DType::BF16), Some(vec![bias]));
+        assert_eq!(bias_add(MIN_ROWS, DType::F64), None);
     }
 }

@@ -12,6 +12,7 @@ pub mod epilogue;
 mod footprint;
 mod horizontal;
 pub mod ir;
+mod matchers;
 mod one_hot;
 mod parallel;
 mod plan_cache;

@@ -24,6 +24,7 @@ use kiln_core::prim::{BinaryOp, Prim, ReduceOp};
 use kiln_core::DType;
 
 use crate::ir::lower::{kind, Kind};
+use crate::matchers::is_constant;
 
 /// Whether `idx` holds one index per row of `base` along `dim`: of `base`'s rank, size 1 along
 /// `dim`, `base`'s size along every other dim, int64 (as gather and scatter_add take them), on
@@ -49,17 +50,6 @@ fn one_per_row(base: &Node, idx: &Node, dim: usize) -> bool {
 /// walked).
 fn picks_from_computed(g: &Graph, src: NodeId, idx: NodeId, dim: usize) -> bool {
     one_per_row(&g.nodes[src], &g.nodes[idx], dim) && kind(g, &g.nodes[src]) == Kind::Pointwise
-}
-
-/// Whether `id` is zero everywhere: a zero `Full`, or a reshape or broadcast of one.
-fn is_zero(g: &Graph, mut id: NodeId) -> bool {
-    loop {
-        match &g.nodes[id].op {
-            Op::Prim(Prim::Full { value, .. }) => return *value == 0.0,
-            Op::Prim(Prim::Expand(_) | Prim::Reshape(_)) => id = g.nodes[id].args[0],
-            _ => return false,
-        }
-    }
 }
 
 /// Appends nodes to the rewritten graph, each on `like`'s device and grad mode.
@@ -205,7 +195,7 @@ pub fn one_hot(g: &Graph) -> Option<Graph> {
             }
             (Op::Prim(Prim::ScatterAdd { dim }), &[base, idx, grad])
                 if checked.contains(&idx)
-                    && is_zero(&out, base)
+                    && is_constant(&out, base, 0.0)
                     && out.nodes[base].dtype == node.dtype
                     && out.nodes[grad].shape == out.nodes[idx].shape
                     && out.nodes[grad].dtype == node.dtype

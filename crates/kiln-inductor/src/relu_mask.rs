@@ -9,15 +9,17 @@
 //! and the backward recomputes the mask from what it already holds, as PyTorch's
 //! `threshold_backward` reads the ReLU's result.
 //!
-//! Applied to the joint graph before AOT autograd partitions it (`backend::prepare_joint`), to
-//! the ReLUs a matmul epilogue could take (a matmul's value, after a bias or not): elsewhere (a
+//! Applied to a device's joint graph before AOT autograd partitions it
+//! (`backend::prepare_joint`; the CPU fuses no epilogues), to the ReLUs a matmul epilogue could
+//! take (a matmul's value, after a bias or not): elsewhere (a
 //! convolution network's batch norm) the scheduler already recomputes the mask from the values
 //! the backward reads. Off with the epilogues (`KILN_MATMUL_EPILOGUES=0`).
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::{BinaryOp, Prim};
 
-use crate::epilogue::{bias_of, is_zero, readers};
+use crate::epilogue::bias_of;
+use crate::matchers::{readers, relu_parts};
 
 /// Whether `x` is a matmul's value, reshaped, with or without a bias broadcast added: what a
 /// matmul epilogue could end in.
@@ -37,26 +39,17 @@ fn matmul_fed(g: &Graph, mut x: NodeId) -> bool {
     matches!(g.nodes[x].op, Op::Prim(Prim::Matmul))
 }
 
-/// The ReLUs to rewrite: for each `le(x, 0)` mask, the ReLU `where(mask, 0, x)` that reads it,
-/// when every other reader of the mask comes after the ReLU and the graph does not return it.
+/// The ReLUs to rewrite, by their mask: the ReLU `where(mask, 0, x)` over a matmul's value whose
+/// mask other nodes read too, all after the ReLU, and the graph does not return.
 fn relus(g: &Graph, users: &[Vec<NodeId>]) -> Vec<Option<NodeId>> {
     let mut relu_of_mask = vec![None; g.nodes.len()];
-    for (le, node) in g.nodes.iter().enumerate() {
-        let (Op::Prim(Prim::Binary(BinaryOp::Le)), &[x, z]) = (&node.op, node.args.as_slice())
-        else {
+    for relu in 0..g.nodes.len() {
+        let Some((le, x)) = relu_parts(g, relu) else {
             continue;
         };
-        if !is_zero(g, z) || !matmul_fed(g, x) || g.outputs.contains(&le) {
-            continue;
-        }
-        let relu = users[le].iter().copied().find(|&u| {
-            let n = &g.nodes[u];
-            matches!(n.op, Op::Prim(Prim::Where))
-                && matches!(n.args[..], [m, z2, v] if m == le && v == x && is_zero(g, z2))
-        });
-        let Some(relu) = relu else { continue };
         let others_after = users[le].iter().all(|&u| u >= relu);
-        if others_after && users[le].len() > 1 {
+        let read_elsewhere = users[le].len() > 1 && !g.outputs.contains(&le);
+        if others_after && read_elsewhere && matmul_fed(g, x) {
             relu_of_mask[le] = Some(relu);
         }
     }

@@ -5,12 +5,12 @@
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
 
-use super::num::{Float, Num};
-use super::{as_f32, contig_f64, from_f32_like, typed};
+use super::num::Num;
+use super::{as_f32, from_f32_like, typed};
 use crate::prim::{Activation, Epilogue};
 use crate::shape::Layout;
-use crate::storage::CpuStorage;
-use crate::{DType, Tensor};
+use crate::storage::{CpuStorage, Storage};
+use crate::{DType, Result, Tensor};
 
 /// `dst[b] = a[b] @ b[b]` for strided f32/f64 operands. Safety rests on the layouts addressing only
 /// inside their buffers, which `Layout` guarantees for every tensor.
@@ -117,118 +117,32 @@ pub(super) fn matmul(a: &Tensor, b: &Tensor) -> CpuStorage {
     }
 }
 
-/// `act(a @ b + bias)` (`Prim::MatmulEpilogue`): the matmul as `matmul` runs it, then each row's
-/// bias and activation in place, each op rounded as the separate elementwise ops round it (a
-/// half result is rounded, then the bias added in f32 and rounded again, ...), so a compiled
-/// graph that runs it computes what eager execution of the ops it replaced computes, bit for
-/// bit. The gemm crate has no epilogue hook, and accumulating onto a destination filled with the
-/// bias would add the bias at another point of the sum.
-pub(super) fn matmul_epilogue(inputs: &[&Tensor], e: Epilogue) -> CpuStorage {
-    let mut out = matmul(inputs[0], inputs[1]);
-    let n = inputs[1].shape()[2];
-    if n == 0 || (!e.bias && e.act == Activation::None) {
-        return out;
-    }
-    let bias: Option<Vec<f64>> = inputs
-        .get(2)
-        .filter(|_| e.bias)
-        .map(|t| contig_f64(&t.storage(), t.layout()));
-    let bias = bias.as_deref();
-    match &mut out {
-        CpuStorage::F32(v) => epilogue_rows(v, n, bias, e.act),
-        CpuStorage::F64(v) => epilogue_rows(v, n, bias, e.act),
-        CpuStorage::F16(v) => epilogue_rows(v, n, bias, e.act),
-        CpuStorage::BF16(v) => epilogue_rows(v, n, bias, e.act),
-        // Prim::infer admits floating-point operands only
-        _ => {}
-    }
-    out
-}
-
-/// Each `n`-wide row of `v` plus `bias`, then `act`, in place, in parallel over rows.
-fn epilogue_rows<T: EpilogueMath>(v: &mut [T], n: usize, bias: Option<&[f64]>, act: Activation) {
-    // constants as a scalar operand of the tensor's dtype holds them (`Tensor::full`)
-    let bias: Option<Vec<T>> = bias.map(|b| b.iter().map(|&x| T::constant(x)).collect());
-    let gelu = [Activation::GELU_CUBE, Activation::gelu_scale(), 1.0, 0.5].map(T::constant);
-    let zero = T::constant(0.0);
-    // rows of at least 16 KiB per task
-    let rows_per_task = (4096 / n).max(1);
-    v.par_chunks_mut(n * rows_per_task).for_each(|rows| {
-        for row in rows.chunks_mut(n) {
-            for (j, x) in row.iter_mut().enumerate() {
-                let y = bias.as_ref().map_or(*x, |b| x.add(b[j]));
-                *x = match act {
-                    Activation::None => y,
-                    Activation::Relu if y.le_zero() => zero,
-                    Activation::Relu => y,
-                    Activation::GeluTanh => gelu_tanh(y, gelu),
-                };
-            }
+/// `act(a @ b + bias)` (`Prim::MatmulEpilogue`) as the ops it stands for compute it: this
+/// matmul, then the core's `add`, `relu` or `gelu_tanh` — their one definition — so the prim
+/// equals them bit for bit. The compiler writes the prim for a GPU, where cuBLASLt's epilogues
+/// run it; here it runs only when a graph holding it is interpreted (or a test applies it).
+pub(super) fn matmul_epilogue(inputs: &[&Tensor], e: Epilogue) -> Result<Tensor> {
+    let product = Tensor::from_parts(
+        Storage::cpu(matmul(inputs[0], inputs[1])),
+        Layout::contiguous(&[
+            inputs[0].shape()[0],
+            inputs[0].shape()[1],
+            inputs[1].shape()[2],
+        ]),
+        inputs[0].dtype(),
+        None,
+    );
+    // the ops as eager code calls them, not recorded by autograd or a tracer
+    let _off = crate::intercept::install(None);
+    crate::no_grad(|| {
+        let y = match inputs.get(2).filter(|_| e.bias) {
+            Some(bias) => product.add(*bias)?,
+            None => product,
+        };
+        match e.act {
+            Activation::None => Ok(y),
+            Activation::Relu => y.relu(),
+            Activation::GeluTanh => y.gelu_tanh(),
         }
     })
 }
-
-/// `Tensor::gelu_tanh`'s ops in its order: `x * (tanh((x + x * x * x * c) * k) + 1) * 0.5`.
-fn gelu_tanh<T: EpilogueMath>(x: T, [c, k, one, half]: [T; 4]) -> T {
-    let cube = x.mul(x).mul(x);
-    let inner = x.add(cube.mul(c)).mul(k);
-    x.mul(inner.tanh().add(one)).mul(half)
-}
-
-/// The arithmetic of the core's elementwise kernels on one dtype: f32 and f64 natively, the
-/// half types in f32 with each result rounded.
-trait EpilogueMath: Copy + Send + Sync {
-    fn constant(v: f64) -> Self;
-    fn add(self, o: Self) -> Self;
-    fn mul(self, o: Self) -> Self;
-    fn tanh(self) -> Self;
-    fn le_zero(self) -> bool;
-}
-
-macro_rules! float_math {
-    ($t:ty) => {
-        impl EpilogueMath for $t {
-            fn constant(v: f64) -> Self {
-                v as $t
-            }
-            fn add(self, o: Self) -> Self {
-                self + o
-            }
-            fn mul(self, o: Self) -> Self {
-                self * o
-            }
-            fn tanh(self) -> Self {
-                Float::tanh(self)
-            }
-            fn le_zero(self) -> bool {
-                self <= 0.0
-            }
-        }
-    };
-}
-float_math!(f32);
-float_math!(f64);
-
-macro_rules! half_math {
-    ($t:ty) => {
-        impl EpilogueMath for $t {
-            fn constant(v: f64) -> Self {
-                <$t>::from_f64(v)
-            }
-            fn add(self, o: Self) -> Self {
-                <$t>::from_f32(self.to_f32() + o.to_f32())
-            }
-            fn mul(self, o: Self) -> Self {
-                <$t>::from_f32(self.to_f32() * o.to_f32())
-            }
-            fn tanh(self) -> Self {
-                <$t>::from_f32(Float::tanh(self.to_f32()))
-            }
-            fn le_zero(self) -> bool {
-                self.to_f32() <= 0.0
-            }
-        }
-    };
-}
-half_math!(half::f16);
-half_math!(half::bf16);

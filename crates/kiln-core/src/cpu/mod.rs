@@ -78,7 +78,10 @@ pub(crate) fn execute(
             shape,
         ),
         Prim::Matmul => owned(matmul::matmul(inputs[0], inputs[1]), shape),
-        Prim::MatmulEpilogue(e) => owned(matmul::matmul_epilogue(inputs, *e), shape),
+        Prim::MatmulEpilogue(e) => {
+            let t = matmul::matmul_epilogue(inputs, *e)?;
+            (t.0.storage.clone(), t.layout().clone())
+        }
         Prim::Conv2d(p) => owned(conv::conv2d(inputs[0], inputs[1], p, shape), shape),
         Prim::Conv2dGradInput {
             params,
