@@ -1,8 +1,8 @@
 //! An MLP's forward pass, eager vs compiled: `Linear(1024, 4096) -> ReLU -> Linear(4096, 4096)
 //! -> ReLU -> Linear(4096, 1024)` on a [8192, 1024] f32 batch: three GEMMs, 412 GFLOP in
-//! all; what the compiler adds around them is the biases and ReLUs, which it runs in the GEMMs'
-//! epilogues (`kiln-inductor/src/epilogue.rs`; `KILN_MATMUL_EPILOGUES=0` runs them as generated
-//! kernels instead, for a before/after in one build). Then a training step's forward and backward
+//! all; what the compiler adds around them is the biases and ReLUs, which on a GPU it runs in the
+//! GEMMs' epilogues (`kiln-inductor/src/epilogue.rs`; `KILN_MATMUL_EPILOGUES=0` runs them as
+//! generated kernels instead, for a before/after in one build; on the CPU they always are). Then a training step's forward and backward
 //! (loss: the output's mean square; no optimizer), where the forward saves each ReLU's output
 //! rather than its mask (`relu_mask.rs`) so the ReLUs join the GEMMs there too.
 //! `tools/torch_mlp.py` times PyTorch eager and torch.compile on the same model.
