@@ -3,7 +3,8 @@
 //! lists length-first. Decoding never panics: a truncated or damaged record reads as `None`.
 
 use kiln_core::prim::{
-    Activation, ArgReduceOp, BinaryOp, ConvParams, Epilogue, Prim, RandDist, ReduceOp, UnaryOp,
+    Activation, ArgReduceOp, BinaryOp, ConvEpilogue, ConvParams, Epilogue, Prim, RandDist,
+    ReduceOp, UnaryOp,
 };
 use kiln_core::{DType, Device};
 
@@ -357,13 +358,34 @@ pub fn prim(w: &mut Writer, p: &Prim, seeds: Seeds) {
         Prim::MatmulEpilogue(e) => {
             w.u64(22);
             w.bool(e.bias);
-            w.u64(match e.act {
-                Activation::None => 0,
-                Activation::Relu => 1,
-                Activation::GeluTanh => 2,
-            });
+            activation(w, e.act);
+        }
+        Prim::Conv2dEpilogue { params, epilogue } => {
+            w.u64(23);
+            conv(w, params);
+            w.bool(epilogue.scale);
+            w.bool(epilogue.shift);
+            w.bool(epilogue.residual);
+            activation(w, epilogue.act);
         }
     }
+}
+
+fn activation(w: &mut Writer, a: Activation) {
+    w.u64(match a {
+        Activation::None => 0,
+        Activation::Relu => 1,
+        Activation::GeluTanh => 2,
+    });
+}
+
+fn read_activation(r: &mut Reader) -> Option<Activation> {
+    Some(match r.u64()? {
+        0 => Activation::None,
+        1 => Activation::Relu,
+        2 => Activation::GeluTanh,
+        _ => return None,
+    })
 }
 
 pub fn read_prim(r: &mut Reader) -> Option<Prim> {
@@ -438,13 +460,17 @@ pub fn read_prim(r: &mut Reader) -> Option<Prim> {
         },
         22 => Prim::MatmulEpilogue(Epilogue {
             bias: r.bool()?,
-            act: match r.u64()? {
-                0 => Activation::None,
-                1 => Activation::Relu,
-                2 => Activation::GeluTanh,
-                _ => return None,
-            },
+            act: read_activation(r)?,
         }),
+        23 => Prim::Conv2dEpilogue {
+            params: read_conv(r)?,
+            epilogue: ConvEpilogue {
+                scale: r.bool()?,
+                shift: r.bool()?,
+                residual: r.bool()?,
+                act: read_activation(r)?,
+            },
+        },
         _ => return None,
     })
 }
@@ -638,6 +664,27 @@ mod tests {
                 bias: true,
                 act: Activation::GeluTanh,
             }),
+            Prim::Conv2dEpilogue {
+                params: cp,
+                epilogue: ConvEpilogue {
+                    scale: true,
+                    shift: false,
+                    residual: true,
+                    act: Activation::Relu,
+                },
+            },
+            Prim::Conv2dEpilogue {
+                params: ConvParams {
+                    channels_last: false,
+                    ..cp
+                },
+                epilogue: ConvEpilogue {
+                    scale: false,
+                    shift: true,
+                    residual: false,
+                    act: Activation::None,
+                },
+            },
         ]);
         v
     }

@@ -114,7 +114,27 @@ pub struct Epilogue {
     pub act: Activation,
 }
 
-/// An activation a matmul applies to each element of its result.
+/// What a `Conv2dEpilogue` applies to the convolution's result `y` before writing it:
+/// `act(y * scale + shift + residual)`, each part optional. `scale` and `shift` hold one value per
+/// output channel (operands of shape `[C]`), `residual` is shaped as the output; the operands
+/// follow the convolution's two in that order. What a Conv2d's bias (`shift`), an eval-mode batch
+/// norm (`scale`, `shift`), a ResNet block's skip connection (`residual`) and a ReLU compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ConvEpilogue {
+    pub scale: bool,
+    pub shift: bool,
+    pub residual: bool,
+    pub act: Activation,
+}
+
+impl ConvEpilogue {
+    /// How many operands the epilogue adds to the convolution's two.
+    pub fn operands(&self) -> usize {
+        usize::from(self.scale) + usize::from(self.shift) + usize::from(self.residual)
+    }
+}
+
+/// An activation a matmul or convolution applies to each element of its result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Activation {
     None,
@@ -276,6 +296,14 @@ pub enum Prim {
     /// same elementwise ops, so it computes what they compute.
     MatmulEpilogue(Epilogue),
     Conv2d(ConvParams),
+    /// `act(conv2d(x, w) * scale + shift + residual)` (`ConvEpilogue`): a convolution and the
+    /// pointwise ops after it as one extern call (one cuDNN operation graph on a GPU). Like
+    /// `MatmulEpilogue`, written only by the compiler (`kiln-inductor/src/conv_epilogue.rs`) after
+    /// autodiff; eager execution runs the convolution and then the same elementwise ops.
+    Conv2dEpilogue {
+        params: ConvParams,
+        epilogue: ConvEpilogue,
+    },
     /// (grad_out, weight) -> grad_input of the given input shape
     Conv2dGradInput {
         params: ConvParams,
@@ -380,6 +408,7 @@ impl Prim {
             Prim::Matmul => "matmul",
             Prim::MatmulEpilogue(_) => "matmul_epilogue",
             Prim::Conv2d(_) => "conv2d",
+            Prim::Conv2dEpilogue { .. } => "conv2d_epilogue",
             Prim::Conv2dGradInput { .. } => "conv2d_grad_input",
             Prim::Conv2dGradWeight { .. } => "conv2d_grad_weight",
         }
@@ -781,6 +810,36 @@ impl Prim {
                     .ok_or_else(|| {
                         Error::shape(op, format!("kernel {w:?} larger than padded input {x:?}"))
                     })?
+            }
+            Prim::Conv2dEpilogue { params, epilogue } => {
+                arity(op, n, 2 + epilogue.operands())?;
+                same_dtypes(op, dtypes)?;
+                let out = Prim::Conv2d(*params).infer(&shapes[..2], &dtypes[..2])?;
+                let channels = params.nchw(&out.shape)[1];
+                let per_channel = usize::from(epilogue.scale) + usize::from(epilogue.shift);
+                for (i, s) in shapes[2..2 + per_channel].iter().enumerate() {
+                    if *s != [channels] {
+                        return Err(Error::shape(
+                            op,
+                            format!(
+                                "per-channel operand {} {s:?} for {channels} output channels: \
+                                 expected [{channels}]",
+                                2 + i
+                            ),
+                        ));
+                    }
+                }
+                if epilogue.residual && shapes[n - 1] != out.shape.as_slice() {
+                    return Err(Error::shape(
+                        op,
+                        format!(
+                            "residual {:?} for output {:?}: expected the output's shape",
+                            shapes[n - 1],
+                            out.shape
+                        ),
+                    ));
+                }
+                out
             }
             Prim::Conv2dGradInput { input_shape, .. } => {
                 arity(op, n, 2)?;

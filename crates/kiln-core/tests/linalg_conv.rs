@@ -445,6 +445,139 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The compiler's fused `act(conv2d(x, w) * scale + shift + residual)` prim computes, bit for
+    /// bit, what the convolution and the ops it replaces compute (eval batch norm's `mul` and
+    /// `add`, conv2d's bias add, a residual add, `relu`, `gelu_tanh`), in NCHW and channels-last
+    /// form, and the f64 reference to rounding; strided operands, size-0 and size-1 dims, every
+    /// float dtype.
+    #[test]
+    fn conv2d_epilogue_prim_equals_the_ops_it_replaces(n in 0usize..3, c in 1usize..3, o in 0usize..3, h in 1usize..5, w in 1usize..5, k in 1usize..=3, p in 0usize..=1, scale: bool, shift: bool, residual: bool, act in 0usize..3, channels_last: bool, kind in kind(), seed: u64) {
+        use kiln_core::dispatch::apply;
+        use kiln_core::prim::{Activation, ConvEpilogue, ConvParams, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
+        prop_assume!(h + 2 * p >= k && w + 2 * p >= k && 2 * p <= k);
+        let mut rng = TRng::new(seed);
+        let params = ConvParams { stride: [1, 1], padding: [p, p], dilation: [1, 1], groups: 1, channels_last };
+        let act = [Activation::None, Activation::Relu, Activation::GeluTanh][act];
+        let e = ConvEpilogue { scale, shift, residual, act };
+        let (oh, ow) = (h + 2 * p - k + 1, w + 2 * p - k + 1);
+        for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
+            let gen = |r: &mut TRng| r.uniform(-1.0, 1.0);
+            let x = make(&[n, c, h, w], kind, dtype, &mut rng, gen);
+            let wt = make(&[o, c, k, k], Kind::Permuted, dtype, &mut rng, gen);
+            let sc = make(&[o], kind, dtype, &mut rng, gen);
+            let sh = make(&[o], kind, dtype, &mut rng, gen);
+            let res = make(&[n, o, oh, ow], kind, dtype, &mut rng, gen);
+            // the prim's operands in its own order (channels-last: NHWC shapes)
+            let ordered = |t: &Tensor| match channels_last {
+                true => t.permute(&TO_CHANNELS_LAST.map(|d| d as isize)).unwrap(),
+                false => t.clone(),
+            };
+            let (xo, wo, ro) = (ordered(&x), ordered(&wt), ordered(&res));
+            let mut ops = vec![&xo, &wo];
+            ops.extend([(scale, &sc), (shift, &sh), (residual, &ro)].into_iter().filter(|(on, _)| *on).map(|(_, t)| t));
+            let got = apply(Prim::Conv2dEpilogue { params, epilogue: e }, &ops).unwrap();
+            let got = match channels_last {
+                true => got.permute(&FROM_CHANNELS_LAST.map(|d| d as isize)).unwrap(),
+                false => got,
+            };
+            // the ops as eager code writes them: batch_norm's and conv2d's [1, C, 1, 1] operands
+            let mut want = x.conv2d(&wt, None, [1, 1], [p, p], [1, 1], 1).unwrap();
+            if scale {
+                want = want.mul(sc.reshape([1, o, 1, 1]).unwrap()).unwrap();
+            }
+            if shift {
+                want = want.add(sh.reshape([1, o, 1, 1]).unwrap()).unwrap();
+            }
+            if residual {
+                want = want.add(&res).unwrap();
+            }
+            want = act.apply(want).unwrap();
+            let ctx = format!("{dtype} x [{n},{c},{h},{w}] w [{o},{c},{k},{k}] p {p} {e:?} channels-last {channels_last}");
+            prop_assert_eq!(got.shape(), want.shape(), "{}", ctx);
+            let (g, wv) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+            let same = g.iter().zip(&wv).all(|(a, b)| a.to_bits() == b.to_bits());
+            prop_assert!(same, "{}: {:?} != {:?}", ctx, g, wv);
+            // and against f64 loops
+            let (mut r, shape) = ref_conv(&x.to_vec_f64().unwrap(), x.shape(), &wt.to_vec_f64().unwrap(), wt.shape(), None, [1, 1], [p, p], [1, 1], 1);
+            let (scv, shv, rv) = (sc.to_vec_f64().unwrap(), sh.to_vec_f64().unwrap(), res.to_vec_f64().unwrap());
+            for (i, v) in r.iter_mut().enumerate() {
+                let ch = (i / (oh * ow)) % o.max(1);
+                if scale {
+                    *v *= scv[ch];
+                }
+                if shift {
+                    *v += shv[ch];
+                }
+                if residual {
+                    *v += rv[i];
+                }
+                *v = match act {
+                    Activation::None => *v,
+                    Activation::Relu => v.max(0.0),
+                    Activation::GeluTanh => {
+                        let c = (2.0 / std::f64::consts::PI).sqrt();
+                        0.5 * *v * (1.0 + (c * (*v + 0.044715 * v.powi(3))).tanh())
+                    }
+                };
+            }
+            check(&got, &r, &shape, dtype, &ctx);
+        }
+    }
+}
+
+/// Per-channel operands of the wrong length, a residual of the wrong shape, a missing operand,
+/// mixed dtypes: each a clear error naming the op.
+#[test]
+fn conv2d_epilogue_prim_rejects_bad_operands() {
+    use kiln_core::dispatch::apply;
+    use kiln_core::prim::{Activation, ConvEpilogue, ConvParams, Prim};
+    let params = ConvParams {
+        stride: [1, 1],
+        padding: [0, 0],
+        dilation: [1, 1],
+        groups: 1,
+        channels_last: false,
+    };
+    let x = Tensor::zeros(&[2, 3, 5, 5], DType::F32).unwrap();
+    let w = Tensor::zeros(&[4, 3, 3, 3], DType::F32).unwrap();
+    let all = Prim::Conv2dEpilogue {
+        params,
+        epilogue: ConvEpilogue {
+            scale: true,
+            shift: true,
+            residual: true,
+            act: Activation::Relu,
+        },
+    };
+    let four = Tensor::zeros(&[4], DType::F32).unwrap();
+    let three = Tensor::zeros(&[3], DType::F32).unwrap();
+    let res = Tensor::zeros(&[2, 4, 3, 3], DType::F32).unwrap();
+    let bad_res = Tensor::zeros(&[2, 4, 5, 5], DType::F32).unwrap();
+    let err = apply(all.clone(), &[&x, &w, &three, &four, &res]).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("conv2d_epilogue") && msg.contains("[4]"),
+        "{msg}"
+    );
+    let err = apply(all.clone(), &[&x, &w, &four, &four, &bad_res]).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("conv2d_epilogue") && msg.contains("residual"),
+        "{msg}"
+    );
+    let err = apply(all.clone(), &[&x, &w, &four, &four]).unwrap_err();
+    assert!(err.to_string().contains("conv2d_epilogue"), "{err}");
+    let half = Tensor::zeros(&[4], DType::F16).unwrap();
+    let err = apply(all.clone(), &[&x, &w, &half, &four, &res]).unwrap_err();
+    assert!(err.to_string().contains("conv2d_epilogue"), "{err}");
+    // the good operands run
+    let y = apply(all, &[&x, &w, &four, &four, &res]).unwrap();
+    assert_eq!(y.shape(), &[2, 4, 3, 3]);
+}
+
 /// A bias of the wrong length, a missing bias, integer operands: each a clear error naming the op.
 #[test]
 fn matmul_epilogue_prim_rejects_bad_operands() {

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, Once};
 
 use cudarc::cudnn::{result as dnn, sys as dsys};
 use kiln_core::device::DeviceBuffer;
-use kiln_core::prim::{OutMeta, Prim};
+use kiln_core::prim::{ConvEpilogue, OutMeta, Prim};
 use kiln_core::{DType, Device, Error, Result, Tensor};
 
 use crate::buffer::CudaBuffer;
@@ -28,6 +28,13 @@ static BENCHMARK: AtomicBool = AtomicBool::new(false);
 static GRAPH_PLANS: AtomicUsize = AtomicUsize::new(0);
 static LEGACY_PLANS: AtomicUsize = AtomicUsize::new(0);
 static GRAPH_REFUSAL: Mutex<Option<String>> = Mutex::new(None);
+static FUSED_PLANS: AtomicUsize = AtomicUsize::new(0);
+
+/// Plans this process made (or read back) for convolutions with a fused epilogue
+/// (`Prim::Conv2dEpilogue` run as one cuDNN operation graph).
+pub fn cudnn_fused_plans() -> usize {
+    FUSED_PLANS.load(Ordering::Relaxed)
+}
 
 /// Convolution plans made in this process: (graph API, legacy API). Graph-API plans rebuilt from
 /// the disk cache count too (`cudnn_plan_disk_hits` counts those).
@@ -98,6 +105,8 @@ struct PlanKey {
     alignment: usize,
     /// NHWC operands (`ConvParams::channels_last`); `x`, `w`, `y` are in NCHW order either way.
     channels_last: bool,
+    /// A forward convolution's pointwise epilogue (`Prim::Conv2dEpilogue`): graph plans only.
+    epilogue: Option<ConvEpilogue>,
     /// The fresh-cache scope the plan was made in (`kiln_core::cache::scope_id`): a cold compile
     /// measured in one makes its plans anew, from disk or heuristics, as a new process would.
     scope: u64,
@@ -229,14 +238,15 @@ pub(crate) fn run(
         warn_missing(&msg);
         return Ok(None);
     }
-    let (kind, p) = match prim {
-        Prim::Conv2d(p) => (Kind::Forward, p),
-        Prim::Conv2dGradInput { params, .. } => (Kind::GradInput, params),
-        Prim::Conv2dGradWeight { params, .. } => (Kind::GradWeight, params),
+    let (kind, p, epilogue) = match prim {
+        Prim::Conv2d(p) => (Kind::Forward, p, None),
+        Prim::Conv2dEpilogue { params, epilogue } => (Kind::Forward, params, Some(*epilogue)),
+        Prim::Conv2dGradInput { params, .. } => (Kind::GradInput, params, None),
+        Prim::Conv2dGradWeight { params, .. } => (Kind::GradWeight, params, None),
         _ => return Ok(None),
     };
     let dtype = meta.dtype;
-    if data_type(dtype).is_none() || inputs.iter().any(|t| t.rank() != 4) {
+    if data_type(dtype).is_none() || inputs[..2].iter().any(|t| t.rank() != 4) {
         return Ok(None);
     }
     // cuDNN's dims are in NCHW order whatever the memory order
@@ -248,14 +258,26 @@ pub(crate) fn run(
         Kind::GradInput => (out_shape, nchw(inputs[1].shape()), nchw(inputs[0].shape())),
         Kind::GradWeight => (nchw(inputs[1].shape()), out_shape, nchw(inputs[0].shape())),
     };
+    let empty = [x, w, y].iter().any(|s| s.contains(&0));
+    if empty && epilogue.is_some() {
+        // the epilogue of an empty sum is not zeros: the ops compute it
+        return Ok(None);
+    }
     let out = dev.alloc(out_shape.iter().product(), dtype)?;
-    if [x, w, y].iter().any(|s| s.contains(&0)) {
+    if empty {
         // an empty operand: the output is empty, or an empty sum (zeros)
         zero(dev, &out)?;
         return Ok(Some(Arc::new(out)));
     }
     let a = contiguous(dev, inputs[0])?;
     let b = contiguous(dev, inputs[1])?;
+    // an epilogue's operands: per-channel vectors, and a residual in the output's memory order
+    let extra = inputs[2..]
+        .iter()
+        .map(|t| contiguous(dev, t))
+        .collect::<Result<Vec<_>>>()?;
+    let mut addresses = vec![a.ptr(), b.ptr(), out.ptr];
+    addresses.extend(extra.iter().map(Operand::ptr));
     let key = PlanKey {
         kind,
         dtype,
@@ -267,9 +289,11 @@ pub(crate) fn run(
         dilation: p.dilation,
         groups: p.groups,
         tf32: cudnn_allow_tf32(),
-        benchmark: cudnn_benchmark(),
-        alignment: alignment(&[a.ptr(), b.ptr(), out.ptr]),
+        // the legacy API has no epilogue: an epilogue's plan is a graph's, timed or not
+        benchmark: cudnn_benchmark() && epilogue.is_none(),
+        alignment: alignment(&addresses),
         channels_last: p.channels_last,
+        epilogue,
         scope: kiln_core::cache::scope_id(),
     };
     let mut guard = dev.dnn.lock().unwrap_or_else(|e| e.into_inner());
@@ -308,8 +332,13 @@ pub(crate) fn run(
         let made = match graph {
             Some(g) => {
                 GRAPH_PLANS.fetch_add(1, Ordering::Relaxed);
+                if epilogue.is_some() {
+                    FUSED_PLANS.fetch_add(1, Ordering::Relaxed);
+                }
                 Ok(Some(Engine::Graph(g)))
             }
+            // no fused plan: the caller runs the convolution and the epilogue's ops
+            None if epilogue.is_some() => return Ok(None),
             None => {
                 LEGACY_PLANS.fetch_add(1, Ordering::Relaxed);
                 make_plan(state.handle, &key).map(|p| p.map(Engine::Legacy))
@@ -355,12 +384,18 @@ pub(crate) fn run(
     let status = match plan {
         Engine::Graph(g) => {
             // the graph's x, w, y (as the forward convolution names them)
-            let ptrs = match kind {
-                Kind::Forward => [pa, pb, po],
-                Kind::GradInput => [po, pb, pa],
-                Kind::GradWeight => [pb, po, pa],
+            let mut ptrs = match kind {
+                Kind::Forward => vec![pa, pb, po],
+                Kind::GradInput => vec![po, pb, pa],
+                Kind::GradWeight => vec![pb, po, pa],
             };
-            g.execute(handle, ptrs, ws_ptr)
+            ptrs.extend(extra.iter().map(|t| t.ptr() as *mut c_void));
+            g.execute(
+                handle,
+                &crate::conv_graph::variant_ids(epilogue),
+                &ptrs,
+                ws_ptr,
+            )
         }
         Engine::Legacy(plan) => execute_legacy(handle, plan, dtype, [pa, pb, po], ws_ptr),
     };
@@ -479,6 +514,7 @@ fn graph_spec(key: &PlanKey) -> crate::conv_graph::Spec {
         strict_f32: key.dtype == DType::F32 && !key.tf32,
         channels_last: key.channels_last,
         max_workspace: MAX_WORKSPACE,
+        epilogue: key.epilogue,
     }
 }
 

@@ -8,6 +8,7 @@
 use std::ffi::c_void;
 
 use cudarc::cudnn::{result::CudnnError, sys as dsys};
+use kiln_core::prim::{Activation, ConvEpilogue};
 use kiln_core::profiler::{self, Category};
 
 use crate::conv_plan_cache;
@@ -25,8 +26,12 @@ pub(crate) enum Direction {
     GradWeight,
 }
 
-/// The unique ids of x, w and y in every graph (the variant pack's order).
+/// The unique ids of x, w and y in every graph (the variant pack's order), then of an epilogue's
+/// scale, shift and residual (those it has, in that order).
 const IDS: [i64; 3] = [1, 2, 3];
+const EPILOGUE_IDS: [i64; 3] = [4, 5, 6];
+/// The first id of the virtual tensors between an epilogue's operations.
+const VIRTUAL_ID: i64 = 100;
 
 /// A backend descriptor, destroyed on drop.
 pub(crate) struct Desc(dsys::cudnnBackendDescriptor_t);
@@ -109,6 +114,9 @@ pub(crate) struct Spec {
     /// x, w and y are NHWC in memory (`ConvParams::channels_last`); the dims stay in NCHW order.
     pub channels_last: bool,
     pub max_workspace: usize,
+    /// Pointwise operations on the forward convolution's result, in the same graph
+    /// (`Prim::Conv2dEpilogue`).
+    pub epilogue: Option<ConvEpilogue>,
 }
 
 /// The strides of packed NCHW dims `s`, in NCHW or channels-last memory order.
@@ -120,12 +128,26 @@ fn packed_strides(s: [i64; 4], channels_last: bool) -> [i64; 4] {
 }
 
 fn tensor(spec: &Spec, dims: [i64; 4], id: i64) -> DnnResult<Desc> {
+    tensor_of(spec, dims, id, false)
+}
+
+/// A tensor of the graph: packed in the spec's memory order; a virtual one (an intermediate of an
+/// epilogue, never in memory) holds the compute type.
+fn tensor_of(spec: &Spec, dims: [i64; 4], id: i64, is_virtual: bool) -> DnnResult<Desc> {
     let t = Desc::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
+    let data = if is_virtual { spec.compute } else { spec.data };
     t.set(
         A::CUDNN_ATTR_TENSOR_DATA_TYPE,
         T::CUDNN_TYPE_DATA_TYPE,
-        &[spec.data],
+        &[data],
     )?;
+    if is_virtual {
+        t.set(
+            A::CUDNN_ATTR_TENSOR_IS_VIRTUAL,
+            T::CUDNN_TYPE_BOOLEAN,
+            &[true],
+        )?;
+    }
     t.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, T::CUDNN_TYPE_INT64, &dims)?;
     t.set(
         A::CUDNN_ATTR_TENSOR_STRIDES,
@@ -233,6 +255,96 @@ fn operation(spec: &Spec, x: &Desc, w: &Desc, y: &Desc, conv: &Desc) -> DnnResul
     op.finalize()
 }
 
+/// One pointwise operation `y = mode(x, b)` (`b` absent for a unary mode).
+fn pointwise(
+    spec: &Spec,
+    mode: dsys::cudnnPointwiseMode_t,
+    x: &Desc,
+    b: Option<&Desc>,
+    y: &Desc,
+) -> DnnResult<[Desc; 2]> {
+    let pw = Desc::new(D::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
+    pw.set(
+        A::CUDNN_ATTR_POINTWISE_MODE,
+        T::CUDNN_TYPE_POINTWISE_MODE,
+        &[mode],
+    )?;
+    pw.set(
+        A::CUDNN_ATTR_POINTWISE_MATH_PREC,
+        T::CUDNN_TYPE_DATA_TYPE,
+        &[spec.compute],
+    )?;
+    let pw = pw.finalize()?;
+    let op = Desc::new(D::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
+    let bd = T::CUDNN_TYPE_BACKEND_DESCRIPTOR;
+    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, bd, &[pw.0])?;
+    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, bd, &[x.0])?;
+    if let Some(b) = b {
+        op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, bd, &[b.0])?;
+    }
+    op.set(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, bd, &[y.0])?;
+    Ok([op.finalize()?, pw])
+}
+
+/// The operations of `spec`'s graph, in order, and every descriptor they refer to (kept alive
+/// with the plan). Without an epilogue: the convolution alone, writing y. With one: the
+/// convolution writes a virtual tensor, and each step of `act(v * scale + shift + residual)` the
+/// next, the last step y.
+fn operations(spec: &Spec) -> DnnResult<(Vec<Desc>, Vec<Desc>)> {
+    let x = tensor(spec, spec.x, IDS[0])?;
+    let w = tensor(spec, spec.w, IDS[1])?;
+    let conv = convolution(spec)?;
+    let Some(e) = spec.epilogue else {
+        let y = tensor(spec, spec.y, IDS[2])?;
+        let op = operation(spec, &x, &w, &y, &conv)?;
+        return Ok((vec![op], vec![conv, y, w, x]));
+    };
+    use dsys::cudnnPointwiseMode_t::*;
+    let channel = [1, spec.y[1], 1, 1];
+    let mut operands = EPILOGUE_IDS.iter();
+    let mut steps: Vec<(dsys::cudnnPointwiseMode_t, Option<Desc>)> = Vec::new();
+    for (present, mode, dims) in [
+        (e.scale, CUDNN_POINTWISE_MUL, channel),
+        (e.shift, CUDNN_POINTWISE_ADD, channel),
+        (e.residual, CUDNN_POINTWISE_ADD, spec.y),
+    ] {
+        if present {
+            let id = *operands.next().unwrap_or(&0);
+            steps.push((mode, Some(tensor(spec, dims, id)?)));
+        }
+    }
+    match e.act {
+        Activation::None => {}
+        Activation::Relu => steps.push((CUDNN_POINTWISE_RELU_FWD, None)),
+        Activation::GeluTanh => steps.push((CUDNN_POINTWISE_GELU_APPROX_TANH_FWD, None)),
+    }
+    let mut parts = Vec::new();
+    let mut ops = Vec::new();
+    let mut cur = tensor_of(spec, spec.y, VIRTUAL_ID, true)?;
+    ops.push(operation(spec, &x, &w, &cur, &conv)?);
+    let last = steps.len().saturating_sub(1);
+    for (i, (mode, b)) in steps.into_iter().enumerate() {
+        let next = match i == last {
+            true => tensor(spec, spec.y, IDS[2])?,
+            false => tensor_of(spec, spec.y, VIRTUAL_ID + 1 + i as i64, true)?,
+        };
+        let [op, pw] = pointwise(spec, mode, &cur, b.as_ref(), &next)?;
+        ops.push(op);
+        parts.push(pw);
+        parts.extend(b);
+        parts.push(std::mem::replace(&mut cur, next));
+    }
+    parts.extend([cur, conv, w, x]);
+    Ok((ops, parts))
+}
+
+/// The unique ids of the graph's tensors in memory, the variant pack's order: x, w, y, then the
+/// epilogue's operands.
+pub(crate) fn variant_ids(epilogue: Option<ConvEpilogue>) -> Vec<i64> {
+    let extra = epilogue.map_or(0, |e| e.operands());
+    IDS.iter().chain(&EPILOGUE_IDS[..extra]).copied().collect()
+}
+
 /// Whether an engine config's numerical notes allow it under `spec` (for f32 held to FMA math: no
 /// tensor cores, no down-converted inputs, no reduced-precision reduction).
 fn allowed(spec: &Spec, cfg: &Desc) -> DnnResult<bool> {
@@ -323,21 +435,18 @@ pub(crate) fn make_plan(
 /// The plan for `spec` from cuDNN's heuristics: the first engine config, best first, that is
 /// allowed, finalizes and fits the workspace.
 fn choose_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<GraphPlan>> {
-    let x = tensor(spec, spec.x, IDS[0])?;
-    let w = tensor(spec, spec.w, IDS[1])?;
-    let y = tensor(spec, spec.y, IDS[2])?;
-    let conv = convolution(spec)?;
-    let op = operation(spec, &x, &w, &y, &conv)?;
+    let (ops, mut parts) = operations(spec)?;
     let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(
         A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
         T::CUDNN_TYPE_HANDLE,
         &[handle],
     )?;
+    let raw: Vec<dsys::cudnnBackendDescriptor_t> = ops.iter().map(|d| d.0).collect();
     graph.set(
         A::CUDNN_ATTR_OPERATIONGRAPH_OPS,
         T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-        &[op.0],
+        &raw,
     )?;
     let graph = graph.finalize()?;
     use dsys::cudnnBackendHeurMode_t::*;
@@ -375,10 +484,14 @@ fn choose_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<Gra
             let Some(workspace) = workspace(&plan, spec) else {
                 continue;
             };
+            // users before what they refer to, as the descriptors are dropped in order
+            let mut keep = vec![cfg, graph];
+            keep.extend(ops);
+            keep.append(&mut parts);
             return Ok(Some(GraphPlan {
                 plan,
                 workspace,
-                _parts: vec![cfg, graph, op, conv, y, w, x],
+                _parts: keep,
             }));
         }
     }
@@ -415,23 +528,25 @@ impl GraphPlan {
     }
 
     /// Queues the convolution on the handle's stream: `ptrs` are x, w, y (as the forward
-    /// convolution names them), `workspace` holds `self.workspace` bytes.
+    /// convolution names them), then the epilogue's operands (`variant_ids(spec)`'s order);
+    /// `workspace` holds `self.workspace` bytes.
     pub(crate) fn execute(
         &self,
         handle: dsys::cudnnHandle_t,
-        ptrs: [*mut c_void; 3],
+        ids: &[i64],
+        ptrs: &[*mut c_void],
         workspace: *mut c_void,
     ) -> DnnResult<()> {
         let pack = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
         pack.set(
             A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
             T::CUDNN_TYPE_INT64,
-            &IDS,
+            ids,
         )?;
         pack.set(
             A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
             T::CUDNN_TYPE_VOID_PTR,
-            &ptrs,
+            ptrs,
         )?;
         pack.set(
             A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE,

@@ -33,8 +33,8 @@ use std::sync::Arc;
 
 pub use alloc::MemoryStats;
 pub use conv::{
-    cudnn_allow_tf32, cudnn_benchmark, cudnn_graph_error, cudnn_plan_counts, set_cudnn_allow_tf32,
-    set_cudnn_benchmark,
+    cudnn_allow_tf32, cudnn_benchmark, cudnn_fused_plans, cudnn_graph_error, cudnn_plan_counts,
+    set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
 pub use conv_plan_cache::cudnn_plan_disk_hits;
 pub use event::Event;

@@ -51,6 +51,21 @@ pub(crate) fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBu
     Ok((cuda_buf(op, b)?, t.layout()))
 }
 
+/// A device tensor's buffer as a kernel's output: its own when it is the tensor, contiguous from
+/// its start; else a contiguous copy's.
+fn buffer_of(t: Tensor) -> Result<Arc<dyn DeviceBuffer>> {
+    let t = match t.is_contiguous() && t.layout().offset == 0 {
+        true => t,
+        false => kiln_core::dispatch::apply(Prim::Contiguous, &[&t])?,
+    };
+    t.device_buffer().cloned().ok_or_else(|| Error::Device {
+        op: "conv2d_epilogue",
+        lhs: t.device(),
+        rhs: t.device(),
+        msg: "the epilogue's ops gave no device buffer".into(),
+    })
+}
+
 impl CudaRuntime {
     /// `prim` on `device`, its GEMMs as max-autotune's (`matmul_tune.rs`) when `tuned`.
     fn run(
@@ -144,6 +159,15 @@ impl CudaRuntime {
                 match crate::conv::run(&dev, prim, inputs, meta)? {
                     Some(out) => Ok(out),
                     None => crate::fallback::run(&dev, prim, inputs),
+                }
+            }
+            Prim::Conv2dEpilogue { params, epilogue } => {
+                match crate::conv::run(&dev, prim, inputs, meta)? {
+                    Some(out) => Ok(out),
+                    // no fused plan for it: the convolution, then the ops, on the device
+                    None => buffer_of(kiln_core::ops::epilogue::conv2d_epilogue(
+                        inputs, *params, *epilogue,
+                    )?),
                 }
             }
             Prim::MatmulEpilogue(e) => {

@@ -880,6 +880,7 @@ fn main() {
         ("conv_cudnn_tf32_switch", gpu::conv::cudnn_tf32_switch),
         ("conv_cudnn_benchmark_mode", gpu::conv::cudnn_benchmark_mode),
         ("conv_cudnn_plans_on_disk", gpu::conv::cudnn_plans_on_disk),
+        ("conv_cudnn_epilogues", gpu::conv_epilogue::cudnn_epilogues),
         (
             "module_to_cuda_and_back",
             gpu::modules::module_to_cuda_and_back,

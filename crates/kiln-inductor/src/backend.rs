@@ -387,6 +387,19 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     g
 }
 
+/// `prepare` for a CUDA compile: under max-autotune (`tuned`) also the convolution epilogues,
+/// whose cuDNN plans cost seconds to make (`conv_epilogue.rs`).
+pub(crate) fn prepare_cuda(graph: &Graph, tuned: bool) -> std::borrow::Cow<'_, Graph> {
+    let g = prepare(graph);
+    if !tuned {
+        return g;
+    }
+    match crate::conv_epilogue::fuse(&g) {
+        Some(fused) => std::borrow::Cow::Owned(fused),
+        None => g,
+    }
+}
+
 /// A joint graph (forward and backward, before AOT autograd partitions it) rewritten as the
 /// code generators want it: one-per-row gathers and their gradients' scatter_adds as sums and
 /// selects over the row (`one_hot.rs`), then NHWC values for cuDNN on a device

@@ -197,7 +197,7 @@ pub fn channels_last(g: &Graph) -> Option<Graph> {
 }
 
 /// The rewrite itself, whatever the graph's device.
-fn rewrite(g: &Graph) -> Graph {
+pub(crate) fn rewrite(g: &Graph) -> Graph {
     let n = g.nodes.len();
     let mut r = Rewrite {
         out: g.empty_like(2 * n),

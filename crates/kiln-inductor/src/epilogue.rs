@@ -56,7 +56,7 @@ struct Fused {
 }
 
 /// The one node that reads `id`, when `id` is read by exactly one and not returned.
-fn only_reader(users: &[Vec<NodeId>], is_output: &[bool], id: NodeId) -> Option<NodeId> {
+pub(crate) fn only_reader(users: &[Vec<NodeId>], is_output: &[bool], id: NodeId) -> Option<NodeId> {
     match users[id].as_slice() {
         [r] if !is_output[id] => Some(*r),
         _ => None,
@@ -119,13 +119,7 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
             cur = add;
         }
     }
-    let (act, last) = match relu_of(g, users, is_output, cur) {
-        Some(r) => (Activation::Relu, r),
-        None => match gelu_tanh_of(g, users, is_output, cur) {
-            Some(r) => (Activation::GeluTanh, r),
-            None => (Activation::None, cur),
-        },
-    };
+    let (act, last) = activation_of(g, users, is_output, cur);
     if bias.is_none() && act == Activation::None {
         return None;
     }
@@ -137,6 +131,23 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
         act,
         shape: node.shape.clone(),
     })
+}
+
+/// The activation applied to `x` and its last node, when one is all that reads `x`: a ReLU or
+/// tanh-GELU; else `(Activation::None, x)`.
+pub(crate) fn activation_of(
+    g: &Graph,
+    users: &[Vec<NodeId>],
+    is_output: &[bool],
+    x: NodeId,
+) -> (Activation, NodeId) {
+    match relu_of(g, users, is_output, x) {
+        Some(r) => (Activation::Relu, r),
+        None => match gelu_tanh_of(g, users, is_output, x) {
+            Some(r) => (Activation::GeluTanh, r),
+            None => (Activation::None, x),
+        },
+    }
 }
 
 /// The ReLU `where(le(x, 0), 0, x)` when it is all that reads `x` (its two nodes) and the
@@ -230,19 +241,7 @@ pub fn fuse(g: &Graph) -> Option<Graph> {
         };
         let mut args = vec![map[f.a], map[f.b]];
         if let Some(v) = f.bias {
-            let v = map[v];
-            let n = *f.shape.last().unwrap_or(&0);
-            args.push(match out.nodes[v].shape == [n] {
-                true => v,
-                // a prim of the bias (an input, perhaps, which may require grad)
-                false => out.push(Node {
-                    op: Op::Prim(Prim::Reshape(vec![n])),
-                    args: vec![v],
-                    shape: vec![n],
-                    requires_grad: false,
-                    ..out.nodes[v].clone()
-                }),
-            });
+            args.push(as_vector(&mut out, map[v], *f.shape.last().unwrap_or(&0)));
         }
         let epilogue = Epilogue {
             bias: f.bias.is_some(),
@@ -267,8 +266,23 @@ pub fn fuse(g: &Graph) -> Option<Graph> {
     Some(prune(&out))
 }
 
+/// Node `v` of `out`, holding `n` values, as a vector `[n]`: itself, or a reshape of it.
+pub(crate) fn as_vector(out: &mut Graph, v: NodeId, n: usize) -> NodeId {
+    match out.nodes[v].shape == [n] {
+        true => v,
+        // a prim of the value (an input, perhaps, which may require grad)
+        false => out.push(Node {
+            op: Op::Prim(Prim::Reshape(vec![n])),
+            args: vec![v],
+            shape: vec![n],
+            requires_grad: false,
+            ..out.nodes[v].clone()
+        }),
+    }
+}
+
 /// `g` without the nodes no output depends on (inputs stay: they are the call's arguments).
-fn prune(g: &Graph) -> Graph {
+pub(crate) fn prune(g: &Graph) -> Graph {
     let mut live = vec![false; g.nodes.len()];
     for &o in &g.outputs {
         live[o] = true;

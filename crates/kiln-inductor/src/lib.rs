@@ -7,6 +7,7 @@
 mod backend;
 pub mod channels_last;
 pub mod codegen;
+pub mod conv_epilogue;
 mod cudagraphs;
 pub mod epilogue;
 mod footprint;

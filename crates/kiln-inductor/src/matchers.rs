@@ -5,11 +5,14 @@
 use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::{BinaryOp, Prim};
 
-/// Whether `id` is the constant `v` broadcast: a `Full` of `v` under reshapes and expands.
+/// Whether `id` is the constant `v` broadcast: a `Full` of `v` under reshapes, expands and
+/// permutes (the channels-last pass reads an NCHW constant through a permute).
 pub(crate) fn is_constant(g: &Graph, mut id: NodeId, v: f64) -> bool {
     loop {
         match &g.nodes[id].op {
-            Op::Prim(Prim::Reshape(_) | Prim::Expand(_)) => id = g.nodes[id].args[0],
+            Op::Prim(Prim::Reshape(_) | Prim::Expand(_) | Prim::Permute(_)) => {
+                id = g.nodes[id].args[0]
+            }
             Op::Prim(Prim::Full { value, .. }) => return *value == v,
             _ => return false,
         }

@@ -72,9 +72,10 @@ pub struct Plan {
 }
 
 /// Environment variables that change what the compiler makes of a graph.
-const ENV: [&str; 6] = [
+const ENV: [&str; 7] = [
     "KILN_CHANNELS_LAST",
     "KILN_MATMUL_EPILOGUES",
+    "KILN_CONV_EPILOGUES",
     "KILN_SHARE_KERNELS_FROM",
     "KILN_NO_LIBMVEC",
     "KILN_COMPILE_UNITS",

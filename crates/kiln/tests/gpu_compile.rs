@@ -10,6 +10,8 @@ use std::sync::Mutex;
 
 #[path = "gpu_compile/autotune.rs"]
 mod autotune;
+#[path = "gpu_compile/conv_epilogues.rs"]
+mod conv_epilogues;
 #[path = "gpu_compile/graph_cache.rs"]
 mod graph_cache;
 #[path = "gpu_compile/losses.rs"]
@@ -1091,7 +1093,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 29] = [
+    let tests: [(&str, Check); 30] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -1129,6 +1131,10 @@ fn main() {
         (
             "max_autotune_times_gemm_algorithms",
             autotune::max_autotune_times_gemm_algorithms,
+        ),
+        (
+            "conv_epilogues_in_max_autotune",
+            conv_epilogues::conv_epilogues_in_max_autotune,
         ),
         ("dynamic_sizes_share_kernels", dynamic_sizes_share_kernels),
         (

@@ -71,6 +71,7 @@ fn banned_from_recompute(p: &Prim) -> bool {
         Prim::Matmul
             | Prim::MatmulEpilogue(_)
             | Prim::Conv2d { .. }
+            | Prim::Conv2dEpilogue { .. }
             | Prim::Conv2dGradInput { .. }
             | Prim::Conv2dGradWeight { .. }
             | Prim::Reduce { .. }

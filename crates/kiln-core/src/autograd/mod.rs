@@ -119,6 +119,7 @@ pub fn is_differentiable(p: &Prim) -> bool {
             | Prim::Conv2dGradInput { .. }
             | Prim::Conv2dGradWeight { .. }
             | Prim::MatmulEpilogue(_)
+            | Prim::Conv2dEpilogue { .. }
     ) && !matches!(p, Prim::Binary(b) if b.is_comparison() || b.is_logical())
         && !matches!(p, Prim::Cast(d) if !d.is_float())
 }

@@ -284,8 +284,8 @@ pub(super) fn vjp(prim: &Prim, ins: &[Tensor], out: &Tensor, g: &Tensor) -> Resu
         | Prim::Conv2dGradInput { .. }
         | Prim::Conv2dGradWeight { .. } => Ok(vec![None; ins.len()]),
         // written by the compiler after autodiff (`is_differentiable` says so): never recorded
-        Prim::MatmulEpilogue(_) => Err(Error::unsupported(
-            "matmul_epilogue",
+        Prim::MatmulEpilogue(_) | Prim::Conv2dEpilogue { .. } => Err(Error::unsupported(
+            prim.name(),
             "has no derivative: the compiler writes it after differentiating the ops it replaces",
         )),
     }

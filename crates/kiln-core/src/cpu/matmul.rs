@@ -7,10 +7,9 @@ use rayon::prelude::*;
 
 use super::num::Num;
 use super::{as_f32, from_f32_like, typed};
-use crate::prim::{Activation, Epilogue};
 use crate::shape::Layout;
-use crate::storage::{CpuStorage, Storage};
-use crate::{DType, Result, Tensor};
+use crate::storage::CpuStorage;
+use crate::{DType, Tensor};
 
 /// `dst[b] = a[b] @ b[b]` for strided f32/f64 operands. Safety rests on the layouts addressing only
 /// inside their buffers, which `Layout` guarantees for every tensor.
@@ -115,34 +114,4 @@ pub(super) fn matmul(a: &Tensor, b: &Tensor) -> CpuStorage {
         (DType::U8, _, _) => CpuStorage::U8(naive(&typed(&sa, &la), &typed(&sb, &lb), bs, m, k, n)),
         (DType::Bool, _, _) => CpuStorage::Bool(Vec::new()), // rejected by Prim::infer
     }
-}
-
-/// `act(a @ b + bias)` (`Prim::MatmulEpilogue`) as the ops it stands for compute it: this
-/// matmul, then the core's `add`, `relu` or `gelu_tanh` — their one definition — so the prim
-/// equals them bit for bit. The compiler writes the prim for a GPU, where cuBLASLt's epilogues
-/// run it; here it runs only when a graph holding it is interpreted (or a test applies it).
-pub(super) fn matmul_epilogue(inputs: &[&Tensor], e: Epilogue) -> Result<Tensor> {
-    let product = Tensor::from_parts(
-        Storage::cpu(matmul(inputs[0], inputs[1])),
-        Layout::contiguous(&[
-            inputs[0].shape()[0],
-            inputs[0].shape()[1],
-            inputs[1].shape()[2],
-        ]),
-        inputs[0].dtype(),
-        None,
-    );
-    // the ops as eager code calls them, not recorded by autograd or a tracer
-    let _off = crate::intercept::install(None);
-    crate::no_grad(|| {
-        let y = match inputs.get(2).filter(|_| e.bias) {
-            Some(bias) => product.add(*bias)?,
-            None => product,
-        };
-        match e.act {
-            Activation::None => Ok(y),
-            Activation::Relu => y.relu(),
-            Activation::GeluTanh => y.gelu_tanh(),
-        }
-    })
 }

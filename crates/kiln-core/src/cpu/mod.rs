@@ -79,9 +79,11 @@ pub(crate) fn execute(
         ),
         Prim::Matmul => owned(matmul::matmul(inputs[0], inputs[1]), shape),
         Prim::MatmulEpilogue(e) => {
-            let t = matmul::matmul_epilogue(inputs, *e)?;
-            (t.0.storage.clone(), t.layout().clone())
+            epilogue_parts(crate::ops::epilogue::matmul_epilogue(inputs, *e)?)
         }
+        Prim::Conv2dEpilogue { params, epilogue } => epilogue_parts(
+            crate::ops::epilogue::conv2d_epilogue(inputs, *params, *epilogue)?,
+        ),
         Prim::Conv2d(p) => owned(conv::conv2d(inputs[0], inputs[1], p, shape), shape),
         Prim::Conv2dGradInput {
             params,
@@ -98,6 +100,11 @@ pub(crate) fn execute(
             shape,
         ),
     })
+}
+
+/// An epilogue prim's result (computed by the ops it stands for) as a kernel's output.
+fn epilogue_parts(t: Tensor) -> (Storage, Layout) {
+    (t.0.storage.clone(), t.layout().clone())
 }
 
 /// A channels-last convolution (`ConvParams::channels_last`): the NCHW one over permuted views of

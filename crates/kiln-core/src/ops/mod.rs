@@ -5,6 +5,7 @@ mod activation;
 mod conv;
 mod creation;
 mod elementwise;
+pub mod epilogue;
 mod index;
 mod linalg;
 mod loss;

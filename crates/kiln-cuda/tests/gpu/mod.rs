@@ -1,4 +1,5 @@
 pub mod conv;
+pub mod conv_epilogue;
 pub mod harness;
 pub mod matmul;
 pub mod modules;

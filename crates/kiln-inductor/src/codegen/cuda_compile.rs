@@ -118,7 +118,7 @@ pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn C
                 });
                 match cached {
                     Some(plan) => Source::Cached(plan),
-                    None => Source::Fresh(crate::backend::prepare(g), key),
+                    None => Source::Fresh(crate::backend::prepare_cuda(g, flags.autotune), key),
                 }
             })
             .collect();

@@ -35,7 +35,7 @@ pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
         }
         for node in &g.nodes {
             let Op::Prim(p) = &node.op else { continue };
-            if p.conv_params().is_none() {
+            if p.conv_params().is_none() && !matches!(p, Prim::Conv2dEpilogue { .. }) {
                 continue;
             }
             let operands: Vec<(Vec<usize>, DType)> = node

@@ -1,0 +1,369 @@
+//! Convolution epilogues: what follows a convolution in an inference network — an eval-mode
+//! batch norm's per-channel scale and shift, a Conv2d's bias, a ResNet block's skip connection,
+//! a ReLU or tanh-GELU — computed by the convolution's own cuDNN call
+//! (`Prim::Conv2dEpilogue`: one operation graph, the convolution then pointwise operations on its
+//! accumulator), so its result is written once instead of written, read and written again by a
+//! generated kernel. PyTorch's Inductor leaves these to a generated kernel after
+//! `aten.convolution`.
+//!
+//! The pattern, in the prims the channels-last layout pass leaves (`channels_last.rs`): a
+//! channels-last `conv2d`, then `mul(_, expand(scale))`, `add(_, expand(shift))` (per-channel
+//! values broadcast over N, H and W), `add(_, residual)` (a value of the output's shape) and an
+//! activation (`epilogue::activation_of`), each optional but at least one. A value inside the
+//! pattern that anything else reads, or that the graph returns, ends it.
+//!
+//! When it applies: cuDNN fuses these graphs only with engines it compiles at run time (NVRTC
+//! inside cuDNN): each distinct fused convolution costs 0.3-2.2 s of plan making on the H200
+//! machine, against a few milliseconds for a plain convolution's plan, and the fused kernels are
+//! not faster everywhere (the measurements are in BENCHMARKS.md). That is max-autotune's trade —
+//! compile time for call time — so the pass runs for the max-autotune modes only
+//! (`cuda_compile.rs`), not for default or reduce-overhead, whose compiles stay in milliseconds.
+//! It needs a channels-last convolution (cuDNN fuses NHWC tensors only), one group, f32 (TF32,
+//! cuDNN's default), f16 or bf16, and at least `MIN_INPUT_CHANNELS` input channels. Where cuDNN
+//! still refuses a case (f32 with TF32 turned off: only a bias alone fuses then), the prim runs
+//! as the convolution and then the ops it stands for (`kiln_core::ops::epilogue`), which costs
+//! more than the generated kernel it replaced. `KILN_CONV_EPILOGUES=0` turns the pass off.
+//!
+//! What it computes: cuDNN's pointwise steps run in f32 on the accumulator, so a half-precision
+//! result is rounded once, where eager execution rounds after each op; cuDNN's ReLU is
+//! `max(x, 0)`, which turns a NaN into 0 where eager's `relu` keeps it.
+
+use kiln_compile::graph::{Graph, Node, NodeId, Op};
+use kiln_core::prim::{Activation, BinaryOp, ConvEpilogue, ConvParams, Prim};
+use kiln_core::DType;
+
+use crate::epilogue::{activation_of, as_vector, bias_of, only_reader, prune};
+use crate::matchers::readers;
+
+/// Fewest input channels a fused convolution reads. ResNet's stem (3 channels, 7x7, stride 2,
+/// batch 16 at 224x224) ran 423 µs fused against 110 µs for the plain convolution in f32 (TF32)
+/// on the H200 machine, 207 against 49 µs in f16; the 3x3 convolutions of 64 channels and more
+/// ran within a few microseconds of their plain convolutions.
+const MIN_INPUT_CHANNELS: usize = 16;
+
+/// One convolution and what it absorbs.
+struct Fused {
+    /// The value the epilogue call produces: the last op absorbed.
+    last: NodeId,
+    x: NodeId,
+    w: NodeId,
+    params: ConvParams,
+    /// Nodes of C values each, in channel order (reshaped to `[C]` if need be).
+    scale: Option<NodeId>,
+    shift: Option<NodeId>,
+    residual: Option<NodeId>,
+    act: Activation,
+}
+
+/// `node` as `op(cur, other)` or `op(other, cur)`: the other operand.
+fn other_operand(node: &Node, op: BinaryOp, cur: NodeId) -> Option<NodeId> {
+    if !matches!(node.op, Op::Prim(Prim::Binary(o)) if o == op) {
+        return None;
+    }
+    match node.args[..] {
+        [a, b] if a == cur => Some(b),
+        [a, b] if b == cur => Some(a),
+        _ => None,
+    }
+}
+
+/// The epilogue pattern that starts at convolution `conv`, if there is one.
+fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], conv: NodeId) -> Option<Fused> {
+    let node = &g.nodes[conv];
+    let Op::Prim(Prim::Conv2d(params)) = node.op else {
+        return None;
+    };
+    let x = node.args[0];
+    let input_channels = g.nodes[x].shape.last().copied().unwrap_or(0);
+    if !params.channels_last
+        || params.groups != 1
+        || !matches!(node.dtype, DType::F32 | DType::F16 | DType::BF16)
+        || input_channels < MIN_INPUT_CHANNELS
+    {
+        return None;
+    }
+    let channels = *node.shape.last()?;
+    let alike = |v: NodeId| g.nodes[v].dtype == node.dtype && g.nodes[v].device == node.device;
+    let only_reader = |id: NodeId| only_reader(users, is_output, id);
+    let mut cur = conv;
+    let per_channel = |op: BinaryOp, cur: &mut NodeId| -> Option<NodeId> {
+        let r = only_reader(*cur)?;
+        let v = other_operand(&g.nodes[r], op, *cur)
+            .and_then(|o| bias_of(g, o, channels))
+            .filter(|&v| alike(v))?;
+        *cur = r;
+        Some(v)
+    };
+    let scale = per_channel(BinaryOp::Mul, &mut cur);
+    let shift = per_channel(BinaryOp::Add, &mut cur);
+    let residual = only_reader(cur).and_then(|r| {
+        let o = other_operand(&g.nodes[r], BinaryOp::Add, cur)?;
+        let full = g.nodes[o].shape == node.shape && alike(o);
+        full.then(|| {
+            cur = r;
+            o
+        })
+    });
+    let (act, last) = activation_of(g, users, is_output, cur);
+    if scale.is_none() && shift.is_none() && residual.is_none() && act == Activation::None {
+        return None;
+    }
+    Some(Fused {
+        last,
+        x,
+        w: node.args[1],
+        params,
+        scale,
+        shift,
+        residual,
+        act,
+    })
+}
+
+/// Whether the pass runs: unless `KILN_CONV_EPILOGUES=0`.
+fn enabled() -> bool {
+    std::env::var("KILN_CONV_EPILOGUES").as_deref() != Ok("0")
+}
+
+/// `g` with its convolution epilogues fused, or `None` when it has none (or the pass is off).
+pub fn fuse(g: &Graph) -> Option<Graph> {
+    if !enabled() {
+        return None;
+    }
+    let users = readers(g);
+    let mut is_output = vec![false; g.nodes.len()];
+    for &o in &g.outputs {
+        is_output[o] = true;
+    }
+    let mut at_last: Vec<Option<Fused>> = (0..g.nodes.len()).map(|_| None).collect();
+    for conv in 0..g.nodes.len() {
+        if let Some(f) = pattern(g, &users, &is_output, conv) {
+            let last = f.last;
+            at_last[last] = Some(f);
+        }
+    }
+    if at_last.iter().all(Option::is_none) {
+        return None;
+    }
+    let mut out = g.empty_like(g.nodes.len());
+    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
+    for (id, node) in g.nodes.iter().enumerate() {
+        let Some(f) = at_last[id].take() else {
+            // a node the pattern absorbed is read by no node written out: pruned below
+            let args = node.args.iter().map(|&a| map[a]).collect();
+            map.push(out.push(Node {
+                args,
+                ..node.clone()
+            }));
+            continue;
+        };
+        let channels = *node.shape.last().unwrap_or(&0);
+        let mut args = vec![map[f.x], map[f.w]];
+        for v in [f.scale, f.shift].into_iter().flatten() {
+            args.push(as_vector(&mut out, map[v], channels));
+        }
+        args.extend(f.residual.map(|r| map[r]));
+        let epilogue = ConvEpilogue {
+            scale: f.scale.is_some(),
+            shift: f.shift.is_some(),
+            residual: f.residual.is_some(),
+            act: f.act,
+        };
+        map.push(out.push(Node {
+            op: Op::Prim(Prim::Conv2dEpilogue {
+                params: f.params,
+                epilogue,
+            }),
+            args,
+            ..node.clone()
+        }));
+    }
+    out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
+    Some(prune(&out))
+}
+
+#[cfg(test)]
+mod tests {
+    use kiln_compile::backends::Interpreter;
+    use kiln_compile::CompiledGraph;
+    use kiln_core::{Result, RunningStats, Tensor};
+
+    use super::*;
+    use crate::test_graphs::traced;
+
+    fn epilogues(g: &Graph) -> Vec<ConvEpilogue> {
+        g.nodes
+            .iter()
+            .filter_map(|n| match n.op {
+                Op::Prim(Prim::Conv2dEpilogue { epilogue, .. }) => Some(epilogue),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// The graph as a device compile sees it: channels-last, then fused.
+    fn rewritten(g: &Graph) -> Graph {
+        let nhwc = crate::channels_last::rewrite(g);
+        fuse(&nhwc).unwrap_or(nhwc)
+    }
+
+    /// Runs each graph `f` traces rewritten, on the interpreter (the CPU computes the fused prim
+    /// as the ops it stands for).
+    struct Fused;
+
+    impl kiln_compile::Backend for Fused {
+        fn name(&self) -> &str {
+            "fused_conv_epilogues"
+        }
+        fn compile(
+            &self,
+            graph: &Graph,
+            _ctx: &kiln_compile::BackendContext,
+        ) -> Result<std::sync::Arc<dyn CompiledGraph>> {
+            Ok(std::sync::Arc::new(Interpreter::new(rewritten(graph))))
+        }
+    }
+
+    /// `f`'s fused epilogues, after checking that the rewritten graph computes what `f`
+    /// computes eagerly, bit for bit.
+    fn fused(
+        f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + Clone + 'static,
+        args: &[Tensor],
+    ) -> Result<Vec<ConvEpilogue>> {
+        let want = f(args)?;
+        let compiled = kiln_compile::compile_fn(
+            f.clone(),
+            kiln_compile::CompileOptions::default().custom_backend(std::sync::Arc::new(Fused)),
+        )?;
+        let got = kiln_core::no_grad(|| compiled.call(args))?;
+        assert_eq!(want.len(), got.len());
+        for (w, o) in want.iter().zip(&got) {
+            assert_eq!(w.shape(), o.shape());
+            assert_eq!(w.to_vec::<f32>()?, o.to_vec::<f32>()?);
+        }
+        Ok(epilogues(&rewritten(&traced(f, args)?)))
+    }
+
+    /// Eval-mode batch norm of `x` with the statistics and affine in `p[0..4]`.
+    fn bn(x: &Tensor, p: &[Tensor]) -> Result<Tensor> {
+        let stats = RunningStats {
+            mean: &p[0],
+            var: &p[1],
+            momentum: 0.1,
+        };
+        x.batch_norm(Some(&p[2]), Some(&p[3]), Some(stats), false, 1e-5)
+    }
+
+    fn conv3(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        x.conv2d(w, None, [1, 1], [1, 1], [1, 1], 1)
+    }
+
+    /// x, two 3x3 weights of 16 channels, and two batch norms' mean, var, weight, bias.
+    fn block_args() -> Result<Vec<Tensor>> {
+        let c = 16;
+        let mut v = vec![
+            Tensor::randn(&[2, c, 6, 6], DType::F32)?,
+            Tensor::randn(&[c, c, 3, 3], DType::F32)?.mul(0.1)?,
+            Tensor::randn(&[c, c, 3, 3], DType::F32)?.mul(0.1)?,
+        ];
+        for _ in 0..2 {
+            v.push(Tensor::randn(&[c], DType::F32)?);
+            v.push(Tensor::rand(&[c], DType::F32)?.add(0.5)?);
+            v.push(Tensor::randn(&[c], DType::F32)?);
+            v.push(Tensor::randn(&[c], DType::F32)?);
+        }
+        Ok(v)
+    }
+
+    const BN_RELU: ConvEpilogue = ConvEpilogue {
+        scale: true,
+        shift: true,
+        residual: false,
+        act: Activation::Relu,
+    };
+
+    /// A ResNet basic block in eval mode: `relu(bn(conv(relu(bn(conv(x))))) + x)` is two calls,
+    /// the second with the skip connection.
+    #[test]
+    fn a_resnet_block_is_two_calls() -> Result<()> {
+        let got = fused(
+            |a: &[Tensor]| {
+                let h = bn(&conv3(&a[0], &a[1])?, &a[3..7])?.relu()?;
+                let h = bn(&conv3(&h, &a[2])?, &a[7..11])?;
+                Ok(vec![h.add(&a[0])?.relu()?])
+            },
+            &block_args()?,
+        )?;
+        let with_skip = ConvEpilogue {
+            residual: true,
+            ..BN_RELU
+        };
+        assert_eq!(got, [BN_RELU, with_skip]);
+        Ok(())
+    }
+
+    /// A Conv2d's bias and a tanh-GELU; a bias alone.
+    #[test]
+    fn a_bias_and_an_activation() -> Result<()> {
+        let got = fused(
+            |a: &[Tensor]| {
+                let h = a[0].conv2d(&a[1], Some(&a[3]), [1, 1], [1, 1], [1, 1], 1)?;
+                let h = h.gelu_tanh()?;
+                Ok(vec![h.conv2d(
+                    &a[2],
+                    Some(&a[4]),
+                    [1, 1],
+                    [1, 1],
+                    [1, 1],
+                    1,
+                )?])
+            },
+            &block_args()?,
+        )?;
+        let bias = ConvEpilogue {
+            scale: false,
+            shift: true,
+            residual: false,
+            act: Activation::None,
+        };
+        let gelu = ConvEpilogue {
+            act: Activation::GeluTanh,
+            ..bias
+        };
+        assert_eq!(got, [gelu, bias]);
+        Ok(())
+    }
+
+    /// What stays apart: a stem of 3 input channels (cuDNN's fused engine is slower there), a
+    /// convolution whose result the graph also returns, a training-mode batch norm (its
+    /// statistics read the convolution's result), grouped convolutions.
+    #[test]
+    fn what_stays_apart() -> Result<()> {
+        let a = block_args()?;
+        let stem = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let x = a[0].narrow(1, 0, 3)?;
+            let w = a[1].narrow(1, 0, 3)?;
+            Ok(vec![bn(&conv3(&x, &w)?, &a[3..7])?.relu()?])
+        };
+        assert_eq!(fused(stem, &a)?, []);
+        let returned = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let y = conv3(&a[0], &a[1])?;
+            Ok(vec![bn(&y, &a[3..7])?.relu()?, y])
+        };
+        assert_eq!(fused(returned, &a)?, []);
+        let training = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let y = conv3(&a[0], &a[1])?;
+            Ok(vec![y
+                .batch_norm(Some(&a[5]), Some(&a[6]), None, true, 1e-5)?
+                .relu()?])
+        };
+        assert_eq!(fused(training, &a)?, []);
+        let grouped = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let w = a[1].narrow(1, 0, 8)?;
+            let y = a[0].conv2d(&w, None, [1, 1], [1, 1], [1, 1], 2)?;
+            Ok(vec![bn(&y, &a[3..7])?.relu()?])
+        };
+        assert_eq!(fused(grouped, &a)?, []);
+        Ok(())
+    }
+}
