@@ -56,7 +56,15 @@ pub(crate) fn compile_cached(
     graph: &Graph,
     name: &str,
 ) -> Result<Arc<dyn CompiledGraph>> {
-    let options = format!("{}|{:?}|{}", ctx.mode, ctx.options, ctx.fullgraph);
+    // a graph compiled (and perhaps recorded for replay) under other backend switches holds the
+    // kernels they chose: not shared (`kiln_core::backends`)
+    let options = format!(
+        "{}|{:?}|{}|{}",
+        ctx.mode,
+        ctx.options,
+        ctx.fullgraph,
+        kiln_core::backends::fingerprint()
+    );
     let key = (backend.name().to_string(), options, graph.structure_key());
     if let Some(c) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         HITS.fetch_add(1, Ordering::Relaxed);

@@ -2,6 +2,7 @@
 //! hold replays the graph without re-running the user's Rust code; any failure means a recompile.
 
 use kiln_core::autograd::is_grad_enabled;
+use kiln_core::backends;
 use kiln_core::{DType, Device, Tensor};
 
 use crate::trace::Source;
@@ -112,6 +113,9 @@ pub struct Guards {
     /// reads one input for both and must not replay `f(y, z)`.
     pub aliases: Vec<usize>,
     pub grad_mode: bool,
+    /// `kiln_core::backends::fingerprint()` when compiled: TF32 and cuDNN benchmark switches, as
+    /// Dynamo's global-state guard (a graph recorded for replay holds the kernels they chose).
+    pub switches: u64,
     /// A caller-supplied key for Rust state the graph depends on (a module's training flag).
     pub extra: u64,
 }
@@ -147,6 +151,7 @@ impl Guards {
                 .collect(),
             aliases: alias_pattern(args),
             grad_mode: is_grad_enabled(),
+            switches: backends::fingerprint(),
             extra,
         }
     }
@@ -155,6 +160,7 @@ impl Guards {
     pub fn hold(&self, args: &[Tensor], extra: u64) -> bool {
         self.extra == extra
             && self.grad_mode == is_grad_enabled()
+            && self.switches == backends::fingerprint()
             && args.len() == self.args.len()
             && self.args.iter().zip(args).all(|(g, t)| g.holds(t))
             && self.captured.iter().all(|(t, rg)| t.requires_grad() == *rg)
@@ -166,6 +172,7 @@ impl Guards {
     pub fn hold_except_sizes(&self, args: &[Tensor], extra: u64) -> bool {
         self.extra == extra
             && self.grad_mode == is_grad_enabled()
+            && self.switches == backends::fingerprint()
             && args.len() == self.args.len()
             && self
                 .args
@@ -207,6 +214,14 @@ impl Guards {
         }
         if self.grad_mode != is_grad_enabled() {
             return Some(format!("grad mode changed to {}", is_grad_enabled()));
+        }
+        let switches = backends::fingerprint();
+        if self.switches != switches {
+            return Some(format!(
+                "backend switches changed ({} -> {})",
+                backends::describe(self.switches),
+                backends::describe(switches)
+            ));
         }
         if self.extra != extra {
             return Some(format!(

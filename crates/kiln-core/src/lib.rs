@@ -5,6 +5,7 @@
 //! `ops/` are compositions of prims, defined once.
 
 pub mod autograd;
+pub mod backends;
 pub mod cache;
 pub mod cpu;
 pub mod device;

@@ -13,10 +13,11 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Once};
 
 use cudarc::cudnn::{result as dnn, sys as dsys};
+use kiln_core::backends::{self, Switch};
 use kiln_core::device::DeviceBuffer;
 use kiln_core::prim::{ConvEpilogue, OutMeta, Prim};
 use kiln_core::{DType, Device, Error, Result, Tensor};
@@ -24,7 +25,6 @@ use kiln_core::{DType, Device, Error, Result, Tensor};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
-static BENCHMARK: AtomicBool = AtomicBool::new(false);
 static GRAPH_PLANS: AtomicUsize = AtomicUsize::new(0);
 static LEGACY_PLANS: AtomicUsize = AtomicUsize::new(0);
 static GRAPH_REFUSAL: Mutex<Option<String>> = Mutex::new(None);
@@ -58,10 +58,10 @@ pub fn cudnn_graph_error() -> Option<String> {
 /// seen. Off, plans come from cuDNN's graph API and its heuristics (`conv_graph.rs`), falling back
 /// to the legacy API's heuristics where the graph API has no plan.
 pub fn set_cudnn_benchmark(on: bool) {
-    BENCHMARK.store(on, Ordering::Relaxed);
+    backends::set(Switch::CudnnBenchmark, on);
 }
 pub fn cudnn_benchmark() -> bool {
-    BENCHMARK.load(Ordering::Relaxed)
+    backends::get(Switch::CudnnBenchmark)
 }
 
 /// `torch.backends.cudnn.allow_tf32` (on by default, as in PyTorch, unlike matmul's
@@ -69,12 +69,11 @@ pub fn cudnn_benchmark() -> bool {
 /// 10 mantissa bits, several times the f32 rate). A test that compares convolutions with f32
 /// precision turns it off.
 pub fn set_cudnn_allow_tf32(on: bool) {
-    CUDNN_TF32.store(on, Ordering::Relaxed);
+    backends::set(Switch::CudnnTf32, on);
 }
 pub fn cudnn_allow_tf32() -> bool {
-    CUDNN_TF32.load(Ordering::Relaxed)
+    backends::get(Switch::CudnnTf32)
 }
-static CUDNN_TF32: AtomicBool = AtomicBool::new(true);
 
 /// Plans kept per device before the cache is cleared (a model has tens of distinct convolutions).
 const MAX_PLANS: usize = 4096;

@@ -4,25 +4,24 @@
 //! PyTorch's default for matmul (`torch.backends.cuda.matmul.allow_tf32 = False`).
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as bsys};
+use kiln_core::backends::{self, Switch};
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Device, Error, Result};
 
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
-static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
-
 /// `torch.backends.cuda.matmul.allow_tf32`: lets f32 matmuls round operands to TF32 on tensor
-/// cores (about 10 mantissa bits; several times faster).
+/// cores (about 10 mantissa bits; several times faster). Held by `kiln_core::backends`, which
+/// compiled functions guard on.
 pub fn set_allow_tf32(on: bool) {
-    ALLOW_TF32.store(on, Ordering::Relaxed);
+    backends::set(Switch::MatmulTf32, on);
 }
 pub fn allow_tf32() -> bool {
-    ALLOW_TF32.load(Ordering::Relaxed)
+    backends::get(Switch::MatmulTf32)
 }
 
 /// A cuBLAS handle bound to a device's stream.
