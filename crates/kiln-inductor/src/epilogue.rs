@@ -32,6 +32,7 @@ use kiln_core::DType;
 
 use crate::ir::lower::{matmul_dims, small_matmul};
 use crate::matchers::{is_constant, readers, relu_parts};
+use crate::replace::{as_vector, outputs_of, replace};
 
 /// Fewest rows of a matmul given an epilogue. With fewer, the product streams the weights
 /// (a GEMV in all but name), and cuBLAS's own GEMM picks kernels for that shape which cuBLASLt's
@@ -213,35 +214,12 @@ pub fn fuse(g: &Graph) -> Option<Graph> {
         return None;
     }
     let users = readers(g);
-    let mut is_output = vec![false; g.nodes.len()];
-    for &o in &g.outputs {
-        is_output[o] = true;
-    }
-    let mut at_last: Vec<Option<Fused>> = (0..g.nodes.len()).map(|_| None).collect();
-    for mm in 0..g.nodes.len() {
-        if let Some(f) = pattern(g, &users, &is_output, mm) {
-            let last = f.last;
-            at_last[last] = Some(f);
-        }
-    }
-    if at_last.iter().all(Option::is_none) {
-        return None;
-    }
-    let mut out = g.empty_like(g.nodes.len());
-    let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
-    for (id, node) in g.nodes.iter().enumerate() {
-        let Some(f) = at_last[id].take() else {
-            // a node the pattern absorbed is read by no node written out: pruned below
-            let args = node.args.iter().map(|&a| map[a]).collect();
-            map.push(out.push(Node {
-                args,
-                ..node.clone()
-            }));
-            continue;
-        };
+    let is_output = outputs_of(g);
+    let found = |mm: NodeId| pattern(g, &users, &is_output, mm).map(|f| (f.last, f));
+    replace(g, found, |out, map, node, f: Fused| {
         let mut args = vec![map[f.a], map[f.b]];
         if let Some(v) = f.bias {
-            args.push(as_vector(&mut out, map[v], *f.shape.last().unwrap_or(&0)));
+            args.push(as_vector(out, map[v], *f.shape.last().unwrap_or(&0)));
         }
         let epilogue = Epilogue {
             bias: f.bias.is_some(),
@@ -253,73 +231,23 @@ pub fn fuse(g: &Graph) -> Option<Graph> {
             shape: f.shape.clone(),
             ..node.clone()
         });
-        map.push(match node.shape == f.shape {
+        match node.shape == f.shape {
             true => call,
             false => out.push(Node {
                 op: Op::Prim(Prim::Reshape(node.shape.clone())),
                 args: vec![call],
                 ..node.clone()
             }),
-        });
-    }
-    out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
-    Some(prune(&out))
-}
-
-/// Node `v` of `out`, holding `n` values, as a vector `[n]`: itself, or a reshape of it.
-pub(crate) fn as_vector(out: &mut Graph, v: NodeId, n: usize) -> NodeId {
-    match out.nodes[v].shape == [n] {
-        true => v,
-        // a prim of the value (an input, perhaps, which may require grad)
-        false => out.push(Node {
-            op: Op::Prim(Prim::Reshape(vec![n])),
-            args: vec![v],
-            shape: vec![n],
-            requires_grad: false,
-            ..out.nodes[v].clone()
-        }),
-    }
-}
-
-/// `g` without the nodes no output depends on (inputs stay: they are the call's arguments).
-pub(crate) fn prune(g: &Graph) -> Graph {
-    let mut live = vec![false; g.nodes.len()];
-    for &o in &g.outputs {
-        live[o] = true;
-    }
-    for id in (0..g.nodes.len()).rev() {
-        if matches!(g.nodes[id].op, Op::Input(_)) {
-            live[id] = true;
         }
-        if live[id] {
-            for &a in &g.nodes[id].args {
-                live[a] = true;
-            }
-        }
-    }
-    let mut out = g.empty_like(g.nodes.len());
-    let mut map = vec![usize::MAX; g.nodes.len()];
-    for (id, node) in g.nodes.iter().enumerate() {
-        if live[id] {
-            let args = node.args.iter().map(|&a| map[a]).collect();
-            map[id] = out.push(Node {
-                args,
-                ..node.clone()
-            });
-        }
-    }
-    out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
-    out
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use kiln_compile::backends::Interpreter;
-    use kiln_compile::CompiledGraph;
     use kiln_core::{Result, Tensor};
 
     use super::*;
-    use crate::test_graphs::traced;
+    use crate::test_graphs::rewritten_bitwise;
 
     fn epilogues(g: &Graph) -> Vec<Epilogue> {
         g.nodes
@@ -331,41 +259,14 @@ mod tests {
             .collect()
     }
 
-    /// Runs each graph `f` traces to fused, on the interpreter.
-    struct Fused;
-
-    impl kiln_compile::Backend for Fused {
-        fn name(&self) -> &str {
-            "fused_epilogues"
-        }
-        fn compile(
-            &self,
-            graph: &Graph,
-            _ctx: &kiln_compile::BackendContext,
-        ) -> Result<std::sync::Arc<dyn CompiledGraph>> {
-            let g = fuse(graph).unwrap_or_else(|| graph.clone());
-            Ok(std::sync::Arc::new(Interpreter::new(g)))
-        }
-    }
-
     /// `f`'s graph with its epilogues fused, after checking that the fused graph computes what
     /// `f` computes eagerly, bit for bit (the CPU's epilogue rounds as the separate ops do).
     fn fused(
         f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + Clone + 'static,
         args: &[Tensor],
     ) -> Result<Option<Graph>> {
-        let want = f(args)?;
-        let compiled = kiln_compile::compile_fn(
-            f.clone(),
-            kiln_compile::CompileOptions::default().custom_backend(std::sync::Arc::new(Fused)),
-        )?;
-        let got = kiln_core::no_grad(|| compiled.call(args))?;
-        assert_eq!(want.len(), got.len());
-        for (w, o) in want.iter().zip(&got) {
-            assert_eq!(w.shape(), o.shape());
-            assert_eq!(w.to_vec::<f32>()?, o.to_vec::<f32>()?);
-        }
-        Ok(fuse(&traced(f, args)?))
+        let g = rewritten_bitwise(f, args, |g| fuse(g).unwrap_or_else(|| g.clone()))?;
+        Ok((!epilogues(&g).is_empty()).then_some(g))
     }
 
     fn mlp_args() -> Result<Vec<Tensor>> {

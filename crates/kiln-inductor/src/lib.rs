@@ -19,6 +19,7 @@ mod parallel;
 mod plan_cache;
 mod relu_mask;
 mod repeats;
+mod replace;
 mod rows;
 pub mod runtime;
 pub mod schedule;

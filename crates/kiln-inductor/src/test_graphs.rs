@@ -197,6 +197,50 @@ pub(crate) fn traced(
     }
 }
 
+/// A backend that interprets each graph after a rewrite (a pass under test).
+struct Rewriting(fn(&Graph) -> Graph);
+
+impl kiln_compile::Backend for Rewriting {
+    fn name(&self) -> &str {
+        "rewriting_interpreter"
+    }
+    fn compile(
+        &self,
+        graph: &Graph,
+        _ctx: &kiln_compile::BackendContext,
+    ) -> kiln_core::Result<std::sync::Arc<dyn kiln_compile::CompiledGraph>> {
+        Ok(std::sync::Arc::new(
+            kiln_compile::backends::Interpreter::new((self.0)(graph)),
+        ))
+    }
+}
+
+/// The graph `f` traces to on `args`, rewritten by `rewrite`, after checking that the rewritten
+/// graph, interpreted, computes what `f` computes eagerly, bit for bit (f32 outputs).
+pub(crate) fn rewritten_bitwise(
+    f: impl Fn(&[kiln_core::Tensor]) -> kiln_core::Result<Vec<kiln_core::Tensor>>
+        + Send
+        + Sync
+        + Clone
+        + 'static,
+    args: &[kiln_core::Tensor],
+    rewrite: fn(&Graph) -> Graph,
+) -> kiln_core::Result<Graph> {
+    let want = f(args)?;
+    let compiled = kiln_compile::compile_fn(
+        f.clone(),
+        kiln_compile::CompileOptions::default()
+            .custom_backend(std::sync::Arc::new(Rewriting(rewrite))),
+    )?;
+    let got = kiln_core::no_grad(|| compiled.call(args))?;
+    assert_eq!(want.len(), got.len());
+    for (w, o) in want.iter().zip(&got) {
+        assert_eq!(w.shape(), o.shape());
+        assert_eq!(w.to_vec::<f32>()?, o.to_vec::<f32>()?);
+    }
+    Ok(rewrite(&traced(f, args)?))
+}
+
 /// The kernels `t` plans for the graph `f` traces to on `args`, rewritten as the backend
 /// rewrites it (`backend::prepare`), each with the number of values it writes.
 pub(crate) fn planned_kernels<T: crate::backend::Target>(
