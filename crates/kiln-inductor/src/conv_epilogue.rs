@@ -18,17 +18,17 @@
 //! not faster everywhere (the measurements are in BENCHMARKS.md). That is max-autotune's trade —
 //! compile time for call time — so the pass runs for the max-autotune modes only
 //! (`cuda_compile.rs`), not for default or reduce-overhead, whose compiles stay in milliseconds.
-//! It needs a channels-last convolution (cuDNN fuses NHWC tensors only), one group, f32 (TF32,
-//! cuDNN's default), f16 or bf16, and at least `MIN_INPUT_CHANNELS` input channels. Where cuDNN
-//! still refuses a case (f32 with TF32 turned off: only a bias alone fuses then), the prim runs
-//! as the convolution and then the ops it stands for (`kiln_core::ops::epilogue`), which costs
-//! more than the generated kernel it replaced. `KILN_CONV_EPILOGUES=0` turns the pass off.
+//! It needs a channels-last convolution (cuDNN fuses NHWC tensors only), one group, f32 with
+//! cuDNN's TF32 switch on (its default; with it off, only a bias alone fuses), f16 or bf16, and
+//! at least `MIN_INPUT_CHANNELS` input channels. Where cuDNN still refuses a case, the prim runs
+//! as the convolution and then the ops it stands for (`kiln_core::ops::epilogue`). `KILN_CONV_EPILOGUES=0` turns the pass off.
 //!
 //! What it computes: cuDNN's pointwise steps run in f32 on the accumulator, so a half-precision
 //! result is rounded once, where eager execution rounds after each op; cuDNN's ReLU is
 //! `max(x, 0)`, which turns a NaN into 0 where eager's `relu` keeps it.
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
+use kiln_core::backends::{self, Switch};
 use kiln_core::prim::{Activation, BinaryOp, ConvEpilogue, ConvParams, Prim};
 use kiln_core::DType;
 
@@ -126,14 +126,32 @@ fn enabled() -> bool {
     std::env::var("KILN_CONV_EPILOGUES").as_deref() != Ok("0")
 }
 
+/// Whether cuDNN fuses `f` in `dtype`: f32 held to FMA math (cuDNN's TF32 switch off) has fused
+/// engines for a bias alone (gpu_ops' `conv_cudnn_epilogues` on nvidia-h200), and anything else
+/// would run as the convolution and then eager ops, slower than the generated kernel.
+fn fusable(f: &Fused, dtype: DType, cudnn_tf32: bool) -> bool {
+    let bias_alone =
+        f.scale.is_none() && f.residual.is_none() && f.act == Activation::None && f.shift.is_some();
+    dtype != DType::F32 || cudnn_tf32 || bias_alone
+}
+
 /// `g` with its convolution epilogues fused, or `None` when it has none (or the pass is off).
+/// Reads cuDNN's TF32 switch, which compiled functions guard on (`kiln_core::backends`).
 pub fn fuse(g: &Graph) -> Option<Graph> {
+    fuse_under(g, backends::get(Switch::CudnnTf32))
+}
+
+fn fuse_under(g: &Graph, cudnn_tf32: bool) -> Option<Graph> {
     if !enabled() {
         return None;
     }
     let users = readers(g);
     let is_output = outputs_of(g);
-    let found = |conv: NodeId| pattern(g, &users, &is_output, conv).map(|f| (f.last, f));
+    let found = |conv: NodeId| {
+        pattern(g, &users, &is_output, conv)
+            .filter(|f| fusable(f, g.nodes[conv].dtype, cudnn_tf32))
+            .map(|f| (f.last, f))
+    };
     replace(g, found, |out, map, node, f: Fused| {
         let channels = *node.shape.last().unwrap_or(&0);
         let mut args = vec![map[f.x], map[f.w]];
@@ -277,6 +295,40 @@ mod tests {
             ..bias
         };
         assert_eq!(got, [gelu, bias]);
+        Ok(())
+    }
+
+    /// With cuDNN's TF32 switch off, f32 keeps its generated kernels but for a bias alone (what
+    /// cuDNN fuses in FMA math).
+    #[test]
+    fn without_tf32_only_a_bias_fuses() -> Result<()> {
+        let without_tf32 = |g: &Graph| {
+            let nhwc = crate::channels_last::rewrite(g);
+            fuse_under(&nhwc, false).unwrap_or(nhwc)
+        };
+        let a = block_args()?;
+        let g = rewritten_bitwise(
+            |a: &[Tensor]| {
+                let h = bn(&conv3(&a[0], &a[1])?, &a[3..7])?.relu()?;
+                Ok(vec![h.conv2d(
+                    &a[2],
+                    Some(&a[4]),
+                    [1, 1],
+                    [1, 1],
+                    [1, 1],
+                    1,
+                )?])
+            },
+            &a,
+            without_tf32,
+        )?;
+        let bias = ConvEpilogue {
+            scale: false,
+            shift: true,
+            residual: false,
+            act: Activation::None,
+        };
+        assert_eq!(epilogues(&g), [bias]);
         Ok(())
     }
 
