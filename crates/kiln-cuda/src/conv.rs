@@ -11,7 +11,7 @@
 //! `torch.backends.cudnn.allow_tf32`; matmul's `set_allow_tf32` is off by default): with it off,
 //! f32 convolutions are restricted to FMA kernels (`CUDNN_FMA_MATH`).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Once};
@@ -170,6 +170,10 @@ struct Plan {
 pub(crate) struct Dnn {
     handle: dsys::cudnnHandle_t,
     plans: HashMap<PlanKey, Engine>,
+    /// Epilogue convolutions cuDNN has no fused plan for: asked once, then run as the
+    /// convolution and the ops without asking again (a refusal costs heuristics and failed
+    /// finalizations, milliseconds).
+    unfused: HashSet<PlanKey>,
 }
 
 // SAFETY: used only under the device's mutex; the descriptors are plain host structures
@@ -303,6 +307,9 @@ pub(crate) fn run(
     let Some(state) = guard.as_mut() else {
         return Err(dnn_err(dev, "handle", "missing"));
     };
+    if state.unfused.contains(&key) {
+        return Ok(None);
+    }
     if !state.plans.contains_key(&key) {
         let graph = match key.benchmark {
             true => None,
@@ -337,7 +344,13 @@ pub(crate) fn run(
                 Ok(Some(Engine::Graph(g)))
             }
             // no fused plan: the caller runs the convolution and the epilogue's ops
-            None if epilogue.is_some() => return Ok(None),
+            None if epilogue.is_some() => {
+                if state.unfused.len() >= MAX_PLANS {
+                    state.unfused.clear();
+                }
+                state.unfused.insert(key);
+                return Ok(None);
+            }
             None => {
                 LEGACY_PLANS.fetch_add(1, Ordering::Relaxed);
                 make_plan(state.handle, &key).map(|p| p.map(Engine::Legacy))
@@ -572,6 +585,7 @@ fn new_handle(dev: &CudaDevice) -> Result<Dnn> {
     Ok(Dnn {
         handle,
         plans: HashMap::new(),
+        unfused: HashSet::new(),
     })
 }
 
