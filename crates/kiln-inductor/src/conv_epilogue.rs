@@ -239,6 +239,18 @@ mod tests {
         Ok(v)
     }
 
+    fn conv3_bias(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+        x.conv2d(w, Some(b), [1, 1], [1, 1], [1, 1], 1)
+    }
+
+    /// A Conv2d's bias alone.
+    const BIAS: ConvEpilogue = ConvEpilogue {
+        scale: false,
+        shift: true,
+        residual: false,
+        act: Activation::None,
+    };
+
     const BN_RELU: ConvEpilogue = ConvEpilogue {
         scale: true,
         shift: true,
@@ -271,30 +283,17 @@ mod tests {
     fn a_bias_and_an_activation() -> Result<()> {
         let got = fused(
             |a: &[Tensor]| {
-                let h = a[0].conv2d(&a[1], Some(&a[3]), [1, 1], [1, 1], [1, 1], 1)?;
+                let h = conv3_bias(&a[0], &a[1], &a[3])?;
                 let h = h.gelu_tanh()?;
-                Ok(vec![h.conv2d(
-                    &a[2],
-                    Some(&a[4]),
-                    [1, 1],
-                    [1, 1],
-                    [1, 1],
-                    1,
-                )?])
+                Ok(vec![conv3_bias(&h, &a[2], &a[4])?])
             },
             &block_args()?,
         )?;
-        let bias = ConvEpilogue {
-            scale: false,
-            shift: true,
-            residual: false,
-            act: Activation::None,
-        };
         let gelu = ConvEpilogue {
             act: Activation::GeluTanh,
-            ..bias
+            ..BIAS
         };
-        assert_eq!(got, [gelu, bias]);
+        assert_eq!(got, [gelu, BIAS]);
         Ok(())
     }
 
@@ -310,25 +309,12 @@ mod tests {
         let g = rewritten_bitwise(
             |a: &[Tensor]| {
                 let h = bn(&conv3(&a[0], &a[1])?, &a[3..7])?.relu()?;
-                Ok(vec![h.conv2d(
-                    &a[2],
-                    Some(&a[4]),
-                    [1, 1],
-                    [1, 1],
-                    [1, 1],
-                    1,
-                )?])
+                Ok(vec![conv3_bias(&h, &a[2], &a[4])?])
             },
             &a,
             without_tf32,
         )?;
-        let bias = ConvEpilogue {
-            scale: false,
-            shift: true,
-            residual: false,
-            act: Activation::None,
-        };
-        assert_eq!(epilogues(&g), [bias]);
+        assert_eq!(epilogues(&g), [BIAS]);
         Ok(())
     }
 
