@@ -253,7 +253,13 @@ proptest! {
             let x = make(&[n, c, h, w], kind, dtype, &mut rng, |r| r.uniform(-2.0, 2.0));
             let xv = x.to_vec_f64().unwrap();
             let (want, shape) = ref_pool(&xv, x.shape(), [k0, k1], [s0, s1], p, None);
-            check(&x.max_pool2d([k0, k1], [s0, s1], p).unwrap(), &want, &shape, dtype, &format!("max_pool2d {dtype}"));
+            let pooled = x.max_pool2d([k0, k1], [s0, s1], p).unwrap();
+            check(&pooled, &want, &shape, dtype, &format!("max_pool2d {dtype}"));
+            // under no_grad the maximum is the output, without the index grad mode routes the
+            // gradient by: the same values, bit for bit (the inputs hold no -0.0)
+            let inference = kiln_core::no_grad(|| x.max_pool2d([k0, k1], [s0, s1], p)).unwrap();
+            let bits = |t: &Tensor| t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&inference), bits(&pooled), "max_pool2d {} under no_grad", dtype);
             for cip in [true, false] {
                 let (want, shape) = ref_pool(&xv, x.shape(), [k0, k1], [s0, s1], p, Some(cip));
                 let got = x.avg_pool2d([k0, k1], [s0, s1], p, cip).unwrap();

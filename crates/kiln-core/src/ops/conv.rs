@@ -118,7 +118,12 @@ impl Tensor {
         for v in &views[1..] {
             largest = largest.maximum(v)?;
         }
-        if views.len() == 1 {
+        // under no_grad the largest is the output: the index below only makes the backward reach
+        // one window position (an inference graph traced under no_grad has no index to compute
+        // or write). Grad mode, not `requires_grad`, decides: a traced value does not know yet
+        // whether it will be differentiated. The two agree bit for bit but where the largest is
+        // -0.0, which the index's sum of selected terms returns as +0.0.
+        if views.len() == 1 || !crate::autograd::is_grad_enabled() {
             return Ok(largest);
         }
         // where the largest came from: the first window position holding it, a NaN counting as
