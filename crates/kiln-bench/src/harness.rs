@@ -365,3 +365,11 @@ impl Timer {
         Ok((Timing { median }, result))
     }
 }
+
+/// max |a − b| over every element (a compiled result against eager's; on the host, in f64).
+pub fn max_abs_diff(a: &kiln::Tensor, b: &kiln::Tensor) -> kiln::Result<f64> {
+    let (a, b) = (a.to_vec_f64()?, b.to_vec_f64()?);
+    Ok(a.iter()
+        .zip(&b)
+        .fold(0.0f64, |m, (p, q)| m.max((p - q).abs())))
+}

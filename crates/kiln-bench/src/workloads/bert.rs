@@ -25,7 +25,7 @@ use kiln::{no_grad, Device, Mode, Tensor};
 
 use super::BenchResult;
 use crate::compile_child::{emit_new_process_compiles, measure, Measured};
-use crate::harness::{once, Ctx};
+use crate::harness::{max_abs_diff, once, Ctx};
 
 /// The seed of bert-base's random weights; token ids use their own seeds (`Case::ids_seed`).
 const SEED: u64 = 0;
@@ -133,14 +133,6 @@ fn build(w: &Weights, dev: Device) -> kiln::Result<BertModel> {
         model.to(dev)?;
     }
     Ok(model)
-}
-
-/// max |a − b| over every element.
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> kiln::Result<f64> {
-    let (a, b) = (a.to_vec_f64()?, b.to_vec_f64()?);
-    Ok(a.iter()
-        .zip(&b)
-        .fold(0.0f64, |m, (p, q)| m.max((p - q).abs())))
 }
 
 pub fn run(ctx: &mut Ctx) -> BenchResult {

@@ -11,7 +11,7 @@ use kiln::inductor::with_fresh_cache;
 use kiln::{DType, Tensor};
 
 use super::BenchResult;
-use crate::harness::{once, Ctx};
+use crate::harness::{max_abs_diff, once, Ctx};
 
 const W: &str = "mlp_8192x1024";
 /// Each layer's (in, out) features.
@@ -50,12 +50,8 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
         let (r, t) = with_fresh_cache(|| once("mlp: cold compile", || g.call(&args)));
         let compiled_out = r?.remove(0);
         ctx.emit(W, mode, "cold_compile", t.as_secs_f64(), "s");
-        let diff = forward(&args)?
-            .sub(&compiled_out)?
-            .abs()?
-            .max(&[], false)?
-            .item::<f32>()?;
-        ctx.emit(W, mode, "max_abs_diff_vs_eager", diff as f64, "abs");
+        let diff = max_abs_diff(&forward(&args)?, &compiled_out)?;
+        ctx.emit(W, mode, "max_abs_diff_vs_eager", diff, "abs");
         let t = timer.time("mlp: compiled", || g.call(&args))?;
         ctx.emit(W, mode, "call", t.us(), "us");
         ctx.emit(W, mode, "tflops", flops as f64 / t.s() / 1e12, "TFLOP/s");
@@ -103,12 +99,11 @@ fn train(ctx: &mut Ctx, args: &[Tensor]) -> BenchResult {
     step(&forward)?;
     let want = grads(&params)?;
     step(&compiled)?;
-    let mut diff = 0f32;
+    let mut diff = 0f64;
     for (a, b) in grads(&params)?.iter().zip(&want) {
-        let d = a.sub(b)?.abs()?.max(&[], false)?.item::<f32>()?;
-        diff = diff.max(d);
+        diff = diff.max(max_abs_diff(a, b)?);
     }
-    ctx.emit(&w, mode, "max_abs_grad_diff_vs_eager", diff as f64, "abs");
+    ctx.emit(&w, mode, "max_abs_grad_diff_vs_eager", diff, "abs");
     let t = timer.time("mlp train: compiled", || step(&compiled))?;
     ctx.emit(&w, mode, "call", t.us(), "us");
     Ok(())

@@ -9,7 +9,7 @@ use kiln::inductor::with_fresh_cache;
 use kiln::{DType, Tensor};
 
 use super::BenchResult;
-use crate::harness::{once, Ctx, Timing};
+use crate::harness::{max_abs_diff, once, Ctx, Timing};
 
 const W: &str = "norms";
 
@@ -75,12 +75,8 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
             let compiled_out = r?.remove(0);
             ctx.emit(&w, mode, "cold_compile", t.as_secs_f64(), "s");
             // compiled equals eager (bitwise on the CPU, where both sum in one order)
-            let diff = f(&args)?
-                .sub(&compiled_out)?
-                .abs()?
-                .max(&[], false)?
-                .item::<f32>()?;
-            ctx.emit(&w, mode, "max_abs_diff_vs_eager", diff as f64, "abs");
+            let diff = max_abs_diff(&f(&args)?, &compiled_out)?;
+            ctx.emit(&w, mode, "max_abs_diff_vs_eager", diff, "abs");
             let t = timer.time(&format!("{name}: compiled"), || g.call(&args))?;
             emit_call(ctx, &w, mode, &t, bytes);
             Ok(())
