@@ -31,8 +31,8 @@ use kiln_core::prim::{Activation, BinaryOp, Epilogue, Prim, UnaryOp};
 use kiln_core::DType;
 
 use crate::ir::lower::{matmul_dims, small_matmul};
-use crate::matchers::{is_constant, readers, relu_parts};
-use crate::replace::{as_vector, outputs_of, replace};
+use crate::matchers::{is_constant, relu_parts, Uses};
+use crate::replace::{as_vector, replace};
 
 /// Fewest rows of a matmul given an epilogue. With fewer, the product streams the weights
 /// (a GEMV in all but name), and cuBLAS's own GEMM picks kernels for that shape which cuBLASLt's
@@ -56,14 +56,6 @@ struct Fused {
     shape: Vec<usize>,
 }
 
-/// The one node that reads `id`, when `id` is read by exactly one and not returned.
-pub(crate) fn only_reader(users: &[Vec<NodeId>], is_output: &[bool], id: NodeId) -> Option<NodeId> {
-    match users[id].as_slice() {
-        [r] if !is_output[id] => Some(*r),
-        _ => None,
-    }
-}
-
 /// The node holding N values that `id` broadcasts along every dim but the last (of size N),
 /// when it is such a broadcast: `expand(v)` where `v` is `[1, .., 1, N]`.
 pub(crate) fn bias_of(g: &Graph, id: NodeId, n: usize) -> Option<NodeId> {
@@ -80,7 +72,7 @@ pub(crate) fn bias_of(g: &Graph, id: NodeId, n: usize) -> Option<NodeId> {
 }
 
 /// The epilogue pattern that starts at matmul `mm`, if there is one.
-fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> Option<Fused> {
+fn pattern(g: &Graph, uses: &Uses, mm: NodeId) -> Option<Fused> {
     let node = &g.nodes[mm];
     // cuBLASLt's epilogues take f32, f16 and bf16
     if !matches!(node.op, Op::Prim(Prim::Matmul))
@@ -96,9 +88,8 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
     if m < MIN_ROWS {
         return None;
     }
-    let only_reader = |id: NodeId| only_reader(users, is_output, id);
     let mut cur = mm;
-    while let Some(r) = only_reader(cur) {
+    while let Some(r) = uses.only_reader(cur) {
         let reshape = matches!(g.nodes[r].op, Op::Prim(Prim::Reshape(_)));
         if !reshape || g.nodes[r].shape.last() != Some(&n) {
             break;
@@ -106,7 +97,7 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
         cur = r;
     }
     let mut bias = None;
-    if let Some(add) = only_reader(cur) {
+    if let Some(add) = uses.only_reader(cur) {
         let add_node = &g.nodes[add];
         if matches!(add_node.op, Op::Prim(Prim::Binary(BinaryOp::Add))) {
             let other = match add_node.args[..] {
@@ -120,7 +111,7 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
             cur = add;
         }
     }
-    let (act, last) = activation_of(g, users, is_output, cur);
+    let (act, last) = activation_of(g, uses, cur);
     if bias.is_none() && act == Activation::None {
         return None;
     }
@@ -136,15 +127,10 @@ fn pattern(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], mm: NodeId) -> 
 
 /// The activation applied to `x` and its last node, when one is all that reads `x`: a ReLU or
 /// tanh-GELU; else `(Activation::None, x)`.
-pub(crate) fn activation_of(
-    g: &Graph,
-    users: &[Vec<NodeId>],
-    is_output: &[bool],
-    x: NodeId,
-) -> (Activation, NodeId) {
-    match relu_of(g, users, is_output, x) {
+pub(crate) fn activation_of(g: &Graph, uses: &Uses, x: NodeId) -> (Activation, NodeId) {
+    match relu_of(g, uses, x) {
         Some(r) => (Activation::Relu, r),
-        None => match gelu_tanh_of(g, users, is_output, x) {
+        None => match gelu_tanh_of(g, uses, x) {
             Some(r) => (Activation::GeluTanh, r),
             None => (Activation::None, x),
         },
@@ -153,22 +139,23 @@ pub(crate) fn activation_of(
 
 /// The ReLU `where(le(x, 0), 0, x)` when it is all that reads `x` (its two nodes) and the
 /// graph returns neither `x` nor the mask: its `where` node.
-fn relu_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> Option<NodeId> {
-    if is_output[x] || users[x].len() != 2 {
+fn relu_of(g: &Graph, uses: &Uses, x: NodeId) -> Option<NodeId> {
+    let readers = uses.readers(x);
+    if uses.is_output(x) || readers.len() != 2 {
         return None;
     }
-    let sel = *users[x]
+    let sel = *readers
         .iter()
         .find(|&&u| relu_parts(g, u).is_some_and(|(_, v)| v == x))?;
     let (le, _) = relu_parts(g, sel)?;
-    (users[x].contains(&le) && only_reader(users, is_output, le) == Some(sel)).then_some(sel)
+    (readers.contains(&le) && uses.only_reader(le) == Some(sel)).then_some(sel)
 }
 
 /// GELU's tanh approximation of `x`, as `Tensor::gelu_tanh` composes it, when it is all that
 /// reads `x` and the graph returns none of its inner values: its last node.
 /// `x * (tanh((x + x * x * x * c) * k) + 1) * 0.5`: nine ops, four of them reading `x`.
-fn gelu_tanh_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId) -> Option<NodeId> {
-    let only_reader = |id: NodeId| only_reader(users, is_output, id);
+fn gelu_tanh_of(g: &Graph, uses: &Uses, x: NodeId) -> Option<NodeId> {
+    let only_reader = |id: NodeId| uses.only_reader(id);
     // `id` is `op(a, b)` with operands `a` and `b` in either order
     let is = |id: NodeId, op: BinaryOp, a: NodeId, b: &dyn Fn(NodeId) -> bool| {
         let n = &g.nodes[id];
@@ -177,10 +164,11 @@ fn gelu_tanh_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId)
     };
     let node = |n: NodeId| move |id: NodeId| id == n;
     let constant = |v: f64| move |id: NodeId| is_constant(g, id, v);
-    if is_output[x] {
+    if uses.is_output(x) {
         return None;
     }
-    let square = *users[x]
+    let square = *uses
+        .readers(x)
         .iter()
         .find(|&&u| is(u, BinaryOp::Mul, x, &node(x)))?;
     let cube = only_reader(square).filter(|&c| is(c, BinaryOp::Mul, square, &node(x)))?;
@@ -195,7 +183,7 @@ fn gelu_tanh_of(g: &Graph, users: &[Vec<NodeId>], is_output: &[bool], x: NodeId)
     let plus_one = only_reader(tanh).filter(|&c| is(c, BinaryOp::Add, tanh, &constant(1.0)))?;
     let times_x = only_reader(plus_one).filter(|&c| is(c, BinaryOp::Mul, plus_one, &node(x)))?;
     let half = only_reader(times_x).filter(|&c| is(c, BinaryOp::Mul, times_x, &constant(0.5)))?;
-    let mut readers = users[x].clone();
+    let mut readers = uses.readers(x).to_vec();
     readers.sort_unstable();
     let mut want = vec![square, cube, sum, times_x];
     want.sort_unstable();
@@ -213,9 +201,7 @@ pub fn fuse(g: &Graph) -> Option<Graph> {
     if !enabled() {
         return None;
     }
-    let users = readers(g);
-    let is_output = outputs_of(g);
-    let found = |mm: NodeId| pattern(g, &users, &is_output, mm).map(|f| (f.last, f));
+    let found = |uses: &Uses, mm: NodeId| pattern(g, uses, mm).map(|f| (f.last, f));
     replace(g, found, |out, map, node, f: Fused| {
         let mut args = vec![map[f.a], map[f.b]];
         if let Some(v) = f.bias {

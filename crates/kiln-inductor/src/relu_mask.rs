@@ -19,7 +19,7 @@ use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::{BinaryOp, Prim};
 
 use crate::epilogue::bias_of;
-use crate::matchers::{readers, relu_parts};
+use crate::matchers::{relu_parts, Uses};
 
 /// Whether `x` is a matmul's value, reshaped, with or without a bias broadcast added: what a
 /// matmul epilogue could end in.
@@ -41,14 +41,15 @@ fn matmul_fed(g: &Graph, mut x: NodeId) -> bool {
 
 /// The ReLUs to rewrite, by their mask: the ReLU `where(mask, 0, x)` over a matmul's value whose
 /// mask other nodes read too, all after the ReLU, and the graph does not return.
-fn relus(g: &Graph, users: &[Vec<NodeId>]) -> Vec<Option<NodeId>> {
+fn relus(g: &Graph, uses: &Uses) -> Vec<Option<NodeId>> {
     let mut relu_of_mask = vec![None; g.nodes.len()];
     for relu in 0..g.nodes.len() {
         let Some((le, x)) = relu_parts(g, relu) else {
             continue;
         };
-        let others_after = users[le].iter().all(|&u| u >= relu);
-        let read_elsewhere = users[le].len() > 1 && !g.outputs.contains(&le);
+        let readers = uses.readers(le);
+        let others_after = readers.iter().all(|&u| u >= relu);
+        let read_elsewhere = readers.len() > 1 && !uses.is_output(le);
         if others_after && read_elsewhere && matmul_fed(g, x) {
             relu_of_mask[le] = Some(relu);
         }
@@ -62,8 +63,7 @@ pub fn relu_masks_from_outputs(g: &Graph) -> Option<Graph> {
     if !crate::epilogue::enabled() {
         return None;
     }
-    let users = readers(g);
-    let relu_of_mask = relus(g, &users);
+    let relu_of_mask = relus(g, &Uses::of(g));
     if relu_of_mask.iter().all(Option::is_none) {
         return None;
     }

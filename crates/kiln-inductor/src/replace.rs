@@ -6,27 +6,21 @@
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::Prim;
 
-/// Which nodes `g` returns.
-pub(crate) fn outputs_of(g: &Graph) -> Vec<bool> {
-    let mut is_output = vec![false; g.nodes.len()];
-    for &o in &g.outputs {
-        is_output[o] = true;
-    }
-    is_output
-}
+use crate::matchers::Uses;
 
 /// `g` with each pattern `found` reports (the node it ends at, and what it matched, for each
-/// node it starts at) replaced by what `emit` writes: given the graph being written, the map
+/// node it starts at, given who reads what in `g`) replaced by what `emit` writes: given the graph being written, the map
 /// from `g`'s nodes to it, and the last node, the node holding that node's value. `None` when
 /// nothing is found.
 pub(crate) fn replace<P>(
     g: &Graph,
-    found: impl Fn(NodeId) -> Option<(NodeId, P)>,
+    found: impl Fn(&Uses, NodeId) -> Option<(NodeId, P)>,
     mut emit: impl FnMut(&mut Graph, &[NodeId], &Node, P) -> NodeId,
 ) -> Option<Graph> {
+    let uses = Uses::of(g);
     let mut at_last: Vec<Option<P>> = (0..g.nodes.len()).map(|_| None).collect();
     for start in 0..g.nodes.len() {
-        if let Some((last, p)) = found(start) {
+        if let Some((last, p)) = found(&uses, start) {
             at_last[last] = Some(p);
         }
     }
