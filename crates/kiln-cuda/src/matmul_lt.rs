@@ -139,25 +139,30 @@ pub fn matmul_epilogue(
     ))
 }
 
-/// `Prim::MatmulEpilogue` (`[1, M, K] x [1, K, N] (+ [N])`) into `out` on `dev`. `false`, with
-/// nothing run, for what cuBLASLt's epilogues do not take (f64, several batches, an empty inner
-/// dim): the runtime runs those on the CPU. The compiler writes none of them.
+/// `[m, k, n]` of `Prim::MatmulEpilogue`'s operands when cuBLASLt's epilogues take them: f32,
+/// f16 or bf16, one batch, a non-empty inner dim, sizes an `i32` holds. The compiler writes no
+/// other; the runtime runs any other as the matmul and the ops (`kiln_core::ops::epilogue`).
+pub(crate) fn epilogue_dims(ops: &[(&CudaBuffer, &Layout)]) -> Option<[usize; 3]> {
+    let ((a, la), (_, lb)) = (ops[0], ops[1]);
+    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
+    let fits = [m, k, n].iter().all(|&x| x <= i32::MAX as usize);
+    let typed = matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16);
+    (typed && batch == 1 && k > 0 && fits).then_some([m, k, n])
+}
+
+/// `Prim::MatmulEpilogue` (`[1, M, K] x [1, K, N] (+ [N])`) into `out` on `dev`, its operands
+/// of `[m, k, n]` as `epilogue_dims` gave them.
 pub(crate) fn execute(
     dev: &Arc<CudaDevice>,
     ops: &[(&CudaBuffer, &Layout)],
+    [m, k, n]: [usize; 3],
     e: prim::Epilogue,
     out: &CudaBuffer,
-) -> Result<bool> {
-    let ((a, la), (b, lb)) = (ops[0], ops[1]);
-    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
-    let fits = [m, k, n].iter().all(|&x| x <= i32::MAX as usize);
-    if !matches!(out.dtype, DType::F32 | DType::F16 | DType::BF16) || batch != 1 || k == 0 || !fits
-    {
-        return Ok(false);
-    }
+) -> Result<()> {
     if m * n == 0 {
-        return Ok(true);
+        return Ok(());
     }
+    let ((a, la), (b, lb)) = (ops[0], ops[1]);
     let matrix = |l: &Layout| Layout {
         shape: l.shape[1..].to_vec(),
         strides: l.strides[1..].to_vec(),
@@ -173,8 +178,7 @@ pub(crate) fn execute(
         Epilogue::of(e),
         out,
         [m, k, n],
-    )?;
-    Ok(true)
+    )
 }
 
 fn check(a: &Tensor, b: &Tensor, bias: Option<&Tensor>, epilogue: Epilogue) -> Result<()> {

@@ -149,25 +149,21 @@ pub(crate) fn matmul_tuned(
 
 /// `Prim::MatmulEpilogue` (`[1, M, K] x [1, K, N] (+ [N])`) with the cuBLASLt algorithm timed
 /// fastest for it among those its heuristics offer with the epilogue (cuBLAS's default GEMM
-/// has none, so it is no candidate). `false`, with nothing run, for what `matmul_lt::execute`
-/// takes instead: a shape first seen while the device records, and what cuBLASLt's epilogues
-/// do not take.
+/// has none, so it is no candidate); its operands of `[m, k, n]` as
+/// `matmul_lt::epilogue_dims` gave them. `false`, with nothing run, for what
+/// `matmul_lt::execute` takes instead: a shape first seen while the device records, an empty
+/// product.
 pub(crate) fn matmul_epilogue_tuned(
     dev: &Arc<CudaDevice>,
     ops: &[(&CudaBuffer, &Layout)],
+    [m, k, n]: [usize; 3],
     e: kiln_core::prim::Epilogue,
     out: &CudaBuffer,
 ) -> Result<bool> {
-    let ((a, la), (b, lb)) = (ops[0], ops[1]);
-    let (batch, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
-    let dims_fit = [m, n, k].iter().all(|&x| x <= i32::MAX as usize);
-    if !matches!(a.dtype, DType::F32 | DType::F16 | DType::BF16)
-        || batch != 1
-        || m * n * k == 0
-        || !dims_fit
-    {
+    if m * n == 0 {
         return Ok(false);
     }
+    let ((a, la), (b, lb)) = (ops[0], ops[1]);
     let (bias, _bias_copy) =
         crate::matmul_lt::bias_address(dev, ops.get(2).copied().filter(|_| e.bias))?;
     let ma = operand(dev, a, la)?;

@@ -51,15 +51,24 @@ pub(crate) fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBu
     Ok((cuda_buf(op, b)?, t.layout()))
 }
 
-/// A device tensor's buffer as a kernel's output: its own when it is the tensor, contiguous from
-/// its start; else a contiguous copy's.
-fn buffer_of(t: Tensor) -> Result<Arc<dyn DeviceBuffer>> {
+/// An epilogue prim computed as the ops it stands for (`kiln_core::ops::epilogue`), on the
+/// device, where the library has no fused call for it; the result's buffer as the prim's output
+/// (its own when it is the tensor, contiguous from its start; else a contiguous copy's).
+fn epilogue_as_ops(prim: &Prim, inputs: &[&Tensor]) -> Result<Arc<dyn DeviceBuffer>> {
+    use kiln_core::ops::epilogue;
+    let t = match prim {
+        Prim::MatmulEpilogue(e) => epilogue::matmul_epilogue(inputs, *e)?,
+        Prim::Conv2dEpilogue { params, epilogue } => {
+            epilogue::conv2d_epilogue(inputs, *params, *epilogue)?
+        }
+        _ => return Err(Error::arg(prim.name(), "is no epilogue prim")),
+    };
     let t = match t.is_contiguous() && t.layout().offset == 0 {
         true => t,
         false => kiln_core::dispatch::apply(Prim::Contiguous, &[&t])?,
     };
     t.device_buffer().cloned().ok_or_else(|| Error::Device {
-        op: "conv2d_epilogue",
+        op: prim.name(),
         lhs: t.device(),
         rhs: t.device(),
         msg: "the epilogue's ops gave no device buffer".into(),
@@ -161,27 +170,22 @@ impl CudaRuntime {
                     None => crate::fallback::run(&dev, prim, inputs),
                 }
             }
-            Prim::Conv2dEpilogue { params, epilogue } => {
-                match crate::conv::run(&dev, prim, inputs, meta)? {
-                    Some(out) => Ok(out),
-                    // no fused plan for it: the convolution, then the ops, on the device
-                    None => buffer_of(kiln_core::ops::epilogue::conv2d_epilogue(
-                        inputs, *params, *epilogue,
-                    )?),
-                }
-            }
+            Prim::Conv2dEpilogue { .. } => match crate::conv::run(&dev, prim, inputs, meta)? {
+                Some(out) => Ok(out),
+                None => epilogue_as_ops(prim, inputs),
+            },
             Prim::MatmulEpilogue(e) => {
+                let Some(dims) = crate::matmul_lt::epilogue_dims(&ops) else {
+                    return epilogue_as_ops(prim, inputs);
+                };
                 let out = dev.alloc(n, meta.dtype)?;
-                let ran = (tuned
-                    && crate::matmul_tune::matmul_epilogue_tuned(&dev, &ops, *e, &out)?)
-                    || crate::matmul_lt::execute(&dev, &ops, *e, &out)?;
-                match ran {
-                    true => {
-                        crate::matmul_lt::count_epilogue_gemm();
-                        Ok(Arc::new(out))
-                    }
-                    false => crate::fallback::run(&dev, prim, inputs),
+                let tuned_ran =
+                    tuned && crate::matmul_tune::matmul_epilogue_tuned(&dev, &ops, dims, *e, &out)?;
+                if !tuned_ran {
+                    crate::matmul_lt::execute(&dev, &ops, dims, *e, &out)?;
                 }
+                crate::matmul_lt::count_epilogue_gemm();
+                Ok(Arc::new(out))
             }
             Prim::Matmul if meta.dtype.is_float() => {
                 let out = dev.alloc(n, meta.dtype)?;

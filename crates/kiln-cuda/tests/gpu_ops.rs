@@ -891,6 +891,10 @@ fn main() {
         ),
         ("cublaslt_epilogues", gpu::matmul::cublaslt_epilogues),
         ("cublaslt_bad_operands", gpu::matmul::cublaslt_bad_operands),
+        (
+            "matmul_epilogue_prim_without_cublaslt",
+            gpu::matmul::matmul_epilogue_prim_without_cublaslt,
+        ),
         ("random_matches_cpu", random_matches_cpu),
         ("assign_into_device_view", assign_into_device_view),
         ("allocator_steady_state", allocator_steady_state),

@@ -175,3 +175,56 @@ pub fn cublaslt_bad_operands() -> Outcome {
     }
     Ok(())
 }
+
+/// `Prim::MatmulEpilogue` where cuBLASLt's epilogues do not apply (f64, two batches, an empty
+/// inner dim): the runtime runs the matmul and the ops on the device, equal to the prim on the
+/// CPU, and no epilogue GEMM is counted.
+pub fn matmul_epilogue_prim_without_cublaslt() -> Outcome {
+    use kiln_core::dispatch::apply;
+    use kiln_core::prim::{Activation, Epilogue as PrimEpilogue, Prim};
+    let e = |x: kiln_core::Error| x.to_string();
+    let prim = Prim::MatmulEpilogue(PrimEpilogue {
+        bias: true,
+        act: Activation::Relu,
+    });
+    for (i, (dtype, [b, m, k, n])) in [
+        (DType::F64, [1, 9, 5, 4]),
+        (DType::F32, [2, 9, 5, 4]),
+        (DType::F32, [1, 9, 0, 4]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(4300 + i as u64);
+        let cpu = [
+            input(&mut rng, &[b, m, k], -1.0, 1.0, false).map_err(e)?,
+            input(&mut rng, &[b, k, n], -1.0, 1.0, false).map_err(e)?,
+            input(&mut rng, &[n], -1.0, 1.0, false).map_err(e)?,
+        ]
+        .map(|t| t.to_dtype(dtype));
+        let cpu: Vec<Tensor> = cpu.into_iter().collect::<Result<_>>().map_err(e)?;
+        let gpu: Vec<Tensor> = cpu
+            .iter()
+            .map(|t| t.to(CUDA))
+            .collect::<Result<_>>()
+            .map_err(e)?;
+        let before = kiln_cuda::epilogue_gemms();
+        let got = apply(prim.clone(), &gpu.iter().collect::<Vec<_>>()).map_err(e)?;
+        let want = apply(prim.clone(), &cpu.iter().collect::<Vec<_>>()).map_err(e)?;
+        let what = format!("{dtype} [{b}, {m}, {k}] @ [{b}, {k}, {n}]");
+        if got.device() != CUDA || kiln_cuda::epilogue_gemms() != before {
+            return Err(format!(
+                "{what}: on {}, an epilogue GEMM counted",
+                got.device()
+            ));
+        }
+        let err = rel_err(
+            &got.to_vec_f64().map_err(e)?,
+            &want.to_vec_f64().map_err(e)?,
+        )?;
+        if err > 1e-6 {
+            return Err(format!("{what}: relative error {err:.2e}"));
+        }
+    }
+    Ok(())
+}
