@@ -150,6 +150,16 @@ fn randn(shape: &[usize], seed: u64) -> Result<Tensor> {
     Tensor::randn(shape, DType::F32)
 }
 
+/// A call's arguments on the GPU: normal values of `shapes` (the `i`-th seeded `seed + i`), as
+/// `dtype`.
+fn cuda_randn(shapes: &[&[usize]], seed: u64, dtype: DType) -> Result<Vec<Tensor>> {
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| randn(s, seed + i as u64)?.to_dtype(dtype)?.to(CUDA))
+        .collect()
+}
+
 /// Runs `f` compiled and eagerly on CUDA copies of `inputs` (twice, with new values the second
 /// time) and on float64 CPU copies; checks outputs and that the compiled graph ran generated
 /// kernels.
@@ -417,25 +427,9 @@ fn linear_epilogues_run_in_the_gemm() -> Outcome {
         ("gelu_tanh", gelu_mlp, Mode::Default, DType::F32, 1e-4),
     ];
     for (name, mlp, mode, dtype, tol) in cases {
-        let compiled = kiln::compile_fn(
-            mlp,
-            CompileOptions {
-                mode,
-                ..Default::default()
-            },
-        )
-        .map_err(err)?;
+        let compiled = kiln::compile_fn(mlp, CompileOptions::default().mode(mode)).map_err(err)?;
         for call in 0..3u64 {
-            let x: Vec<Tensor> = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    randn(s, 700 + 10 * call + i as u64)?
-                        .to_dtype(dtype)?
-                        .to(CUDA)
-                })
-                .collect::<Result<_>>()
-                .map_err(err)?;
+            let x = cuda_randn(&shapes, 700 + 10 * call, dtype).map_err(err)?;
             let (gemms, before) = (kiln::cuda::epilogue_gemms(), exec_stats());
             let got = compiled.call(&x).map_err(err)?;
             let ran = kiln::cuda::epilogue_gemms() - gemms;
@@ -835,12 +829,7 @@ fn reduce_overhead_matmuls_match_eager() -> Outcome {
     let compiled = kiln::compile_fn(f, opts).map_err(err)?;
     for call in 0..3u64 {
         let shapes: [&[usize]; 6] = [&[4, 5], &[4, 3], &[3, 4], &[5, 4], &[4, 3], &[5, 4]];
-        let args = shapes
-            .iter()
-            .enumerate()
-            .map(|(k, s)| randn(s, 10 * call + k as u64)?.to(CUDA))
-            .collect::<Result<Vec<_>>>()
-            .map_err(err)?;
+        let args = cuda_randn(&shapes, 10 * call, DType::F32).map_err(err)?;
         let got = compiled.call(&args).map_err(err)?;
         let want = f(&args).map_err(err)?;
         same_outputs(&format!("call {call}"), &got, &want, 1e-6)?;

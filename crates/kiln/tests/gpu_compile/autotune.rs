@@ -9,7 +9,7 @@ use kiln::inductor::{cache_dir, exec_stats, with_fresh_cache};
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
 use kiln::prelude::*;
 
-use super::{err, params_with_grads, randn, same, same_outputs, Outcome, CUDA};
+use super::{cuda_randn, err, params_with_grads, same, same_outputs, Outcome};
 
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
     let h = x[0].mul(&x[1])?.tanh()?.add(&x[0])?;
@@ -28,21 +28,9 @@ fn three_calls(
     seed: u64,
     (check, tol): (Check, f64),
 ) -> Outcome {
-    let compiled = kiln::compile_fn(
-        f,
-        CompileOptions {
-            mode,
-            ..Default::default()
-        },
-    )
-    .map_err(err)?;
+    let compiled = kiln::compile_fn(f, CompileOptions::default().mode(mode)).map_err(err)?;
     for call in 0..3u64 {
-        let x: Vec<Tensor> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| randn(s, seed + 10 * call + i as u64)?.to(CUDA))
-            .collect::<Result<_>>()
-            .map_err(err)?;
+        let x = cuda_randn(shapes, seed + 10 * call, DType::F32).map_err(err)?;
         let got = compiled.call(&x).map_err(err)?;
         let want = f(&x).map_err(err)?;
         check(&format!("{mode:?} call {call}"), &got, &want, tol)?;
@@ -69,10 +57,7 @@ fn run_adam(mode: Mode) -> Outcome {
             opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
             Ok(vec![])
         },
-        CompileOptions {
-            mode,
-            ..Default::default()
-        },
+        CompileOptions::default().mode(mode),
     )
     .map_err(err)?;
     for k in 0..3 {

@@ -58,14 +58,8 @@ pub fn conv_epilogues_in_max_autotune() -> Outcome {
             // the switch is part of a compiled graph's key and its function's guards: the third
             // case does not replay what the first recorded under TF32
             kiln::cuda::set_cudnn_allow_tf32(tf32);
-            let compiled = kiln::compile_fn(
-                block,
-                CompileOptions {
-                    mode,
-                    ..Default::default()
-                },
-            )
-            .map_err(err)?;
+            let compiled =
+                kiln::compile_fn(block, CompileOptions::default().mode(mode)).map_err(err)?;
             let before = kiln::cuda::cudnn_fused_plans();
             for call in 0..3u64 {
                 let x = inputs(900 + 100 * i as u64 + 20 * call, dtype).map_err(err)?;
