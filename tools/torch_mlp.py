@@ -6,35 +6,13 @@ kiln-bench, so both go in one table. TF32 off, as kiln's default.
 
     python3 tools/torch_mlp.py [cpu|cuda]
 """
-import json
 import sys
-import time
 
 import torch
 
+from torch_timing import emit, median_s, once_s
+
 W = "mlp_8192x1024"
-
-
-def emit(variant, metric, value, unit, device):
-    r = dict(workload=W, variant=variant, metric=metric, value=round(value, 4), unit=unit,
-             device=device)
-    print(json.dumps(r), flush=True)
-
-
-def median_s(fn, device, warmup=3, runs=15):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def main():
@@ -49,22 +27,17 @@ def main():
     x = torch.randn(8192, 1024, device=device)
     flops = 2 * 8192 * (1024 * 4096 + 4096 * 4096 + 4096 * 1024)
     with torch.no_grad():
-        t = median_s(lambda: model(x), device)
-        emit("eager", "call", t * 1e6, "us", device)
+        t = median_s(lambda: model(x), device, warmup=3)
+        emit(W, "eager", "call", t * 1e6, "us", device)
         for mode in ["default", "max-autotune-no-cudagraphs"]:
             torch._dynamo.reset()
             g = torch.compile(model, mode=mode)
-            t0 = time.perf_counter()
-            g(x)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            emit(mode, "cold_compile", time.perf_counter() - t0, "s", device)
-            t = median_s(lambda: g(x), device)
-            emit(mode, "call", t * 1e6, "us", device)
-            emit(mode, "tflops", flops / t / 1e12, "TFLOP/s", device)
+            emit(W, mode, "cold_compile", once_s(lambda: g(x), device), "s", device)
+            t = median_s(lambda: g(x), device, warmup=3)
+            emit(W, mode, "call", t * 1e6, "us", device)
+            emit(W, mode, "tflops", flops / t / 1e12, "TFLOP/s", device)
     # the training step: forward, mean-square loss, backward (no optimizer)
-    global W
-    W = "mlp_8192x1024_train"
+    w = W + "_train"
 
     def step(f):
         for p in model.parameters():
@@ -74,17 +47,13 @@ def main():
         loss.backward()
         return loss
 
-    t = median_s(lambda: step(model), device)
-    emit("eager", "call", t * 1e6, "us", device)
+    t = median_s(lambda: step(model), device, warmup=3)
+    emit(w, "eager", "call", t * 1e6, "us", device)
     torch._dynamo.reset()
     g = torch.compile(model)
-    t0 = time.perf_counter()
-    step(g)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    emit("default", "cold_compile", time.perf_counter() - t0, "s", device)
-    t = median_s(lambda: step(g), device)
-    emit("default", "call", t * 1e6, "us", device)
+    emit(w, "default", "cold_compile", once_s(lambda: step(g), device), "s", device)
+    t = median_s(lambda: step(g), device, warmup=3)
+    emit(w, "default", "call", t * 1e6, "us", device)
 
 
 if __name__ == "__main__":

@@ -4,41 +4,18 @@ the CPU or on CUDA. Same JSON lines and workload names as kiln-bench, so both go
 
     python3 tools/torch_norms.py [cpu|cuda]
 """
-import json
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-
-def emit(workload, variant, metric, value, unit, device):
-    r = dict(workload=workload, variant=variant, metric=metric, value=round(value, 4), unit=unit,
-             device=device)
-    print(json.dumps(r), flush=True)
-
-
-def median_s(fn, device, warmup=5, runs=15):
-    """Median seconds per call over `runs` runs (each of a few calls on CUDA)."""
-    calls = 20 if device == "cuda" else 1
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls)
-    times.sort()
-    return times[len(times) // 2]
+from torch_timing import emit, median_s, once_s
 
 
 def main():
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    # a few calls per timed run on CUDA: each is tens of microseconds
+    calls = 20 if device == "cuda" else 1
     torch.manual_seed(0)
     cases = [
         ("batch_norm_relu_32x64x56x56", (32, 64, 56, 56), 64,
@@ -52,16 +29,12 @@ def main():
             x = torch.randn(shape, device=device)
             wt, bs = torch.randn(p, device=device), torch.randn(p, device=device)
             nbytes = 2 * x.numel() * 4
-            t = median_s(lambda: f(x, wt, bs), device)
+            t = median_s(lambda: f(x, wt, bs), device, calls=calls)
             emit(w, "eager", "call", t * 1e6, "us", device)
             emit(w, "eager", "bandwidth", nbytes / t / 1e9, "GB/s", device)
             g = torch.compile(f)
-            t0 = time.perf_counter()
-            g(x, wt, bs)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            emit(w, "default", "cold_compile", time.perf_counter() - t0, "s", device)
-            t = median_s(lambda: g(x, wt, bs), device)
+            emit(w, "default", "cold_compile", once_s(lambda: g(x, wt, bs), device), "s", device)
+            t = median_s(lambda: g(x, wt, bs), device, calls=calls)
             emit(w, "default", "call", t * 1e6, "us", device)
             emit(w, "default", "bandwidth", nbytes / t / 1e9, "GB/s", device)
 
