@@ -124,8 +124,13 @@ proptest! {
         let (g, s, p, d) = (1 + rng.below(2), 1 + rng.below(2), rng.below(2), 1 + rng.below(2));
         let (c, o) = (g * (1 + rng.below(2)), g * (1 + rng.below(2)));
         let (h, w) = (3 + rng.below(3), 3 + rng.below(2));
+        // along the width too: the column matrix's rows are runs of the input row (`cpu/conv.rs`)
+        let (sw, pw, dw) = (1 + rng.below(2), rng.below(2), 1 + rng.below(2));
         check_grad(&[gvals(&[batch, c, h, w], &mut rng), gvals(&[o, c / g, 2, 2], &mut rng), gvals(&[o], &mut rng)],
-            |x| x[0].conv2d(&x[1], Some(&x[2]), [s, 1], [p, 1], [d, 1], g), &mut rng, &format!("conv2d g{g} s{s} p{p} d{d}"));
+            |x| x[0].conv2d(&x[1], Some(&x[2]), [s, sw], [p, pw], [d, dw], g), &mut rng, &format!("conv2d g{g} s{s},{sw} p{p},{pw} d{d},{dw}"));
+        // a 1x1 kernel at stride 1 without padding reads the image as its column matrix
+        check_grad(&[gvals(&[batch, c, h, w], &mut rng), gvals(&[o, c / g, 1, 1], &mut rng)],
+            |x| x[0].conv2d(&x[1], None, [1, 1], [0, 0], [1, 1], g), &mut rng, &format!("conv2d 1x1 g{g}"));
         check_grad(&[gvals(&[batch, c, h, w], &mut rng)], |x| x[0].permute(&[0, 1, 3, 2])?.max_pool2d([2, 2], [1, 2], [1, 0]), &mut rng, "max_pool2d");
         check_grad(&[gvals(&[batch, c, h, w], &mut rng)], |x| x[0].avg_pool2d([3, 2], [2, 1], [1, 1], false), &mut rng, "avg_pool2d");
         check_grad(&[gvals(&[batch, c, h, w], &mut rng)], |x| x[0].adaptive_avg_pool2d([2, 3]), &mut rng, "adaptive_avg_pool2d");

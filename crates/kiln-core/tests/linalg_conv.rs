@@ -460,19 +460,20 @@ proptest! {
     /// form, and the f64 reference to rounding; strided operands, size-0 and size-1 dims, every
     /// float dtype.
     #[test]
-    fn conv2d_epilogue_prim_equals_the_ops_it_replaces(n in 0usize..3, c in 1usize..3, o in 0usize..3, h in 1usize..5, w in 1usize..5, k in 1usize..=3, p in 0usize..=1, scale: bool, shift: bool, residual: bool, act in 0usize..3, channels_last: bool, kind in kind(), seed: u64) {
+    fn conv2d_epilogue_prim_equals_the_ops_it_replaces(n in 0usize..3, cg in 1usize..3, og in 0usize..3, groups in 1usize..=2, s in 1usize..=2, h in 1usize..5, w in 1usize..5, k in 1usize..=3, p in 0usize..=1, scale: bool, shift: bool, residual: bool, act in 0usize..3, channels_last: bool, kind in kind(), seed: u64) {
         use kiln_core::dispatch::apply;
         use kiln_core::prim::{Activation, ConvEpilogue, ConvParams, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
         prop_assume!(h + 2 * p >= k && w + 2 * p >= k && 2 * p <= k);
         let mut rng = TRng::new(seed);
-        let params = ConvParams { stride: [1, 1], padding: [p, p], dilation: [1, 1], groups: 1, channels_last };
+        let (c, o) = (groups * cg, groups * og);
+        let params = ConvParams { stride: [s, s], padding: [p, p], dilation: [1, 1], groups, channels_last };
         let act = [Activation::None, Activation::Relu, Activation::GeluTanh][act];
         let e = ConvEpilogue { scale, shift, residual, act };
-        let (oh, ow) = (h + 2 * p - k + 1, w + 2 * p - k + 1);
+        let (oh, ow) = ((h + 2 * p - k) / s + 1, (w + 2 * p - k) / s + 1);
         for dtype in [DType::F64, DType::F32, DType::F16, DType::BF16] {
             let gen = |r: &mut TRng| r.uniform(-1.0, 1.0);
             let x = make(&[n, c, h, w], kind, dtype, &mut rng, gen);
-            let wt = make(&[o, c, k, k], Kind::Permuted, dtype, &mut rng, gen);
+            let wt = make(&[o, cg, k, k], Kind::Permuted, dtype, &mut rng, gen);
             let sc = make(&[o], kind, dtype, &mut rng, gen);
             let sh = make(&[o], kind, dtype, &mut rng, gen);
             let res = make(&[n, o, oh, ow], kind, dtype, &mut rng, gen);
@@ -490,7 +491,7 @@ proptest! {
                 false => got,
             };
             // the ops as eager code writes them: batch_norm's and conv2d's [1, C, 1, 1] operands
-            let mut want = x.conv2d(&wt, None, [1, 1], [p, p], [1, 1], 1).unwrap();
+            let mut want = x.conv2d(&wt, None, [s, s], [p, p], [1, 1], groups).unwrap();
             if scale {
                 want = want.mul(sc.reshape([1, o, 1, 1]).unwrap()).unwrap();
             }
@@ -501,13 +502,13 @@ proptest! {
                 want = want.add(&res).unwrap();
             }
             want = act.apply(want).unwrap();
-            let ctx = format!("{dtype} x [{n},{c},{h},{w}] w [{o},{c},{k},{k}] p {p} {e:?} channels-last {channels_last}");
+            let ctx = format!("{dtype} x [{n},{c},{h},{w}] w [{o},{cg},{k},{k}] s {s} p {p} groups {groups} {e:?} channels-last {channels_last}");
             prop_assert_eq!(got.shape(), want.shape(), "{}", ctx);
             let (g, wv) = (got.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
             let same = g.iter().zip(&wv).all(|(a, b)| a.to_bits() == b.to_bits());
             prop_assert!(same, "{}: {:?} != {:?}", ctx, g, wv);
             // and against f64 loops
-            let (mut r, shape) = ref_conv(&x.to_vec_f64().unwrap(), x.shape(), &wt.to_vec_f64().unwrap(), wt.shape(), None, [1, 1], [p, p], [1, 1], 1);
+            let (mut r, shape) = ref_conv(&x.to_vec_f64().unwrap(), x.shape(), &wt.to_vec_f64().unwrap(), wt.shape(), None, [s, s], [p, p], [1, 1], groups);
             let (scv, shv, rv) = (sc.to_vec_f64().unwrap(), sh.to_vec_f64().unwrap(), res.to_vec_f64().unwrap());
             for (i, v) in r.iter_mut().enumerate() {
                 let ch = (i / (oh * ow)) % o.max(1);

@@ -368,8 +368,9 @@ fn group<T: Target>(
 /// device), which find nothing left in a graph AOT autograd split from a rewritten joint graph;
 /// one size of a symbolic graph too: the rewrites follow the graph's structure, so every size
 /// is rewritten alike and its kernels still fit the size-generic templates. Then per-channel and
-/// per-row arithmetic on broadcast values runs on the small shape, and on a device a matmul's
-/// bias and activation join its call (`epilogue.rs`).
+/// per-row arithmetic on broadcast values runs on the small shape; on a device a matmul's bias
+/// and activation join its call (`epilogue.rs`), on the CPU what follows a convolution does
+/// (`conv_epilogue.rs`).
 pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     let mut g = match prepare_joint(graph) {
         Some(rewritten) => std::borrow::Cow::Owned(rewritten),
@@ -378,11 +379,14 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     if let Some(sunk) = crate::sink_expands::sink_expands(&g) {
         g = std::borrow::Cow::Owned(sunk);
     }
-    // a device's GEMM library takes the epilogues; the CPU's gemm crate has no hook for them
-    if g.device() != kiln_core::Device::Cpu {
-        if let Some(fused) = crate::epilogue::fuse(&g) {
-            g = std::borrow::Cow::Owned(fused);
-        }
+    // a device's GEMM library takes the matmul epilogues; the CPU's gemm crate has no hook for
+    // them, but its convolution finishes each image while it is in cache
+    let fused = match g.device() {
+        kiln_core::Device::Cpu => crate::conv_epilogue::fuse_cpu(&g),
+        _ => crate::epilogue::fuse(&g),
+    };
+    if let Some(fused) = fused {
+        g = std::borrow::Cow::Owned(fused);
     }
     g
 }

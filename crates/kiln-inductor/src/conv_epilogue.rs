@@ -1,31 +1,38 @@
 //! Convolution epilogues: what follows a convolution in an inference network — an eval-mode
 //! batch norm's per-channel scale and shift, a Conv2d's bias, a ResNet block's skip connection,
-//! a ReLU or tanh-GELU — computed by the convolution's own cuDNN call
-//! (`Prim::Conv2dEpilogue`: one operation graph, the convolution then pointwise operations on its
-//! accumulator), so its result is written once instead of written, read and written again by a
-//! generated kernel. PyTorch's Inductor leaves these to a generated kernel after
-//! `aten.convolution`.
+//! a ReLU or tanh-GELU — computed by the convolution's own call (`Prim::Conv2dEpilogue`), so its
+//! result is written once instead of written, read and written again by a generated kernel.
+//! PyTorch's Inductor leaves these to a generated kernel after `aten.convolution`.
 //!
-//! The pattern, in the prims the channels-last layout pass leaves (`channels_last.rs`): a
-//! channels-last `conv2d`, then `mul(_, expand(scale))`, `add(_, expand(shift))` (per-channel
+//! The pattern: a `conv2d`, then `mul(_, expand(scale))`, `add(_, expand(shift))` (per-channel
 //! values broadcast over N, H and W), `add(_, residual)` (a value of the output's shape) and an
 //! activation (`epilogue::activation_of`), each optional but at least one. A value inside the
-//! pattern that anything else reads, or that the graph returns, ends it.
+//! pattern that anything else reads, or that the graph returns, ends it. Which convolutions a
+//! target takes is its `Fuser`:
 //!
-//! When it applies: cuDNN fuses these graphs only with engines it compiles at run time (NVRTC
-//! inside cuDNN): each distinct fused convolution costs 0.3-2.2 s of plan making on the H200
-//! machine, against a few milliseconds for a plain convolution's plan, and the fused kernels are
-//! not faster everywhere (the measurements are in BENCHMARKS.md). That is max-autotune's trade —
-//! compile time for call time — so the pass runs for the max-autotune modes only
-//! (`cuda_compile.rs`), not for default or reduce-overhead, whose compiles stay in milliseconds.
-//! It needs a channels-last convolution (cuDNN fuses NHWC tensors only), one group, f32 with
-//! cuDNN's TF32 switch on (its default; with it off, only a bias alone fuses), f16 or bf16, and
-//! at least `MIN_INPUT_CHANNELS` input channels. Where cuDNN still refuses a case, the prim runs
-//! as the convolution and then the ops it stands for (`kiln_core::ops::epilogue`). `KILN_CONV_EPILOGUES=0` turns the pass off.
+//! On the CPU (`fuse_cpu`, every mode): NCHW, any groups, f32 or f64. The prim is the core's
+//! im2col + GEMM convolution finishing each image's output right after its GEMM, while the image
+//! is in cache (`kiln_core`'s `cpu/epilogue.rs`), computing what the ops compute bit for bit and
+//! costing no plan. ResNet-18 at batch 16 on two cores: about a fifth off the compiled call
+//! (BENCHMARKS.md).
 //!
-//! What it computes: cuDNN's pointwise steps run in f32 on the accumulator, so a half-precision
-//! result is rounded once, where eager execution rounds after each op; cuDNN's ReLU is
-//! `max(x, 0)`, which turns a NaN into 0 where eager's `relu` keeps it.
+//! On a device (`fuse`, after the channels-last layout pass, `channels_last.rs`): one cuDNN
+//! operation graph, the convolution then pointwise operations on its accumulator. cuDNN fuses
+//! these graphs only with engines it compiles at run time (NVRTC inside cuDNN): each distinct
+//! fused convolution costs 0.3-2.2 s of plan making on the H200 machine, against a few
+//! milliseconds for a plain convolution's plan, and the fused kernels are not faster everywhere
+//! (the measurements are in BENCHMARKS.md). That is max-autotune's trade — compile time for call
+//! time — so there the pass runs for the max-autotune modes only (`cuda_compile.rs`), not for
+//! default or reduce-overhead, whose compiles stay in milliseconds. It needs a channels-last
+//! convolution (cuDNN fuses NHWC tensors only), one group, f32 with cuDNN's TF32 switch on (its
+//! default; with it off, only a bias alone fuses), f16 or bf16, and at least
+//! `MIN_INPUT_CHANNELS` input channels. Where cuDNN still refuses a case, the prim runs as the
+//! convolution and then the ops it stands for (`kiln_core::ops::epilogue`). What it computes
+//! there: cuDNN's pointwise steps run in f32 on the accumulator, so a half-precision result is
+//! rounded once, where eager execution rounds after each op; cuDNN's ReLU is `max(x, 0)`, which
+//! turns a NaN into 0 where eager's `relu` keeps it.
+//!
+//! `KILN_CONV_EPILOGUES=0` turns the pass off on every target.
 
 use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::backends::{self, Switch};
@@ -68,28 +75,80 @@ fn other_operand(node: &Node, op: BinaryOp, cur: NodeId) -> Option<NodeId> {
     }
 }
 
+/// Which convolutions a target fuses, and where their channels are.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fuser {
+    /// cuDNN's operation graphs: channels-last, one group, f32 (with cuDNN's TF32 switch, as
+    /// `fusable` says), f16 or bf16, at least `MIN_INPUT_CHANNELS` input channels.
+    Cudnn { tf32: bool },
+    /// The CPU's im2col + GEMM convolution (`kiln_core`'s `cpu/conv.rs`), which finishes each
+    /// image's output after its GEMM: NCHW, any groups, f32 or f64.
+    Cpu,
+}
+
+impl Fuser {
+    /// The dim of a convolution's output that holds its channels.
+    fn channel_dim(self) -> usize {
+        match self {
+            Fuser::Cudnn { .. } => 3,
+            Fuser::Cpu => 1,
+        }
+    }
+
+    /// Whether this target fuses anything after `conv` (its params, dtype and input `x`).
+    fn takes(self, params: &ConvParams, dtype: DType, x: &Node) -> bool {
+        match self {
+            Fuser::Cudnn { .. } => {
+                let input_channels = x.shape.last().copied().unwrap_or(0);
+                params.channels_last
+                    && params.groups == 1
+                    && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+                    && input_channels >= MIN_INPUT_CHANNELS
+            }
+            Fuser::Cpu => !params.channels_last && matches!(dtype, DType::F32 | DType::F64),
+        }
+    }
+}
+
+/// The node holding C values that `id` broadcasts along every dim of a rank-4 value but `dim`
+/// (of size C), when it is such a broadcast: `expand(v)` where `v` is `[1, C, 1, 1]` for dim 1
+/// (a Conv2d's bias and eval batch norm's scale and shift in NCHW), or `[.., 1, C]` for the last.
+fn per_channel(g: &Graph, id: NodeId, channels: usize, dim: usize) -> Option<NodeId> {
+    let node = &g.nodes[id];
+    if dim + 1 == node.shape.len() {
+        return bias_of(g, id, channels);
+    }
+    let Op::Prim(Prim::Expand(_)) = node.op else {
+        return None;
+    };
+    let v = node.args[0];
+    let s = &g.nodes[v].shape;
+    let one_channel_dim = s.len() == node.shape.len()
+        && node.shape.get(dim) == Some(&channels)
+        && s.iter()
+            .enumerate()
+            .all(|(d, &n)| n == if d == dim { channels } else { 1 });
+    one_channel_dim.then_some(v)
+}
+
 /// The epilogue pattern that starts at convolution `conv`, if there is one.
-fn pattern(g: &Graph, uses: &Uses, conv: NodeId) -> Option<Fused> {
+fn pattern(g: &Graph, uses: &Uses, conv: NodeId, fuser: Fuser) -> Option<Fused> {
     let node = &g.nodes[conv];
     let Op::Prim(Prim::Conv2d(params)) = node.op else {
         return None;
     };
     let x = node.args[0];
-    let input_channels = g.nodes[x].shape.last().copied().unwrap_or(0);
-    if !params.channels_last
-        || params.groups != 1
-        || !matches!(node.dtype, DType::F32 | DType::F16 | DType::BF16)
-        || input_channels < MIN_INPUT_CHANNELS
-    {
+    if !fuser.takes(&params, node.dtype, &g.nodes[x]) {
         return None;
     }
-    let channels = *node.shape.last()?;
+    let dim = fuser.channel_dim();
+    let channels = *node.shape.get(dim)?;
     let alike = |v: NodeId| g.nodes[v].dtype == node.dtype && g.nodes[v].device == node.device;
     let mut cur = conv;
     let per_channel = |op: BinaryOp, cur: &mut NodeId| -> Option<NodeId> {
         let r = uses.only_reader(*cur)?;
         let v = other_operand(&g.nodes[r], op, *cur)
-            .and_then(|o| bias_of(g, o, channels))
+            .and_then(|o| per_channel(g, o, channels, dim))
             .filter(|&v| alike(v))?;
         *cur = r;
         Some(v)
@@ -125,32 +184,49 @@ fn enabled() -> bool {
     std::env::var("KILN_CONV_EPILOGUES").as_deref() != Ok("0")
 }
 
-/// Whether cuDNN fuses `f` in `dtype`: f32 held to FMA math (cuDNN's TF32 switch off) has fused
-/// engines for a bias alone (gpu_ops' `conv_cudnn_epilogues` on nvidia-h200), and anything else
-/// would run as the convolution and then eager ops, slower than the generated kernel.
-fn fusable(f: &Fused, dtype: DType, cudnn_tf32: bool) -> bool {
+/// Whether the target runs `f` fused in `dtype`. cuDNN: f32 held to FMA math (cuDNN's TF32
+/// switch off) has fused engines for a bias alone (gpu_ops' `conv_cudnn_epilogues` on
+/// nvidia-h200), and anything else would run as the convolution and then eager ops, slower than
+/// the generated kernel. The CPU's kernel fuses every epilogue.
+fn fusable(f: &Fused, dtype: DType, fuser: Fuser) -> bool {
     let bias_alone =
         f.scale.is_none() && f.residual.is_none() && f.act == Activation::None && f.shift.is_some();
-    dtype != DType::F32 || cudnn_tf32 || bias_alone
+    match fuser {
+        Fuser::Cudnn { tf32 } => dtype != DType::F32 || tf32 || bias_alone,
+        Fuser::Cpu => true,
+    }
 }
 
-/// `g` with its convolution epilogues fused, or `None` when it has none (or the pass is off).
-/// Reads cuDNN's TF32 switch, which compiled functions guard on (`kiln_core::backends`).
+/// `g` (a CUDA graph after the channels-last rewrite) with its convolution epilogues fused, or
+/// `None` when it has none (or the pass is off). Reads cuDNN's TF32 switch, which compiled
+/// functions guard on (`kiln_core::backends`).
 pub fn fuse(g: &Graph) -> Option<Graph> {
-    fuse_under(g, backends::get(Switch::CudnnTf32))
+    fuse_for(
+        g,
+        Fuser::Cudnn {
+            tf32: backends::get(Switch::CudnnTf32),
+        },
+    )
 }
 
-fn fuse_under(g: &Graph, cudnn_tf32: bool) -> Option<Graph> {
+/// `g` (a CPU graph) with its NCHW convolution epilogues fused, or `None` when it has none (or
+/// the pass is off). The CPU's kernel computes what the ops compute bit for bit, and costs no
+/// plan: every mode takes it.
+pub fn fuse_cpu(g: &Graph) -> Option<Graph> {
+    fuse_for(g, Fuser::Cpu)
+}
+
+fn fuse_for(g: &Graph, fuser: Fuser) -> Option<Graph> {
     if !enabled() {
         return None;
     }
     let found = |uses: &Uses, conv: NodeId| {
-        pattern(g, uses, conv)
-            .filter(|f| fusable(f, g.nodes[conv].dtype, cudnn_tf32))
+        pattern(g, uses, conv, fuser)
+            .filter(|f| fusable(f, g.nodes[conv].dtype, fuser))
             .map(|f| (f.last, f))
     };
     replace(g, found, |out, map, node, f: Fused| {
-        let channels = *node.shape.last().unwrap_or(&0);
+        let channels = node.shape.get(fuser.channel_dim()).copied().unwrap_or(0);
         let mut args = vec![map[f.x], map[f.w]];
         for v in [f.scale, f.shift].into_iter().flatten() {
             args.push(as_vector(out, map[v], channels));
@@ -300,7 +376,7 @@ mod tests {
     fn without_tf32_only_a_bias_fuses() -> Result<()> {
         let without_tf32 = |g: &Graph| {
             let nhwc = crate::channels_last::rewrite(g);
-            fuse_under(&nhwc, false).unwrap_or(nhwc)
+            fuse_for(&nhwc, Fuser::Cudnn { tf32: false }).unwrap_or(nhwc)
         };
         let a = block_args()?;
         let g = rewritten_bitwise(
@@ -345,6 +421,58 @@ mod tests {
             Ok(vec![bn(&y, &a[3..7])?.relu()?])
         };
         assert_eq!(fused(grouped, &a)?, []);
+        Ok(())
+    }
+
+    /// The CPU's form: NCHW convolutions, fused by `fuse_cpu`.
+    fn fused_cpu(
+        f: impl Fn(&[Tensor]) -> Result<Vec<Tensor>> + Send + Sync + Clone + 'static,
+        args: &[Tensor],
+    ) -> Result<Vec<ConvEpilogue>> {
+        let on_cpu = |g: &Graph| fuse_cpu(g).unwrap_or_else(|| g.clone());
+        Ok(epilogues(&rewritten_bitwise(f, args, on_cpu)?))
+    }
+
+    /// On the CPU a ResNet block, a bias with a GELU, the 3-channel stem and grouped
+    /// convolutions fuse (the CPU kernel has no engine to choose); a training-mode batch norm
+    /// and a returned convolution stay apart. Bit for bit as eager, through the CPU's kernel.
+    #[test]
+    fn on_the_cpu() -> Result<()> {
+        let a = block_args()?;
+        let block = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let h = bn(&conv3(&a[0], &a[1])?, &a[3..7])?.relu()?;
+            let h = bn(&conv3(&h, &a[2])?, &a[7..11])?;
+            Ok(vec![h.add(&a[0])?.relu()?])
+        };
+        let with_skip = ConvEpilogue {
+            residual: true,
+            ..BN_RELU
+        };
+        assert_eq!(fused_cpu(block, &a)?, [BN_RELU, with_skip]);
+        let gelu = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let h = conv3_bias(&a[0], &a[1], &a[3])?.gelu_tanh()?;
+            Ok(vec![conv3_bias(&h, &a[2], &a[4])?])
+        };
+        let gelu_bias = ConvEpilogue {
+            act: Activation::GeluTanh,
+            ..BIAS
+        };
+        assert_eq!(fused_cpu(gelu, &a)?, [gelu_bias, BIAS]);
+        let stem_and_groups = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let x = a[0].narrow(1, 0, 3)?;
+            let stem = bn(&conv3(&x, &a[1].narrow(1, 0, 3)?)?, &a[3..7])?.relu()?;
+            let w = a[2].narrow(1, 0, 8)?;
+            let grouped = a[0].conv2d(&w, None, [2, 2], [1, 1], [1, 1], 2)?;
+            Ok(vec![stem, bn(&grouped, &a[7..11])?.relu()?])
+        };
+        assert_eq!(fused_cpu(stem_and_groups, &a)?, [BN_RELU, BN_RELU]);
+        let apart = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let y = conv3(&a[0], &a[1])?;
+            let trained =
+                conv3(&a[0], &a[2])?.batch_norm(Some(&a[5]), Some(&a[6]), None, true, 1e-5)?;
+            Ok(vec![bn(&y, &a[3..7])?.relu()?, y, trained.relu()?])
+        };
+        assert_eq!(fused_cpu(apart, &a)?, []);
         Ok(())
     }
 }

@@ -3,9 +3,12 @@
 
 use rayon::prelude::*;
 
-use super::num::Num;
+use std::borrow::Cow;
+
+use super::epilogue::ConvEpilogueOperands;
+use super::num::{Float, Num};
 use super::{as_f32, from_f32_like, typed};
-use crate::prim::ConvParams;
+use crate::prim::{ConvEpilogue, ConvParams};
 use crate::storage::CpuStorage;
 use crate::{DType, Tensor};
 
@@ -18,31 +21,89 @@ struct Geom {
     oh: usize,
     ow: usize,
     p: ConvParams,
+    /// How each image's GEMMs use threads: images run in parallel, so with fewer images than
+    /// threads the GEMMs split their own work too (the same sums either way: gemm divides
+    /// rows and columns among threads, never the inner dim).
+    par: gemm::Parallelism,
 }
 
 impl Geom {
+    /// The output columns `ox` whose input column `ox * stride + kj * dilation - padding` lies
+    /// inside the image, as `lo..hi`: each row of a column matrix is zeros, then a strided run of
+    /// the input row, then zeros, so the loops below copy runs instead of testing every element.
+    fn valid_cols(&self, kj: usize) -> (usize, usize) {
+        let (s, pd, d) = (self.p.stride[1], self.p.padding[1], self.p.dilation[1]);
+        let shift = kj * d; // ix = ox * s + shift - pd
+        let lo = pd.saturating_sub(shift).div_ceil(s).min(self.ow);
+        let hi = (self.w + pd)
+            .saturating_sub(shift)
+            .div_ceil(s)
+            .clamp(lo, self.ow);
+        (lo, hi)
+    }
+
+    /// The input row an output row `oy` reads at kernel row `ki`, if it lies inside the image.
+    fn input_row(&self, oy: usize, ki: usize) -> Option<usize> {
+        let iy =
+            (oy * self.p.stride[0] + ki * self.p.dilation[0]).checked_sub(self.p.padding[0])?;
+        (iy < self.h).then_some(iy)
+    }
+
+    /// Whether the column matrix of an image is the image itself (`[C, H*W]`): a 1x1 kernel,
+    /// stride 1 and no padding.
+    fn col_is_image(&self) -> bool {
+        self.kh == 1
+            && self.kw == 1
+            && self.p.stride == [1, 1]
+            && self.p.padding == [0, 0]
+            && (self.oh, self.ow) == (self.h, self.w)
+    }
+
+    /// The column matrix [cg*kh*kw, oh*ow] of one image's channels [c0, c0+cg): the image's own
+    /// channels where they are it (`col_is_image`), else unfolded into `buf`.
+    fn columns<'a, T: Num>(
+        &self,
+        img: &'a [T],
+        c0: usize,
+        cg: usize,
+        buf: &'a mut Vec<T>,
+    ) -> &'a [T] {
+        let hw = self.h * self.w;
+        if self.col_is_image() {
+            return &img[c0 * hw..][..cg * hw];
+        }
+        buf.resize(cg * self.kh * self.kw * self.oh * self.ow, T::ZERO);
+        self.im2col(img, c0, cg, buf);
+        buf
+    }
+
     /// Unfolds one image's channels [c0, c0+cg) into col [cg*kh*kw, oh*ow].
     fn im2col<T: Num>(&self, img: &[T], c0: usize, cg: usize, col: &mut [T]) {
-        let (s, pd, d) = (self.p.stride, self.p.padding, self.p.dilation);
+        let (s, d, pd) = (self.p.stride[1], self.p.dilation[1], self.p.padding[1]);
         let ohw = self.oh * self.ow;
         for ci in 0..cg {
             let plane = &img[(c0 + ci) * self.h * self.w..][..self.h * self.w];
             for ki in 0..self.kh {
                 for kj in 0..self.kw {
                     let row = &mut col[((ci * self.kh + ki) * self.kw + kj) * ohw..][..ohw];
-                    for oy in 0..self.oh {
-                        let iy = (oy * s[0] + ki * d[0]) as isize - pd[0] as isize;
-                        for ox in 0..self.ow {
-                            let ix = (ox * s[1] + kj * d[1]) as isize - pd[1] as isize;
-                            row[oy * self.ow + ox] = if iy >= 0
-                                && ix >= 0
-                                && (iy as usize) < self.h
-                                && (ix as usize) < self.w
-                            {
-                                plane[iy as usize * self.w + ix as usize]
+                    let (lo, hi) = self.valid_cols(kj);
+                    for (oy, out) in row.chunks_exact_mut(self.ow).enumerate() {
+                        let Some(iy) = self.input_row(oy, ki) else {
+                            out.fill(T::ZERO);
+                            continue;
+                        };
+                        out[..lo].fill(T::ZERO);
+                        out[hi..].fill(T::ZERO);
+                        if lo < hi {
+                            let first = iy * self.w + lo * s + kj * d - pd;
+                            let src = &plane[first..];
+                            if s == 1 {
+                                out[lo..hi].copy_from_slice(&src[..hi - lo]);
                             } else {
-                                T::ZERO
-                            };
+                                for (o, &v) in out[lo..hi].iter_mut().zip(src.iter().step_by(s)) {
+                                    *o = v;
+                                }
+                            }
                         }
                     }
                 }
@@ -52,24 +113,25 @@ impl Geom {
 
     /// Adds col [cg*kh*kw, oh*ow] back into image channels [c0, c0+cg).
     fn col2im<T: Num>(&self, col: &[T], c0: usize, cg: usize, img: &mut [T]) {
-        let (s, pd, d) = (self.p.stride, self.p.padding, self.p.dilation);
+        let (s, d, pd) = (self.p.stride[1], self.p.dilation[1], self.p.padding[1]);
         let ohw = self.oh * self.ow;
         for ci in 0..cg {
             let plane = &mut img[(c0 + ci) * self.h * self.w..][..self.h * self.w];
             for ki in 0..self.kh {
                 for kj in 0..self.kw {
                     let row = &col[((ci * self.kh + ki) * self.kw + kj) * ohw..][..ohw];
-                    for oy in 0..self.oh {
-                        let iy = (oy * s[0] + ki * d[0]) as isize - pd[0] as isize;
-                        if iy < 0 || iy as usize >= self.h {
+                    let (lo, hi) = self.valid_cols(kj);
+                    if lo == hi {
+                        continue;
+                    }
+                    for (oy, src) in row.chunks_exact(self.ow).enumerate() {
+                        let Some(iy) = self.input_row(oy, ki) else {
                             continue;
-                        }
-                        for ox in 0..self.ow {
-                            let ix = (ox * s[1] + kj * d[1]) as isize - pd[1] as isize;
-                            if ix >= 0 && (ix as usize) < self.w {
-                                let p = &mut plane[iy as usize * self.w + ix as usize];
-                                *p = p.add(row[oy * self.ow + ox]);
-                            }
+                        };
+                        let first = iy * self.w + lo * s + kj * d - pd;
+                        let dst = plane[first..].iter_mut().step_by(s);
+                        for (p, &v) in dst.zip(&src[lo..hi]) {
+                            *p = p.add(v);
                         }
                     }
                 }
@@ -92,6 +154,7 @@ fn mm<T: Num + 'static>(
     b: &[T],
     b_rs: usize,
     b_cs: usize,
+    par: gemm::Parallelism,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -117,7 +180,7 @@ fn mm<T: Num + 'static>(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            par,
         )
     }
 }
@@ -132,10 +195,24 @@ fn geom(x_shape: &[usize], w_shape: &[usize], out_shape: &[usize], p: &ConvParam
         oh: out_shape[2],
         ow: out_shape[3],
         p: *p,
+        par: if x_shape[0] < rayon::current_num_threads() {
+            gemm::Parallelism::Rayon(0)
+        } else {
+            gemm::Parallelism::None
+        },
     }
 }
 
-fn forward<T: Num + 'static>(x: &[T], w: &[T], n: usize, o: usize, g: &Geom) -> Vec<T> {
+/// The convolution of `n` images, each image's output finished by `epilogue` (if any) right after
+/// its GEMMs, while it is in cache.
+fn forward<T: Float + 'static>(
+    x: &[T],
+    w: &[T],
+    n: usize,
+    o: usize,
+    g: &Geom,
+    epilogue: Option<&ConvEpilogueOperands<'_, T>>,
+) -> Vec<T> {
     let groups = g.p.groups;
     let (cg, og) = (g.c / groups, o / groups);
     let (ohw, kk) = (g.oh * g.ow, cg * g.kh * g.kw);
@@ -147,9 +224,9 @@ fn forward<T: Num + 'static>(x: &[T], w: &[T], n: usize, o: usize, g: &Geom) -> 
         .enumerate()
         .for_each(|(b, out_img)| {
             let img = &x[b * g.c * g.h * g.w..][..g.c * g.h * g.w];
-            let mut col = vec![T::ZERO; kk * ohw];
+            let mut col = Vec::new();
             for gi in 0..groups {
-                g.im2col(img, gi * cg, cg, &mut col);
+                let col = g.columns(img, gi * cg, cg, &mut col);
                 let wg = &w[gi * og * kk..][..og * kk];
                 mm(
                     og,
@@ -160,10 +237,14 @@ fn forward<T: Num + 'static>(x: &[T], w: &[T], n: usize, o: usize, g: &Geom) -> 
                     wg,
                     kk,
                     1,
-                    &col,
+                    col,
                     ohw,
                     1,
+                    g.par,
                 );
+            }
+            if let Some(e) = epilogue {
+                e.apply(b, out_img, ohw);
             }
         });
     out
@@ -184,7 +265,7 @@ fn grad_input<T: Num + 'static>(gout: &[T], w: &[T], n: usize, o: usize, g: &Geo
             let wg = &w[gi * og * kk..][..og * kk];
             let go = &gout[(b * o + gi * og) * ohw..][..og * ohw];
             // col = wg^T [kk, og] @ go [og, ohw]
-            mm(kk, ohw, og, &mut col, false, wg, 1, kk, go, ohw, 1);
+            mm(kk, ohw, og, &mut col, false, wg, 1, kk, go, ohw, 1, g.par);
             g.col2im(&col, gi * cg, cg, gimg);
         }
     });
@@ -200,9 +281,9 @@ fn grad_weight<T: Num + 'static>(gout: &[T], x: &[T], n: usize, o: usize, g: &Ge
     (0..n)
         .into_par_iter()
         .fold(zero, |mut acc, b| {
-            let mut col = vec![T::ZERO; kk * ohw];
+            let mut col = Vec::new();
             for gi in 0..groups {
-                g.im2col(&x[b * chw..][..chw], gi * cg, cg, &mut col);
+                let col = g.columns(&x[b * chw..][..chw], gi * cg, cg, &mut col);
                 let go = &gout[(b * o + gi * og) * ohw..][..og * ohw];
                 // acc_g [og, kk] += go [og, ohw] @ col^T [ohw, kk]
                 mm(
@@ -214,9 +295,10 @@ fn grad_weight<T: Num + 'static>(gout: &[T], x: &[T], n: usize, o: usize, g: &Ge
                     go,
                     ohw,
                     1,
-                    &col,
+                    col,
                     1,
                     ohw,
+                    g.par,
                 );
             }
             acc
@@ -247,9 +329,47 @@ pub(super) fn conv2d(x: &Tensor, w: &Tensor, p: &ConvParams, out_shape: &[usize]
     float2(
         x,
         w,
-        |x, w| forward(x, w, n, o, &g),
-        |x, w| forward(x, w, n, o, &g),
+        |x, w| forward(x, w, n, o, &g, None),
+        |x, w| forward(x, w, n, o, &g, None),
     )
+}
+
+/// `Prim::Conv2dEpilogue` on NCHW f32 or f64 operands: each image's output finished while in
+/// cache (`epilogue.rs`), the ops' result bit for bit. `None` for other dtypes, which run as the
+/// ops.
+pub(super) fn conv2d_epilogue(
+    inputs: &[&Tensor],
+    p: &ConvParams,
+    e: ConvEpilogue,
+    out_shape: &[usize],
+) -> Option<CpuStorage> {
+    let (x, w) = (inputs[0], inputs[1]);
+    let dtype = x.dtype();
+    if p.channels_last || inputs.iter().any(|t| t.dtype() != dtype) {
+        return None;
+    }
+    let g = geom(x.shape(), w.shape(), out_shape, p);
+    let (n, o) = (x.shape()[0], w.shape()[0]);
+    let guards: Vec<_> = inputs.iter().map(|t| t.storage()).collect();
+    fn fused<T: Float + 'static>(
+        inputs: &[&Tensor],
+        guards: &[std::sync::RwLockReadGuard<'_, CpuStorage>],
+        e: ConvEpilogue,
+        (n, o, g): (usize, usize, &Geom),
+    ) -> Vec<T> {
+        let views: Vec<Cow<'_, [T]>> = inputs
+            .iter()
+            .zip(guards)
+            .map(|(t, s)| typed::<T>(s, t.layout()))
+            .collect();
+        let epilogue = ConvEpilogueOperands::new(&views[2..], e);
+        forward(&views[0], &views[1], n, o, g, Some(&epilogue))
+    }
+    match dtype {
+        DType::F32 => Some(CpuStorage::F32(fused(inputs, &guards, e, (n, o, &g)))),
+        DType::F64 => Some(CpuStorage::F64(fused(inputs, &guards, e, (n, o, &g)))),
+        _ => None,
+    }
 }
 
 pub(super) fn conv2d_grad_input(

@@ -5,6 +5,7 @@
 pub mod alloc;
 mod conv;
 mod elementwise;
+mod epilogue;
 mod gather;
 mod index;
 mod matmul;
@@ -81,9 +82,14 @@ pub(crate) fn execute(
         Prim::MatmulEpilogue(e) => {
             epilogue_parts(crate::ops::epilogue::matmul_epilogue(inputs, *e)?)
         }
-        Prim::Conv2dEpilogue { params, epilogue } => epilogue_parts(
-            crate::ops::epilogue::conv2d_epilogue(inputs, *params, *epilogue)?,
-        ),
+        Prim::Conv2dEpilogue { params, epilogue } => {
+            match conv::conv2d_epilogue(inputs, params, *epilogue, shape) {
+                Some(fused) => owned(fused, shape),
+                None => epilogue_parts(crate::ops::epilogue::conv2d_epilogue(
+                    inputs, *params, *epilogue,
+                )?),
+            }
+        }
         Prim::Conv2d(p) => owned(conv::conv2d(inputs[0], inputs[1], p, shape), shape),
         Prim::Conv2dGradInput {
             params,

@@ -1,8 +1,9 @@
 //! The compiler's epilogue prims (`MatmulEpilogue`, `Conv2dEpilogue`) as the ops they stand for:
 //! the product or convolution, then the core's own `mul`, `add`, `relu` or `gelu_tanh` — their one
 //! definition — so each prim equals those ops bit for bit. The compiler writes the prims for a GPU,
-//! where cuBLASLt's epilogues and cuDNN's operation graphs run them; these run them everywhere
-//! else: the CPU (a graph holding one interpreted, or a test applying one) and a device whose
+//! where cuBLASLt's epilogues and cuDNN's operation graphs run them, and `Conv2dEpilogue` for the
+//! CPU, whose fused kernel (`cpu/epilogue.rs`, NCHW f32/f64) must equal these; these run them
+//! everywhere else: the CPU's other cases (matmuls, half types, channels-last) and a device whose
 //! library has no fused kernel for a case (cuDNN without a fusion engine for it).
 
 use crate::dispatch::apply;
