@@ -168,6 +168,48 @@ proptest! {
         }
     }
 
+    /// Broadcast and strided operands whose shared rows hold 16 or more elements are read in
+    /// place (`cpu/walk.rs`) instead of copied first: every kind of view, broadcast partners,
+    /// size-1 dims; the same bits as the ops on contiguous copies of the broadcast operands.
+    #[test]
+    fn views_with_long_rows_are_read_in_place(lead in shape_nz(0, 3, 3), row in 16usize..40, kind_a in kind(), kind_b in kind(), seed: u64) {
+        let mut rng = TRng::new(seed);
+        let mut a_shape = lead;
+        a_shape.push(row);
+        let b_shape = broadcast_partner(&a_shape, &mut rng);
+        type Case = (&'static str, fn(&Tensor, &Tensor) -> Result<Tensor>);
+        let cases: [Case; 6] = [
+            ("add", |a, b| a.add(b)),
+            ("mul", |a, b| a.mul(b)),
+            ("maximum", |a, b| a.maximum(b)),
+            ("le", |a, b| a.le(b)),
+            ("where", |a, b| Tensor::where_(&a.gt(0.0)?, a, b)),
+            ("relu", |a, _| a.relu()),
+        ];
+        for dtype in [DType::F32, DType::F64, DType::I64] {
+            let a = make(&a_shape, kind_a, dtype, &mut rng, |r| r.uniform(-3.0, 3.0).round());
+            let b = make(&b_shape, kind_b, dtype, &mut rng, |r| r.uniform(-3.0, 3.0));
+            // the operands as contiguous tensors of the result's shape: the path without views
+            let copies = |a: &Tensor, b: &Tensor| -> Result<(Tensor, Tensor)> {
+                Ok((a.broadcast_to(&a_shape)?.contiguous()?, b.broadcast_to(&a_shape)?.contiguous()?))
+            };
+            let (ac, bc) = copies(&a, &b).unwrap();
+            for (name, op) in cases {
+                let (got, want) = (op(&a, &b).unwrap(), op(&ac, &bc).unwrap());
+                let ctx = format!("{name} {dtype} {a_shape:?} {kind_a:?} with {b_shape:?} {kind_b:?}");
+                prop_assert_eq!(got.shape(), want.shape(), "{}", &ctx);
+                let bits = |t: &Tensor| t.to_vec_f64().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                prop_assert_eq!(bits(&got), bits(&want), "{}", &ctx);
+            }
+            // and against f64 for one op
+            let (av, bv) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+            let (want, shape) = ref_map(&[(&av, &a_shape), (&bv, &b_shape)], |x| x[0] * x[1]);
+            if dtype != DType::I64 {
+                check(&a.mul(&b).unwrap(), &want, &shape, dtype, "mul");
+            }
+        }
+    }
+
     #[test]
     fn logical_where_clamp_match_f64(a_shape in shape(0, 3, 4), kind_a in kind(), seed: u64) {
         let mut rng = TRng::new(seed);

@@ -1,9 +1,13 @@
 //! Unary, binary, where and cast kernels. Operands arrive with equal shapes and dtypes (the prims are
 //! strict); non-contiguous operands are gathered once, then the loop runs over flat slices.
 
+use std::borrow::Cow;
+
 use super::num::{Float, Num};
-use super::{alloc, as_f32, from_f32_like, typed};
+use super::walk::{In, Walk};
+use super::{alloc, as_f32, contig, from_f32_like, typed};
 use crate::prim::{BinaryOp, UnaryOp};
+use crate::shape::Layout;
 use crate::storage::{CpuStorage, StorageElement};
 use crate::{DType, Tensor};
 
@@ -21,7 +25,7 @@ fn map<A: Copy + Send + Sync, B: StorageElement + Send + Sync>(
     })
 }
 
-fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send + Sync>(
+fn zip_slices<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send + Sync>(
     x: &[A],
     y: &[B],
     f: impl Fn(A, B) -> C + Sync + Send,
@@ -32,6 +36,44 @@ fn zip<A: Copy + Send + Sync, B: Copy + Send + Sync, C: StorageElement + Send + 
             o.write(f(a, b));
         }
     })
+}
+
+/// Two operands of one shape as a kernel reads them: contiguous (strided ones copied), or
+/// walked in place (`walk.rs`: broadcast and strided views with long enough rows).
+enum Two<'a, A: Clone, B: Clone> {
+    Flat(Cow<'a, [A]>, Cow<'a, [B]>),
+    Walked(Walk, In<'a, A>, In<'a, B>),
+}
+
+impl<'a, A: StorageElement, B: StorageElement> Two<'a, A, B> {
+    fn new(a: &'a [A], la: &Layout, b: &'a [B], lb: &Layout) -> Self {
+        match Walk::new(&[la, lb]) {
+            Some(w) => {
+                let (a, b) = (w.operand(a, la), w.operand(b, lb));
+                Two::Walked(w, a, b)
+            }
+            None => Two::Flat(contig(a, la), contig(b, lb)),
+        }
+    }
+}
+
+fn zip<A: StorageElement, B: StorageElement, C: StorageElement + Send + Sync>(
+    t: &Two<'_, A, B>,
+    f: impl Fn(A, B) -> C + Sync + Send,
+) -> Vec<C> {
+    match t {
+        Two::Flat(a, b) => zip_slices(a, b, f),
+        Two::Walked(w, a, b) => w.fill(
+            || (Vec::new(), Vec::new()),
+            |(ba, bb), at, out| {
+                let x = a.piece(w, at, out.len(), ba);
+                let y = b.piece(w, at, out.len(), bb);
+                for ((o, &a), &b) in out.iter_mut().zip(x).zip(y) {
+                    o.write(f(a, b));
+                }
+            },
+        ),
+    }
 }
 
 fn unary_float<T: Float>(op: UnaryOp, x: &[T]) -> Vec<T> {
@@ -73,37 +115,37 @@ pub(super) fn unary(op: UnaryOp, x: &Tensor) -> CpuStorage {
     }
 }
 
-fn binary_num<T: Num>(op: BinaryOp, a: &[T], b: &[T]) -> CpuStorage {
+fn binary_num<T: Num>(op: BinaryOp, t: &Two<'_, T, T>) -> CpuStorage {
     let wrap = T::wrap;
     match op {
-        BinaryOp::Add => wrap(zip(a, b, T::add)),
-        BinaryOp::Sub => wrap(zip(a, b, T::sub)),
-        BinaryOp::Mul => wrap(zip(a, b, T::mul)),
-        BinaryOp::Div => wrap(zip(a, b, T::div)),
-        BinaryOp::Pow => wrap(zip(a, b, T::pow)),
+        BinaryOp::Add => wrap(zip(t, T::add)),
+        BinaryOp::Sub => wrap(zip(t, T::sub)),
+        BinaryOp::Mul => wrap(zip(t, T::mul)),
+        BinaryOp::Div => wrap(zip(t, T::div)),
+        BinaryOp::Pow => wrap(zip(t, T::pow)),
         // NaN propagates through maximum/minimum, as in PyTorch.
-        BinaryOp::Max => wrap(zip(a, b, |x, y| if x.is_nan() || x >= y { x } else { y })),
-        BinaryOp::Min => wrap(zip(a, b, |x, y| if x.is_nan() || x <= y { x } else { y })),
-        BinaryOp::Eq => CpuStorage::Bool(zip(a, b, |x, y| x == y)),
-        BinaryOp::Ne => CpuStorage::Bool(zip(a, b, |x, y| x != y)),
-        BinaryOp::Lt => CpuStorage::Bool(zip(a, b, |x, y| x < y)),
-        BinaryOp::Le => CpuStorage::Bool(zip(a, b, |x, y| x <= y)),
-        BinaryOp::Gt => CpuStorage::Bool(zip(a, b, |x, y| x > y)),
-        BinaryOp::Ge => CpuStorage::Bool(zip(a, b, |x, y| x >= y)),
+        BinaryOp::Max => wrap(zip(t, |x, y| if x.is_nan() || x >= y { x } else { y })),
+        BinaryOp::Min => wrap(zip(t, |x, y| if x.is_nan() || x <= y { x } else { y })),
+        BinaryOp::Eq => CpuStorage::Bool(zip(t, |x, y| x == y)),
+        BinaryOp::Ne => CpuStorage::Bool(zip(t, |x, y| x != y)),
+        BinaryOp::Lt => CpuStorage::Bool(zip(t, |x, y| x < y)),
+        BinaryOp::Le => CpuStorage::Bool(zip(t, |x, y| x <= y)),
+        BinaryOp::Gt => CpuStorage::Bool(zip(t, |x, y| x > y)),
+        BinaryOp::Ge => CpuStorage::Bool(zip(t, |x, y| x >= y)),
         BinaryOp::And | BinaryOp::Or => wrap(Vec::new()), // bool-only, handled by the caller
     }
 }
 
-fn binary_bool(op: BinaryOp, a: &[bool], b: &[bool]) -> CpuStorage {
+fn binary_bool(op: BinaryOp, t: &Two<'_, bool, bool>) -> CpuStorage {
     CpuStorage::Bool(match op {
-        BinaryOp::And => zip(a, b, |x, y| x & y),
-        BinaryOp::Or => zip(a, b, |x, y| x | y),
-        BinaryOp::Eq => zip(a, b, |x, y| x == y),
-        BinaryOp::Ne => zip(a, b, |x, y| x != y),
-        BinaryOp::Lt => zip(a, b, |x, y| !x & y),
-        BinaryOp::Le => zip(a, b, |x, y| x <= y),
-        BinaryOp::Gt => zip(a, b, |x, y| x & !y),
-        BinaryOp::Ge => zip(a, b, |x, y| x >= y),
+        BinaryOp::And => zip(t, |x, y| x & y),
+        BinaryOp::Or => zip(t, |x, y| x | y),
+        BinaryOp::Eq => zip(t, |x, y| x == y),
+        BinaryOp::Ne => zip(t, |x, y| x != y),
+        BinaryOp::Lt => zip(t, |x, y| !x & y),
+        BinaryOp::Le => zip(t, |x, y| x <= y),
+        BinaryOp::Gt => zip(t, |x, y| x & !y),
+        BinaryOp::Ge => zip(t, |x, y| x >= y),
         _ => Vec::new(), // arithmetic on bool is rejected by Prim::infer
     })
 }
@@ -111,42 +153,87 @@ fn binary_bool(op: BinaryOp, a: &[bool], b: &[bool]) -> CpuStorage {
 pub(super) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor) -> CpuStorage {
     let (sa, sb) = (a.storage(), b.storage());
     let (la, lb) = (a.layout(), b.layout());
+    fn two<'a, T: StorageElement>(
+        sa: &'a CpuStorage,
+        la: &Layout,
+        sb: &'a CpuStorage,
+        lb: &Layout,
+    ) -> Two<'a, T, T> {
+        match (T::view(sa), T::view(sb)) {
+            (Some(a), Some(b)) => Two::new(a, la, b, lb),
+            // unreachable: Prim::infer checked the dtypes
+            _ => Two::Flat(Cow::Owned(Vec::new()), Cow::Owned(Vec::new())),
+        }
+    }
     match a.dtype() {
-        DType::F32 => binary_num::<f32>(op, &typed(&sa, la), &typed(&sb, lb)),
-        DType::F64 => binary_num::<f64>(op, &typed(&sa, la), &typed(&sb, lb)),
+        DType::F32 => binary_num::<f32>(op, &two(&sa, la, &sb, lb)),
+        DType::F64 => binary_num::<f64>(op, &two(&sa, la, &sb, lb)),
         DType::F16 | DType::BF16 => {
-            let mut out = binary_num::<f32>(op, &as_f32(&sa, la), &as_f32(&sb, lb));
+            let t = Two::Flat(as_f32(&sa, la), as_f32(&sb, lb));
+            let mut out = binary_num::<f32>(op, &t);
             // taken by `&mut`: a storage cannot be moved out of (it returns to the buffer cache)
             match &mut out {
                 CpuStorage::F32(v) => from_f32_like(a.dtype(), std::mem::take(v)),
                 _ => out,
             }
         }
-        DType::I32 => binary_num::<i32>(op, &typed(&sa, la), &typed(&sb, lb)),
-        DType::I64 => binary_num::<i64>(op, &typed(&sa, la), &typed(&sb, lb)),
-        DType::U8 => binary_num::<u8>(op, &typed(&sa, la), &typed(&sb, lb)),
-        DType::Bool => binary_bool(op, &typed(&sa, la), &typed(&sb, lb)),
+        DType::I32 => binary_num::<i32>(op, &two(&sa, la, &sb, lb)),
+        DType::I64 => binary_num::<i64>(op, &two(&sa, la, &sb, lb)),
+        DType::U8 => binary_num::<u8>(op, &two(&sa, la, &sb, lb)),
+        DType::Bool => binary_bool(op, &two(&sa, la, &sb, lb)),
     }
 }
 
 pub(super) fn where_(c: &Tensor, a: &Tensor, b: &Tensor) -> CpuStorage {
-    fn go<T: StorageElement>(c: &[bool], a: &[T], b: &[T]) -> CpuStorage {
-        T::wrap(alloc::filled(c.len(), CHUNK, |k, o| {
-            let start = k * CHUNK;
-            let abc = a[start..].iter().zip(&b[start..]).zip(&c[start..]);
-            for (o, ((&a, &b), &c)) in o.iter_mut().zip(abc) {
-                o.write(if c { a } else { b });
-            }
-        }))
+    fn go<T: StorageElement>(
+        c: &[bool],
+        lc: &Layout,
+        a: &[T],
+        la: &Layout,
+        b: &[T],
+        lb: &Layout,
+    ) -> CpuStorage {
+        let pick = |c: bool, a: T, b: T| if c { a } else { b };
+        let Some(w) = Walk::new(&[lc, la, lb]) else {
+            let (c, a, b) = (contig(c, lc), contig(a, la), contig(b, lb));
+            return T::wrap(alloc::filled(c.len(), CHUNK, |k, o| {
+                let start = k * CHUNK;
+                let abc = a[start..].iter().zip(&b[start..]).zip(&c[start..]);
+                for (o, ((&a, &b), &c)) in o.iter_mut().zip(abc) {
+                    o.write(pick(c, a, b));
+                }
+            }));
+        };
+        let (c, a, b) = (w.operand(c, lc), w.operand(a, la), w.operand(b, lb));
+        T::wrap(w.fill(
+            || (Vec::new(), Vec::new(), Vec::new()),
+            |(bc, ba, bb), at, o| {
+                let n = o.len();
+                let (c, a, b) = (
+                    c.piece(&w, at, n, bc),
+                    a.piece(&w, at, n, ba),
+                    b.piece(&w, at, n, bb),
+                );
+                for (o, ((&a, &b), &c)) in o.iter_mut().zip(a.iter().zip(b).zip(c)) {
+                    o.write(pick(c, a, b));
+                }
+            },
+        ))
     }
     let (sc, sa, sb) = (c.storage(), a.storage(), b.storage());
-    let cond = typed::<bool>(&sc, c.layout());
-    let (la, lb) = (a.layout(), b.layout());
+    let cond = match bool::view(&sc) {
+        Some(v) => v,
+        None => return CpuStorage::Bool(Vec::new()), // unreachable: Prim::infer checked it
+    };
+    let (lc, la, lb) = (c.layout(), a.layout(), b.layout());
     crate::with_storage!(&*sa, v => {
-        fn tag<T: StorageElement>(_: &[T], c: &[bool], sa: &CpuStorage, la: &crate::shape::Layout, sb: &CpuStorage, lb: &crate::shape::Layout) -> CpuStorage {
-            go::<T>(c, &typed::<T>(sa, la), &typed::<T>(sb, lb))
+        fn tag<T: StorageElement>(_: &[T], c: &[bool], lc: &Layout, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> CpuStorage {
+            match (T::view(sa), T::view(sb)) {
+                (Some(a), Some(b)) => go::<T>(c, lc, a, la, b, lb),
+                _ => T::wrap(Vec::new()), // unreachable: Prim::infer checked the dtypes
+            }
         }
-        tag(v, &cond, &sa, la, &sb, lb)
+        tag(v, cond, lc, &sa, la, &sb, lb)
     })
 }
 

@@ -13,6 +13,7 @@ mod movement;
 mod num;
 mod random;
 mod reduce;
+mod walk;
 
 use std::borrow::Cow;
 
@@ -247,19 +248,54 @@ pub(crate) fn copy_range(dst: &mut CpuStorage, to: usize, src: &CpuStorage, from
     })
 }
 
+/// Writes contiguous `values` into the positions `layout` addresses in `d`: a row at a time
+/// where the layout's innermost dim is contiguous (a pad's interior, a cat's part), else element
+/// by element.
+fn write_positions<T: Copy>(d: &mut [T], layout: &Layout, values: &[T]) {
+    match (layout.shape.split_last(), layout.strides.split_last()) {
+        (Some((&row, outer)), Some((1, outer_strides))) if row > 1 => {
+            let rows = Layout {
+                shape: outer.to_vec(),
+                strides: outer_strides.to_vec(),
+                offset: layout.offset,
+            };
+            let mut i = 0;
+            rows.for_each_offset(|o| {
+                d[o..o + row].copy_from_slice(&values[i..i + row]);
+                i += row;
+            });
+        }
+        _ => {
+            let mut i = 0;
+            layout.for_each_offset(|o| {
+                d[o] = values[i];
+                i += 1;
+            });
+        }
+    }
+}
+
 /// Writes contiguous `values` into the positions `layout` addresses in `dst` (same dtype).
 pub(crate) fn write_strided(dst: &mut CpuStorage, layout: &Layout, values: &CpuStorage) {
     fn go<T: StorageElement>(dst: &mut CpuStorage, layout: &Layout, values: &CpuStorage) {
         if let (Some(d), Some(v)) = (T::view_mut(dst), T::view(values)) {
-            let mut i = 0;
-            layout.for_each_offset(|o| {
-                d[o] = v[i];
-                i += 1;
-            });
+            write_positions(d, layout, v);
         }
     }
     with_storage!(values, v => {
         fn tag<T: StorageElement>(_: &[T]) -> fn(&mut CpuStorage, &Layout, &CpuStorage) { go::<T> }
         tag(v)(dst, layout, values)
     })
+}
+
+/// `write_strided` from a tensor's elements, read in place where they are contiguous: for a
+/// fresh `dst`, which cannot share the tensor's storage.
+pub(crate) fn write_strided_from(dst: &mut CpuStorage, layout: &Layout, src: &Tensor) {
+    fn go<T: StorageElement>(dst: &mut CpuStorage, layout: &Layout, src: &[T], l: &Layout) {
+        if let Some(d) = T::view_mut(dst) {
+            write_positions(d, layout, &contig(src, l));
+        }
+    }
+    let s = src.storage();
+    with_storage!(&*s, v => go(dst, layout, v, src.layout()))
 }

@@ -1,6 +1,6 @@
 //! Pad and cat: the movement prims that write new buffers (views never reach a kernel).
 
-use super::{materialize, write_strided};
+use super::write_strided_from;
 use crate::prim::OutMeta;
 use crate::shape::Layout;
 use crate::storage::CpuStorage;
@@ -13,7 +13,7 @@ pub(super) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, shape: &[usiz
         interior = interior.slice(d, before, before + x.shape()[d], 1);
     }
     if x.numel() > 0 {
-        write_strided(&mut out, &interior, &materialize(x));
+        write_strided_from(&mut out, &interior, x);
     }
     out
 }
@@ -25,7 +25,7 @@ pub(super) fn cat(xs: &[&Tensor], dim: usize, meta: &OutMeta) -> CpuStorage {
     for x in xs {
         let len = x.shape()[dim];
         if x.numel() > 0 {
-            write_strided(&mut out, &full.slice(dim, at, at + len, 1), &materialize(x));
+            write_strided_from(&mut out, &full.slice(dim, at, at + len, 1), x);
         }
         at += len;
     }
