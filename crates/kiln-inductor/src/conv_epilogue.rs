@@ -155,9 +155,12 @@ fn pattern(g: &Graph, uses: &Uses, conv: NodeId, fuser: Fuser) -> Option<Fused> 
     };
     let scale = per_channel(BinaryOp::Mul, &mut cur);
     let shift = per_channel(BinaryOp::Add, &mut cur);
+    // the skip connection joins the convolution of the two branches that comes later in the
+    // graph: a ResNet downsampling block's 1x1 convolution and its batch norm would otherwise
+    // end at the same add as the main branch's, and one of the two patterns would be lost
     let residual = uses.only_reader(cur).and_then(|r| {
         let o = other_operand(&g.nodes[r], BinaryOp::Add, cur)?;
-        let full = g.nodes[o].shape == node.shape && alike(o);
+        let full = g.nodes[o].shape == node.shape && alike(o) && o < conv;
         full.then(|| {
             cur = r;
             o
@@ -348,6 +351,36 @@ mod tests {
             ..BN_RELU
         };
         assert_eq!(got, [BN_RELU, with_skip]);
+        Ok(())
+    }
+
+    /// A downsampling block: `relu(bn(conv(h)) + bn(conv1x1(x)))`. The skip connection joins
+    /// the later of the two convolutions (the 1x1 one): both end at that add otherwise, and one
+    /// of them was left unfused. On the CPU and on a device alike.
+    #[test]
+    fn a_downsampling_block_fuses_all_three() -> Result<()> {
+        let block = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+            let s2 = |x: &Tensor, w: &Tensor| x.conv2d(w, None, [2, 2], [1, 1], [1, 1], 1);
+            let h = bn(&s2(&a[0], &a[1])?, &a[3..7])?.relu()?;
+            let h = bn(&conv3(&h, &a[2])?, &a[7..11])?;
+            let w1 = a[2].narrow(2, 0, 1)?.narrow(3, 0, 1)?;
+            let down = a[0].conv2d(&w1, None, [2, 2], [0, 0], [1, 1], 1)?;
+            Ok(vec![h.add(&bn(&down, &a[3..7])?)?.relu()?])
+        };
+        let bn_only = ConvEpilogue {
+            act: Activation::None,
+            ..BN_RELU
+        };
+        let with_skip = ConvEpilogue {
+            residual: true,
+            ..BN_RELU
+        };
+        let want = [BN_RELU, bn_only, with_skip];
+        let mut a = block_args()?;
+        assert_eq!(fused(block, &a)?, want);
+        // one image: another graph, which the compiled-graph cache has not seen
+        a[0] = a[0].narrow(0, 0, 1)?;
+        assert_eq!(fused_cpu(block, &a)?, want);
         Ok(())
     }
 

@@ -21,7 +21,10 @@ pub(crate) fn replace<P>(
     let mut at_last: Vec<Option<P>> = (0..g.nodes.len()).map(|_| None).collect();
     for start in 0..g.nodes.len() {
         if let Some((last, p)) = found(&uses, start) {
-            at_last[last] = Some(p);
+            // two patterns ending at one node would both absorb it: the first keeps it
+            if at_last[last].is_none() {
+                at_last[last] = Some(p);
+            }
         }
     }
     if at_last.iter().all(Option::is_none) {
