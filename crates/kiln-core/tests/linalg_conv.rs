@@ -616,3 +616,43 @@ fn matmul_epilogue_prim_rejects_bad_operands() {
     let err = apply(relu, &[&ints, &intb]).unwrap_err();
     assert!(err.to_string().contains("matmul_epilogue"), "{err}");
 }
+
+/// The GEMMs of matmul and conv2d write into a reused buffer from the CPU's cache (`take_vec`)
+/// without reading it: a freed buffer of NaNs of the result's size (1 MiB, the cache's smallest)
+/// leaves no trace in the next result.
+#[test]
+fn gemm_outputs_in_reused_buffers_do_not_read_them() -> kiln_core::Result<()> {
+    let mut rng = TRng::new(7);
+    let x = make(
+        &[2, 3, 34, 66],
+        Kind::Contiguous,
+        DType::F32,
+        &mut rng,
+        |r| r.uniform(-1.0, 1.0),
+    );
+    let w = make(
+        &[64, 3, 3, 3],
+        Kind::Contiguous,
+        DType::F32,
+        &mut rng,
+        |r| r.uniform(-1.0, 1.0),
+    );
+    let a = make(&[512, 8], Kind::Contiguous, DType::F32, &mut rng, |r| {
+        r.uniform(-1.0, 1.0)
+    });
+    let b = make(&[8, 512], Kind::Contiguous, DType::F32, &mut rng, |r| {
+        r.uniform(-1.0, 1.0)
+    });
+    let conv = || x.conv2d(&w, None, [1, 1], [0, 0], [1, 1], 1);
+    let want_conv = conv()?.to_vec_f64()?;
+    let want_mm = a.matmul(&b)?.to_vec_f64()?;
+    assert_eq!(want_conv.len(), 1 << 18);
+    assert_eq!(want_mm.len(), 1 << 18);
+    for _ in 0..2 {
+        drop(Tensor::full(&[1 << 18], f64::NAN, DType::F32)?.add(0.0)?);
+        assert_eq!(conv()?.to_vec_f64()?, want_conv);
+        drop(Tensor::full(&[1 << 18], f64::NAN, DType::F32)?.add(0.0)?);
+        assert_eq!(a.matmul(&b)?.to_vec_f64()?, want_mm);
+    }
+    Ok(())
+}

@@ -114,8 +114,8 @@ fn take(dtype: DType, n: usize) -> Option<CpuStorage> {
 }
 
 /// A cached buffer of exactly `n` elements of `T` (`take`), for an eager kernel that writes every
-/// element: its output's pages are then already mapped. `None` below `MIN_BYTES` or on a miss.
-fn take_vec<T: StorageElement>(n: usize) -> Option<Vec<T>> {
+/// element (a GEMM not reading its destination, `filled`): its output's pages are then already mapped. `None` below `MIN_BYTES` or on a miss.
+pub(crate) fn take_vec<T: StorageElement>(n: usize) -> Option<Vec<T>> {
     if n * std::mem::size_of::<T>() < MIN_BYTES {
         return None;
     }

@@ -216,10 +216,13 @@ fn forward<T: Float + 'static>(
     let groups = g.p.groups;
     let (cg, og) = (g.c / groups, o / groups);
     let (ohw, kk) = (g.oh * g.ow, cg * g.kh * g.kw);
-    let mut out = vec![T::ZERO; n * o * ohw];
-    if out.is_empty() {
-        return out;
+    let len = n * o * ohw;
+    if len == 0 {
+        return Vec::new();
     }
+    // every element is written by a GEMM that does not read it (no accumulation): a cached
+    // buffer's pages are mapped already
+    let mut out = super::alloc::take_vec(len).unwrap_or_else(|| vec![T::ZERO; len]);
     out.par_chunks_mut(o * ohw)
         .enumerate()
         .for_each(|(b, out_img)| {

@@ -15,10 +15,13 @@ use crate::{DType, Tensor};
 /// inside their buffers, which `Layout` guarantees for every tensor.
 fn gemm_batched<T: Num + 'static>(a: &[T], la: &Layout, b: &[T], lb: &Layout) -> Vec<T> {
     let (bs, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
-    let mut out = vec![T::ZERO; bs * m * n];
-    if m * n == 0 {
-        return out;
+    if m * n == 0 || k == 0 {
+        return vec![T::ZERO; bs * m * n];
     }
+    // every element is written by a GEMM that does not read it: a cached buffer's pages are
+    // mapped already
+    let len = bs * m * n;
+    let mut out = super::alloc::take_vec(len).unwrap_or_else(|| vec![T::ZERO; len]);
     let flops = m * n * k;
     let run = |dst: &mut [T], i: usize, par: Parallelism| unsafe {
         gemm(
@@ -43,9 +46,6 @@ fn gemm_batched<T: Num + 'static>(a: &[T], la: &Layout, b: &[T], lb: &Layout) ->
             par,
         )
     };
-    if k == 0 {
-        return out;
-    }
     if bs > 1 && flops < (1 << 21) {
         out.par_chunks_mut(m * n)
             .enumerate()
