@@ -194,12 +194,15 @@ impl CompiledCpu {
                 } => {
                     let mut args_t = Vec::with_capacity(reads.len());
                     for &i in reads {
-                        let t = get(&vals, i)?;
-                        args_t.push(if t.is_contiguous() {
-                            t
-                        } else {
-                            t.contiguous()?
-                        });
+                        let mut t = get(&vals, i)?;
+                        if !t.is_contiguous() {
+                            // kernels read dense buffers: a strided value (an argument that is
+                            // a view, a view an extern returned) is copied once per call, and
+                            // the copy serves every later kernel that reads it
+                            t = t.contiguous()?;
+                            vals[i] = Some(t.clone());
+                        }
+                        args_t.push(t);
                     }
                     let mut out_t = Vec::with_capacity(outs.len());
                     for &(node, alloc) in outs {
