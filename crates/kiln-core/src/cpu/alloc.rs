@@ -113,6 +113,24 @@ fn take(dtype: DType, n: usize) -> Option<CpuStorage> {
     }
 }
 
+/// `CpuStorage::full` into a cached buffer when there is one: its pages are mapped, so a pad or
+/// a cat writing its parts into it afterwards does not fault page by page (a fresh zeroed buffer
+/// is calloc's, mapped only as it is written).
+pub(crate) fn full(dtype: DType, n: usize, value: f64) -> CpuStorage {
+    let cached = if n * dtype.size_in_bytes() >= MIN_BYTES {
+        take(dtype, n)
+    } else {
+        None
+    };
+    match cached {
+        Some(mut s) => {
+            s.fill(value);
+            s
+        }
+        None => CpuStorage::full(dtype, n, value),
+    }
+}
+
 /// A cached buffer of exactly `n` elements of `T` (`take`), for an eager kernel that writes every
 /// element (a GEMM not reading its destination, `filled`): its output's pages are then already mapped. `None` below `MIN_BYTES` or on a miss.
 pub(crate) fn take_vec<T: StorageElement>(n: usize) -> Option<Vec<T>> {

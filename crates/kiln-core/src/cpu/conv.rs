@@ -275,20 +275,37 @@ fn grad_input<T: Num + 'static>(gout: &[T], w: &[T], n: usize, o: usize, g: &Geo
     gin
 }
 
+/// The weight gradient: `sum over images of gout[b] @ col[b]^T`, one GEMM per image and group
+/// accumulating into the result in image order, each GEMM split among threads (so the sums do not
+/// depend on how threads share the images: the result is the same on every run and any number of
+/// threads). The column matrices of up to a thread's worth of images are unfolded in parallel
+/// first.
 fn grad_weight<T: Num + 'static>(gout: &[T], x: &[T], n: usize, o: usize, g: &Geom) -> Vec<T> {
     let groups = g.p.groups;
     let (cg, og) = (g.c / groups, o / groups);
     let (ohw, kk) = (g.oh * g.ow, cg * g.kh * g.kw);
     let chw = g.c * g.h * g.w;
-    let zero = || vec![T::ZERO; o * kk];
-    (0..n)
-        .into_par_iter()
-        .fold(zero, |mut acc, b| {
-            let mut col = Vec::new();
+    let mut acc = vec![T::ZERO; o * kk];
+    let per_batch = rayon::current_num_threads().max(1);
+    let images: Vec<usize> = (0..n).collect();
+    for batch in images.chunks(per_batch) {
+        // each image's column matrix over all its channels: group gi's rows are [gi*kk, (gi+1)*kk)
+        let cols: Vec<Cow<'_, [T]>> = batch
+            .par_iter()
+            .map(|&b| {
+                let img = &x[b * chw..][..chw];
+                if g.col_is_image() {
+                    return Cow::Borrowed(img);
+                }
+                let mut buf = Vec::new();
+                g.columns(img, 0, g.c, &mut buf);
+                Cow::Owned(buf)
+            })
+            .collect();
+        for (&b, col) in batch.iter().zip(&cols) {
             for gi in 0..groups {
-                let col = g.columns(&x[b * chw..][..chw], gi * cg, cg, &mut col);
                 let go = &gout[(b * o + gi * og) * ohw..][..og * ohw];
-                // acc_g [og, kk] += go [og, ohw] @ col^T [ohw, kk]
+                // acc_g [og, kk] += go [og, ohw] @ col_g^T [ohw, kk]
                 mm(
                     og,
                     kk,
@@ -298,18 +315,15 @@ fn grad_weight<T: Num + 'static>(gout: &[T], x: &[T], n: usize, o: usize, g: &Ge
                     go,
                     ohw,
                     1,
-                    col,
+                    &col[gi * kk * ohw..][..kk * ohw],
                     1,
                     ohw,
-                    g.par,
+                    gemm::Parallelism::Rayon(0),
                 );
             }
-            acc
-        })
-        .reduce(zero, |mut a, b| {
-            a.iter_mut().zip(b).for_each(|(x, y)| *x = x.add(y));
-            a
-        })
+        }
+    }
+    acc
 }
 
 /// Runs `f` on f32/f64 views of two operands, rounding half results back.

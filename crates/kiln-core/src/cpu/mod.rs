@@ -248,12 +248,12 @@ pub(crate) fn copy_range(dst: &mut CpuStorage, to: usize, src: &CpuStorage, from
     })
 }
 
-/// Writes contiguous `values` into the positions `layout` addresses in `d`: a row at a time
-/// where the layout's innermost dim is contiguous (a pad's interior, a cat's part), else element
-/// by element.
+/// Writes contiguous `values` into the positions `layout` addresses in `d`, a row of its
+/// innermost dim at a time: a copy where that dim is contiguous (a pad's interior, a cat's part),
+/// a strided loop otherwise (the gradient of a strided slice: a max-pool window's).
 fn write_positions<T: Copy>(d: &mut [T], layout: &Layout, values: &[T]) {
     match (layout.shape.split_last(), layout.strides.split_last()) {
-        (Some((&row, outer)), Some((1, outer_strides))) if row > 1 => {
+        (Some((&row, outer)), Some((&step, outer_strides))) if row > 1 => {
             let rows = Layout {
                 shape: outer.to_vec(),
                 strides: outer_strides.to_vec(),
@@ -261,7 +261,14 @@ fn write_positions<T: Copy>(d: &mut [T], layout: &Layout, values: &[T]) {
             };
             let mut i = 0;
             rows.for_each_offset(|o| {
-                d[o..o + row].copy_from_slice(&values[i..i + row]);
+                let src = &values[i..i + row];
+                if step == 1 {
+                    d[o..o + row].copy_from_slice(src);
+                } else {
+                    for (k, &v) in src.iter().enumerate() {
+                        d[o + k * step] = v;
+                    }
+                }
                 i += row;
             });
         }

@@ -7,7 +7,7 @@ use crate::storage::CpuStorage;
 use crate::Tensor;
 
 pub(super) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, shape: &[usize]) -> CpuStorage {
-    let mut out = CpuStorage::full(x.dtype(), shape.iter().product(), value);
+    let mut out = super::alloc::full(x.dtype(), shape.iter().product(), value);
     let mut interior = Layout::contiguous(shape);
     for (d, &(before, _)) in pads.iter().enumerate() {
         interior = interior.slice(d, before, before + x.shape()[d], 1);
@@ -19,7 +19,7 @@ pub(super) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, shape: &[usiz
 }
 
 pub(super) fn cat(xs: &[&Tensor], dim: usize, meta: &OutMeta) -> CpuStorage {
-    let mut out = CpuStorage::full(meta.dtype, meta.shape.iter().product(), 0.0);
+    let mut out = super::alloc::full(meta.dtype, meta.shape.iter().product(), 0.0);
     let full = Layout::contiguous(&meta.shape);
     let mut at = 0;
     for x in xs {
