@@ -81,6 +81,9 @@ impl Geom {
     fn im2col<T: Num>(&self, img: &[T], c0: usize, cg: usize, col: &mut [T]) {
         let (s, d, pd) = (self.p.stride[1], self.p.dilation[1], self.p.padding[1]);
         let ohw = self.oh * self.ow;
+        if ohw == 0 {
+            return; // `Prim::infer` refuses empty outputs; rows of 0 cannot be chunked
+        }
         for ci in 0..cg {
             let plane = &img[(c0 + ci) * self.h * self.w..][..self.h * self.w];
             for ki in 0..self.kh {
@@ -115,6 +118,9 @@ impl Geom {
     fn col2im<T: Num>(&self, col: &[T], c0: usize, cg: usize, img: &mut [T]) {
         let (s, d, pd) = (self.p.stride[1], self.p.dilation[1], self.p.padding[1]);
         let ohw = self.oh * self.ow;
+        if ohw == 0 {
+            return;
+        }
         for ci in 0..cg {
             let plane = &mut img[(c0 + ci) * self.h * self.w..][..self.h * self.w];
             for ki in 0..self.kh {
