@@ -132,6 +132,26 @@ impl ConvEpilogue {
     pub fn operands(&self) -> usize {
         usize::from(self.scale) + usize::from(self.shift) + usize::from(self.residual)
     }
+
+    /// The epilogue's operands among `rest` (the prim's operands after `x` and `w`): scale,
+    /// shift and residual, those it has, in that order — the one place that order is read.
+    pub fn split<'a, T>(&self, rest: &'a [T]) -> ConvEpilogueOperands<&'a T> {
+        let mut rest = rest.iter();
+        let mut take = |present: bool| present.then(|| rest.next()).flatten();
+        ConvEpilogueOperands {
+            scale: take(self.scale),
+            shift: take(self.shift),
+            residual: take(self.residual),
+        }
+    }
+}
+
+/// A `Conv2dEpilogue`'s operands after the convolution's two (`ConvEpilogue::split`).
+#[derive(Clone, Copy, Debug)]
+pub struct ConvEpilogueOperands<T> {
+    pub scale: Option<T>,
+    pub shift: Option<T>,
+    pub residual: Option<T>,
 }
 
 /// An activation a matmul or convolution applies to each element of its result.
@@ -816,25 +836,23 @@ impl Prim {
                 same_dtypes(op, dtypes)?;
                 let out = Prim::Conv2d(*params).infer(&shapes[..2], &dtypes[..2])?;
                 let channels = params.nchw(&out.shape)[1];
-                let per_channel = usize::from(epilogue.scale) + usize::from(epilogue.shift);
-                for (i, s) in shapes[2..2 + per_channel].iter().enumerate() {
-                    if *s != [channels] {
+                let parts = epilogue.split(&shapes[2..]);
+                for (name, s) in [("scale", parts.scale), ("shift", parts.shift)] {
+                    if let Some(s) = s.filter(|s| **s != [channels]) {
                         return Err(Error::shape(
                             op,
                             format!(
-                                "per-channel operand {} {s:?} for {channels} output channels: \
-                                 expected [{channels}]",
-                                2 + i
+                                "{name} {s:?} for {channels} output channels: expected \
+                                 [{channels}]"
                             ),
                         ));
                     }
                 }
-                if epilogue.residual && shapes[n - 1] != out.shape.as_slice() {
+                if let Some(r) = parts.residual.filter(|r| **r != out.shape.as_slice()) {
                     return Err(Error::shape(
                         op,
                         format!(
-                            "residual {:?} for output {:?}: expected the output's shape",
-                            shapes[n - 1],
+                            "residual {r:?} for output {:?}: expected the output's shape",
                             out.shape
                         ),
                     ));

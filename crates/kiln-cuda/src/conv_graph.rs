@@ -301,15 +301,15 @@ fn operations(spec: &Spec) -> DnnResult<(Vec<Desc>, Vec<Desc>)> {
     };
     use dsys::cudnnPointwiseMode_t::*;
     let channel = [1, spec.y[1], 1, 1];
-    let mut operands = EPILOGUE_IDS.iter();
+    // the operands' ids, in the prim's operand order
+    let ids = e.split(&EPILOGUE_IDS);
     let mut steps: Vec<(dsys::cudnnPointwiseMode_t, Option<Desc>)> = Vec::new();
-    for (present, mode, dims) in [
-        (e.scale, CUDNN_POINTWISE_MUL, channel),
-        (e.shift, CUDNN_POINTWISE_ADD, channel),
-        (e.residual, CUDNN_POINTWISE_ADD, spec.y),
+    for (id, mode, dims) in [
+        (ids.scale, CUDNN_POINTWISE_MUL, channel),
+        (ids.shift, CUDNN_POINTWISE_ADD, channel),
+        (ids.residual, CUDNN_POINTWISE_ADD, spec.y),
     ] {
-        if present {
-            let id = *operands.next().unwrap_or(&0);
+        if let Some(&id) = id {
             steps.push((mode, Some(tensor(spec, dims, id)?)));
         }
     }

@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use std::borrow::Cow;
 
-use super::epilogue::ConvEpilogueOperands;
+use super::epilogue::EpilogueSlices;
 use super::num::{Float, Num};
 use super::{as_f32, from_f32_like, typed};
 use crate::prim::{ConvEpilogue, ConvParams};
@@ -217,7 +217,7 @@ fn forward<T: Float + 'static>(
     n: usize,
     o: usize,
     g: &Geom,
-    epilogue: Option<&ConvEpilogueOperands<'_, T>>,
+    epilogue: Option<&EpilogueSlices<'_, T>>,
 ) -> Vec<T> {
     let groups = g.p.groups;
     let (cg, og) = (g.c / groups, o / groups);
@@ -385,7 +385,7 @@ pub(super) fn conv2d_epilogue(
             .zip(guards)
             .map(|(t, s)| typed::<T>(s, t.layout()))
             .collect();
-        let epilogue = ConvEpilogueOperands::new(&views[2..], e);
+        let epilogue = EpilogueSlices::new(&views[2..], e);
         forward(&views[0], &views[1], n, o, g, Some(&epilogue))
     }
     match dtype {

@@ -36,22 +36,22 @@ pub(super) fn activate<T: Float>(act: Activation, x: T) -> T {
 
 /// A convolution epilogue's operands as contiguous slices: `scale` and `shift` of `[C]`, the
 /// residual of the output's NCHW shape.
-pub(super) struct ConvEpilogueOperands<'a, T> {
+pub(super) struct EpilogueSlices<'a, T> {
     scale: Option<&'a [T]>,
     shift: Option<&'a [T]>,
     residual: Option<&'a [T]>,
     act: Activation,
 }
 
-impl<'a, T: Float> ConvEpilogueOperands<'a, T> {
+impl<'a, T: Float> EpilogueSlices<'a, T> {
     /// The operands after `x` and `w` (`rest`: those of the parts `e` has, in the prim's order).
     pub(super) fn new(rest: &'a [Cow<'a, [T]>], e: ConvEpilogue) -> Self {
-        let mut rest = rest.iter();
-        let mut take = |present: bool| present.then(|| rest.next()).flatten().map(|v| &v[..]);
-        ConvEpilogueOperands {
-            scale: take(e.scale),
-            shift: take(e.shift),
-            residual: take(e.residual),
+        let parts = e.split(rest);
+        let slice = |v: Option<&'a Cow<'a, [T]>>| v.map(|v| &v[..]);
+        EpilogueSlices {
+            scale: slice(parts.scale),
+            shift: slice(parts.shift),
+            residual: slice(parts.residual),
             act: e.act,
         }
     }

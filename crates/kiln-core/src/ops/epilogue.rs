@@ -49,22 +49,18 @@ pub fn conv2d_epilogue(inputs: &[&Tensor], p: ConvParams, e: ConvEpilogue) -> Re
         shape[channel_dim] = t.numel();
         t.reshape(shape)
     };
-    // the operands after x and w, in order, for the parts the epilogue has (`Prim::infer` checked
-    // their count and shapes)
-    let mut rest = inputs.iter().skip(2);
-    let mut take = |present: bool| if present { rest.next().copied() } else { None };
-    let (scale, shift) = (take(e.scale), take(e.shift));
-    let residual = take(e.residual);
+    // `Prim::infer` checked their count and shapes
+    let parts = e.split(&inputs[2..]);
     untraced(|| {
         let mut y = apply(Prim::Conv2d(p), &inputs[..2])?;
-        if let Some(scale) = scale {
+        if let Some(scale) = parts.scale {
             y = y.mul(&per_channel(scale)?)?;
         }
-        if let Some(shift) = shift {
+        if let Some(shift) = parts.shift {
             y = y.add(&per_channel(shift)?)?;
         }
-        if let Some(residual) = residual {
-            y = y.add(residual)?;
+        if let Some(residual) = parts.residual {
+            y = y.add(*residual)?;
         }
         e.act.apply(y)
     })
