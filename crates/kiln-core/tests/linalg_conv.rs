@@ -656,3 +656,28 @@ fn gemm_outputs_in_reused_buffers_do_not_read_them() -> kiln_core::Result<()> {
     }
     Ok(())
 }
+
+/// cat writes every element of a reused buffer and pad fills one before writing its interior:
+/// a freed buffer of NaNs of the result's size leaves no trace in either.
+#[test]
+fn cat_and_pad_in_reused_buffers_leave_no_trace() -> kiln_core::Result<()> {
+    let mut rng = TRng::new(11);
+    let a = make(&[512, 512], Kind::Contiguous, DType::F32, &mut rng, |r| {
+        r.uniform(-1.0, 1.0)
+    });
+    let b = make(&[512, 512], Kind::Permuted, DType::F32, &mut rng, |r| {
+        r.uniform(-1.0, 1.0)
+    });
+    let cat = || Tensor::cat(&[&a, &b], 0);
+    let pad = || a.narrow(0, 0, 510)?.pad(&[0, 0, 1, 1], 2.0);
+    let (want_cat, want_pad) = (cat()?.to_vec_f64()?, pad()?.to_vec_f64()?);
+    assert_eq!(want_cat.len(), 1 << 19);
+    assert_eq!(want_pad.len(), 1 << 18);
+    for _ in 0..2 {
+        drop(Tensor::full(&[1 << 19], f64::NAN, DType::F32)?.add(0.0)?);
+        assert_eq!(cat()?.to_vec_f64()?, want_cat);
+        drop(Tensor::full(&[1 << 18], f64::NAN, DType::F32)?.add(0.0)?);
+        assert_eq!(pad()?.to_vec_f64()?, want_pad);
+    }
+    Ok(())
+}

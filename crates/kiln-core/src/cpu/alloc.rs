@@ -113,26 +113,30 @@ fn take(dtype: DType, n: usize) -> Option<CpuStorage> {
     }
 }
 
-/// `CpuStorage::full` into a cached buffer when there is one: its pages are mapped, so a pad or
-/// a cat writing its parts into it afterwards does not fault page by page (a fresh zeroed buffer
-/// is calloc's, mapped only as it is written).
-pub(crate) fn full(dtype: DType, n: usize, value: f64) -> CpuStorage {
+/// A buffer of `n` elements of `dtype` whose values are unspecified (valid for the dtype), for a
+/// writer of every element: a cached one when there is one (its pages are mapped, so the writes
+/// do not fault page by page), else a fresh zeroed one (calloc's: untouched pages cost nothing
+/// until written).
+pub(crate) fn empty(dtype: DType, n: usize) -> CpuStorage {
     let cached = if n * dtype.size_in_bytes() >= MIN_BYTES {
         take(dtype, n)
     } else {
         None
     };
-    match cached {
-        Some(mut s) => {
-            s.fill(value);
-            s
-        }
-        None => CpuStorage::full(dtype, n, value),
-    }
+    cached.unwrap_or_else(|| CpuStorage::full(dtype, n, 0.0))
+}
+
+/// `CpuStorage::full` into a cached buffer when there is one (`empty`): a pad writing its
+/// interior afterwards then does not fault page by page.
+pub(crate) fn full(dtype: DType, n: usize, value: f64) -> CpuStorage {
+    let mut s = empty(dtype, n);
+    s.fill(value);
+    s
 }
 
 /// A cached buffer of exactly `n` elements of `T` (`take`), for an eager kernel that writes every
-/// element (a GEMM not reading its destination, `filled`): its output's pages are then already mapped. `None` below `MIN_BYTES` or on a miss.
+/// element (a GEMM not reading its destination, `filled`): its output's pages are then already
+/// mapped. `None` below `MIN_BYTES` or on a miss.
 pub(crate) fn take_vec<T: StorageElement>(n: usize) -> Option<Vec<T>> {
     if n * std::mem::size_of::<T>() < MIN_BYTES {
         return None;
@@ -215,15 +219,7 @@ impl Tensor {
     /// for a producer that writes every element, such as a generated kernel. Large buffers come
     /// from the caching allocator, so their pages are already mapped.
     pub fn empty(shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let cached = if n * dtype.size_in_bytes() >= MIN_BYTES {
-            take(dtype, n)
-        } else {
-            None
-        };
-        // a fresh zeroed buffer comes from calloc: untouched pages cost nothing until written
-        let s = cached.unwrap_or_else(|| CpuStorage::full(dtype, n, 0.0));
-        Tensor::from_storage(s, shape)
+        Tensor::from_storage(empty(dtype, shape.iter().product()), shape)
     }
 
     /// True when no other handle, view or weak reference reaches this tensor's storage: a buffer

@@ -19,7 +19,8 @@ pub(super) fn pad(x: &Tensor, pads: &[(usize, usize)], value: f64, shape: &[usiz
 }
 
 pub(super) fn cat(xs: &[&Tensor], dim: usize, meta: &OutMeta) -> CpuStorage {
-    let mut out = super::alloc::full(meta.dtype, meta.shape.iter().product(), 0.0);
+    // the parts cover the output: nothing to fill first
+    let mut out = super::alloc::empty(meta.dtype, meta.shape.iter().product());
     let full = Layout::contiguous(&meta.shape);
     let mut at = 0;
     for x in xs {
