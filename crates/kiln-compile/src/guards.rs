@@ -158,27 +158,27 @@ impl Guards {
 
     #[inline]
     pub fn hold(&self, args: &[Tensor], extra: u64) -> bool {
-        self.extra == extra
-            && self.grad_mode == is_grad_enabled()
-            && self.switches == backends::fingerprint()
-            && args.len() == self.args.len()
-            && self.args.iter().zip(args).all(|(g, t)| g.holds(t))
-            && self.captured.iter().all(|(t, rg)| t.requires_grad() == *rg)
-            && self.grads_hold()
-            && self.aliases_hold(args)
+        self.hold_with(args, extra, TensorGuard::holds)
     }
 
     /// `hold`, with argument sizes left to the caller (`holds_except_size`).
     pub fn hold_except_sizes(&self, args: &[Tensor], extra: u64) -> bool {
+        self.hold_with(args, extra, TensorGuard::holds_except_size)
+    }
+
+    /// Every guard, each argument checked by `arg_holds`. Runs on every call: comparisons only.
+    #[inline]
+    fn hold_with(
+        &self,
+        args: &[Tensor],
+        extra: u64,
+        arg_holds: impl Fn(&TensorGuard, &Tensor) -> bool,
+    ) -> bool {
         self.extra == extra
             && self.grad_mode == is_grad_enabled()
             && self.switches == backends::fingerprint()
             && args.len() == self.args.len()
-            && self
-                .args
-                .iter()
-                .zip(args)
-                .all(|(g, t)| g.holds_except_size(t))
+            && self.args.iter().zip(args).all(|(g, t)| arg_holds(g, t))
             && self.captured.iter().all(|(t, rg)| t.requires_grad() == *rg)
             && self.grads_hold()
             && self.aliases_hold(args)
