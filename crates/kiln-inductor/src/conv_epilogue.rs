@@ -145,7 +145,8 @@ fn pattern(g: &Graph, uses: &Uses, conv: NodeId, fuser: Fuser) -> Option<Fused> 
     let channels = *node.shape.get(dim)?;
     let alike = |v: NodeId| g.nodes[v].dtype == node.dtype && g.nodes[v].device == node.device;
     let mut cur = conv;
-    let per_channel = |op: BinaryOp, cur: &mut NodeId| -> Option<NodeId> {
+    // `op(cur, per-channel values)` as `cur`'s only reader: absorbed, its values returned
+    let absorb = |op: BinaryOp, cur: &mut NodeId| -> Option<NodeId> {
         let r = uses.only_reader(*cur)?;
         let v = other_operand(&g.nodes[r], op, *cur)
             .and_then(|o| per_channel(g, o, channels, dim))
@@ -153,8 +154,8 @@ fn pattern(g: &Graph, uses: &Uses, conv: NodeId, fuser: Fuser) -> Option<Fused> 
         *cur = r;
         Some(v)
     };
-    let scale = per_channel(BinaryOp::Mul, &mut cur);
-    let shift = per_channel(BinaryOp::Add, &mut cur);
+    let scale = absorb(BinaryOp::Mul, &mut cur);
+    let shift = absorb(BinaryOp::Add, &mut cur);
     // the skip connection joins the convolution of the two branches that comes later in the
     // graph: a ResNet downsampling block's 1x1 convolution and its batch norm would otherwise
     // end at the same add as the main branch's, and one of the two patterns would be lost

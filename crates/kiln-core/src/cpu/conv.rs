@@ -293,12 +293,13 @@ fn grad_weight<T: Num + 'static>(gout: &[T], x: &[T], n: usize, o: usize, g: &Ge
     let chw = g.c * g.h * g.w;
     let mut acc = vec![T::ZERO; o * kk];
     let per_batch = rayon::current_num_threads().max(1);
-    let images: Vec<usize> = (0..n).collect();
-    for batch in images.chunks(per_batch) {
+    for first in (0..n).step_by(per_batch) {
+        let batch = first..(first + per_batch).min(n);
         // each image's column matrix over all its channels: group gi's rows are [gi*kk, (gi+1)*kk)
         let cols: Vec<Cow<'_, [T]>> = batch
-            .par_iter()
-            .map(|&b| {
+            .clone()
+            .into_par_iter()
+            .map(|b| {
                 let img = &x[b * chw..][..chw];
                 if g.col_is_image() {
                     return Cow::Borrowed(img);
@@ -308,7 +309,7 @@ fn grad_weight<T: Num + 'static>(gout: &[T], x: &[T], n: usize, o: usize, g: &Ge
                 Cow::Owned(buf)
             })
             .collect();
-        for (&b, col) in batch.iter().zip(&cols) {
+        for (b, col) in batch.zip(&cols) {
             for gi in 0..groups {
                 let go = &gout[(b * o + gi * og) * ohw..][..og * ohw];
                 // acc_g [og, kk] += go [og, ohw] @ col_g^T [ohw, kk]
