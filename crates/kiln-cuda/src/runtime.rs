@@ -55,14 +55,7 @@ pub(crate) fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBu
 /// device, where the library has no fused call for it; the result's buffer as the prim's output
 /// (its own when it is the tensor, contiguous from its start; else a contiguous copy's).
 fn epilogue_as_ops(prim: &Prim, inputs: &[&Tensor]) -> Result<Arc<dyn DeviceBuffer>> {
-    use kiln_core::ops::epilogue;
-    let t = match prim {
-        Prim::MatmulEpilogue(e) => epilogue::matmul_epilogue(inputs, *e)?,
-        Prim::Conv2dEpilogue { params, epilogue } => {
-            epilogue::conv2d_epilogue(inputs, *params, *epilogue)?
-        }
-        _ => return Err(Error::arg(prim.name(), "is no epilogue prim")),
-    };
+    let t = kiln_core::ops::epilogue::as_ops(prim, inputs)?;
     let t = match t.is_contiguous() && t.layout().offset == 0 {
         true => t,
         false => kiln_core::dispatch::apply(Prim::Contiguous, &[&t])?,

@@ -80,15 +80,11 @@ pub(crate) fn execute(
             shape,
         ),
         Prim::Matmul => owned(matmul::matmul(inputs[0], inputs[1]), shape),
-        Prim::MatmulEpilogue(e) => {
-            epilogue_parts(crate::ops::epilogue::matmul_epilogue(inputs, *e)?)
-        }
+        Prim::MatmulEpilogue(_) => epilogue_as_ops(prim, inputs)?,
         Prim::Conv2dEpilogue { params, epilogue } => {
             match conv::conv2d_epilogue(inputs, params, *epilogue, shape) {
                 Some(fused) => owned(fused, shape),
-                None => epilogue_parts(crate::ops::epilogue::conv2d_epilogue(
-                    inputs, *params, *epilogue,
-                )?),
+                None => epilogue_as_ops(prim, inputs)?,
             }
         }
         Prim::Conv2d(p) => owned(conv::conv2d(inputs[0], inputs[1], p, shape), shape),
@@ -109,9 +105,10 @@ pub(crate) fn execute(
     })
 }
 
-/// An epilogue prim's result (computed by the ops it stands for) as a kernel's output.
-fn epilogue_parts(t: Tensor) -> (Storage, Layout) {
-    (t.0.storage.clone(), t.layout().clone())
+/// An epilogue prim the CPU has no fused kernel for, as the ops it stands for compute it.
+fn epilogue_as_ops(prim: &Prim, inputs: &[&Tensor]) -> Result<(Storage, Layout)> {
+    let t = crate::ops::epilogue::as_ops(prim, inputs)?;
+    Ok((t.0.storage.clone(), t.layout().clone()))
 }
 
 /// A channels-last convolution (`ConvParams::channels_last`): the NCHW one over permuted views of

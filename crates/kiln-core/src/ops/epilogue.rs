@@ -21,6 +21,16 @@ impl Activation {
     }
 }
 
+/// An epilogue prim (`MatmulEpilogue`, `Conv2dEpilogue`) computed as the ops it stands for: what
+/// a backend runs where it has no fused kernel for the case.
+pub fn as_ops(prim: &Prim, inputs: &[&Tensor]) -> Result<Tensor> {
+    match prim {
+        Prim::MatmulEpilogue(e) => matmul_epilogue(inputs, *e),
+        Prim::Conv2dEpilogue { params, epilogue } => conv2d_epilogue(inputs, *params, *epilogue),
+        _ => Err(crate::Error::arg(prim.name(), "is no epilogue prim")),
+    }
+}
+
 /// Runs `f` as eager code calls the ops: not recorded by autograd or a tracer.
 fn untraced(f: impl FnOnce() -> Result<Tensor>) -> Result<Tensor> {
     let _off = crate::intercept::install(None);
