@@ -9,10 +9,9 @@
 //! gathered, in cache. Same elements, same operation per element: the results are the copied
 //! operands' bit for bit.
 
-use std::borrow::Cow;
 use std::mem::MaybeUninit;
 
-use super::{alloc, contig};
+use super::alloc;
 use crate::shape::Layout;
 use crate::storage::StorageElement;
 
@@ -43,8 +42,8 @@ pub(super) struct Src<'a, T> {
 }
 
 /// An elementwise kernel's operand: contiguous elements, or read in place on a walk.
-pub(super) enum In<'a, T: Clone> {
-    Flat(Cow<'a, [T]>),
+pub(super) enum In<'a, T> {
+    Flat(&'a [T]),
     Walked(Src<'a, T>),
 }
 
@@ -89,7 +88,7 @@ impl Walk {
     /// is contiguous, as its slice.
     pub(super) fn operand<'a, T: StorageElement>(&self, data: &'a [T], l: &Layout) -> In<'a, T> {
         if l.is_contiguous() {
-            return In::Flat(contig(data, l));
+            return In::Flat(&data[l.offset..][..self.numel()]);
         }
         In::Walked(Src {
             data,
