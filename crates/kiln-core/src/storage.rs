@@ -112,18 +112,9 @@ impl CpuStorage {
             DType::Bool => CpuStorage::Bool(vec![value != 0.0; n]),
         }
     }
-    /// Sets every element to `value` (converted to the buffer's dtype as `full` converts it).
+    /// Sets every element to `value`, converted to the buffer's dtype (`Element::from_f64`).
     pub fn fill(&mut self, value: f64) {
-        match self {
-            CpuStorage::F32(v) => v.fill(value as f32),
-            CpuStorage::F64(v) => v.fill(value),
-            CpuStorage::F16(v) => v.fill(f16::from_f64(value)),
-            CpuStorage::BF16(v) => v.fill(bf16::from_f64(value)),
-            CpuStorage::I32(v) => v.fill(value as i32),
-            CpuStorage::I64(v) => v.fill(value as i64),
-            CpuStorage::U8(v) => v.fill(value as u8),
-            CpuStorage::Bool(v) => v.fill(value != 0.0),
-        }
+        with_storage!(self, v => v.fill(crate::dtype::Element::from_f64(value)))
     }
     /// Builds a buffer of `dtype` from f64 values (used for creation ops and tests).
     pub fn from_f64s(dtype: DType, it: impl Iterator<Item = f64>) -> CpuStorage {
