@@ -128,9 +128,9 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>>;
     /// `execute` as a graph compiled in max-autotune runs it (kiln-inductor's executor calls it
-    /// for its GEMMs): a runtime may time its implementations of the prim at the first call of a
-    /// shape and keep the fastest (kiln-cuda: cuBLAS's and cuBLASLt's GEMM algorithms). The
-    /// result may then differ from `execute`'s by rounding.
+    /// for its GEMMs and convolutions): a runtime may time its implementations of the prim at
+    /// the first call of a shape and keep the fastest (kiln-cuda: cuBLAS's and cuBLASLt's GEMM
+    /// algorithms, cuDNN's engines). The result may then differ from `execute`'s by rounding.
     fn execute_tuned(
         &self,
         device: Device,

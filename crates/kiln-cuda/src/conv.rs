@@ -79,6 +79,8 @@ pub fn cudnn_allow_tf32() -> bool {
 const MAX_PLANS: usize = 4096;
 /// Algorithms needing more workspace than this are passed over.
 const MAX_WORKSPACE: usize = 1 << 30;
+/// Timed runs of each candidate plan in max-autotune, after one untimed run.
+const TIMED_REPS: usize = 3;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Kind {
@@ -99,7 +101,10 @@ struct PlanKey {
     dilation: [usize; 2],
     groups: usize,
     tf32: bool,
+    /// `torch.backends.cudnn.benchmark`: the legacy API's algorithms timed (`cudnnFind*`).
     benchmark: bool,
+    /// max-autotune: the graph API's plan timed among heuristics' first few candidates.
+    timed: bool,
     /// Bytes every data pointer is aligned to (a graph plan is made for an alignment).
     alignment: usize,
     /// NHWC operands (`ConvParams::channels_last`); `x`, `w`, `y` are in NCHW order either way.
@@ -236,6 +241,7 @@ pub(crate) fn run(
     prim: &Prim,
     inputs: &[&Tensor],
     meta: &OutMeta,
+    tuned: bool,
 ) -> Result<Option<Arc<dyn DeviceBuffer>>> {
     if let Err(msg) = crate::probe::probe_cudnn() {
         warn_missing(&msg);
@@ -281,7 +287,9 @@ pub(crate) fn run(
         .collect::<Result<Vec<_>>>()?;
     let mut addresses = vec![a.ptr(), b.ptr(), out.ptr];
     addresses.extend(extra.iter().map(Operand::ptr));
-    let key = PlanKey {
+    // the legacy API has no epilogue: an epilogue's plan is a graph's, timed or not
+    let benchmark = cudnn_benchmark() && epilogue.is_none();
+    let mut key = PlanKey {
         kind,
         dtype,
         x,
@@ -292,8 +300,8 @@ pub(crate) fn run(
         dilation: p.dilation,
         groups: p.groups,
         tf32: cudnn_allow_tf32(),
-        // the legacy API has no epilogue: an epilogue's plan is a graph's, timed or not
-        benchmark: cudnn_benchmark() && epilogue.is_none(),
+        benchmark,
+        timed: tuned && !benchmark,
         alignment: alignment(&addresses),
         channels_last: p.channels_last,
         epilogue,
@@ -307,16 +315,55 @@ pub(crate) fn run(
     let Some(state) = guard.as_mut() else {
         return Err(dnn_err(dev, "handle", "missing"));
     };
+    // nothing can be timed while the device records a CUDA graph: a convolution max-autotune
+    // did not time before (its warm-up does) takes heuristics' plan
+    let recording = dev.recorder.load(Ordering::Acquire) != 0;
+    if key.timed && recording && !state.plans.contains_key(&key) {
+        key.timed = false;
+    }
     if state.unfused.contains(&key) {
         return Ok(None);
     }
+    // the graph's x, w, y (as the forward convolution names them), then the epilogue's operands
+    let (pa, pb, po) = (
+        a.ptr() as *mut c_void,
+        b.ptr() as *mut c_void,
+        out.ptr as *mut c_void,
+    );
+    let mut ptrs = match kind {
+        Kind::Forward => vec![pa, pb, po],
+        Kind::GradInput => vec![po, pb, pa],
+        Kind::GradWeight => vec![pb, po, pa],
+    };
+    ptrs.extend(extra.iter().map(|t| t.ptr() as *mut c_void));
+    let ids = crate::conv_graph::variant_ids(epilogue);
     if !state.plans.contains_key(&key) {
+        let handle = state.handle;
+        // a candidate's time on the call's own operands (it writes only the output)
+        let mut time = |g: &crate::conv_graph::GraphPlan| -> Option<f32> {
+            let ws = match g.workspace {
+                0 => None,
+                bytes => Some(dev.alloc(bytes, DType::U8).ok()?),
+            };
+            let ws_ptr = ws
+                .as_ref()
+                .map_or(std::ptr::null_mut(), |b| b.ptr as *mut c_void);
+            let mut run = || {
+                g.execute(handle, &ids, &ptrs, ws_ptr)
+                    .map_err(|e| dnn_err(dev, prim.name(), e))
+            };
+            // once untimed: the engine's kernels load at their first launch
+            run().ok()?;
+            crate::event::time_cold(dev, TIMED_REPS, &mut run).ok()
+        };
         let graph = match key.benchmark {
             true => None,
             false => match crate::conv_graph::make_plan(
                 state.handle,
                 &graph_spec(&key),
                 &format!("{} {}", dev.name, dev.arch),
+                key.timed
+                    .then_some(&mut time as crate::conv_graph::Timer<'_>),
             ) {
                 Ok(Some(g)) => Some(g),
                 refused => {
@@ -388,27 +435,8 @@ pub(crate) fn run(
     let ws_ptr = ws
         .as_ref()
         .map_or(std::ptr::null_mut(), |b| b.ptr as *mut c_void);
-    let (pa, pb, po) = (
-        a.ptr() as *mut c_void,
-        b.ptr() as *mut c_void,
-        out.ptr as *mut c_void,
-    );
     let status = match plan {
-        Engine::Graph(g) => {
-            // the graph's x, w, y (as the forward convolution names them)
-            let mut ptrs = match kind {
-                Kind::Forward => vec![pa, pb, po],
-                Kind::GradInput => vec![po, pb, pa],
-                Kind::GradWeight => vec![pb, po, pa],
-            };
-            ptrs.extend(extra.iter().map(|t| t.ptr() as *mut c_void));
-            g.execute(
-                handle,
-                &crate::conv_graph::variant_ids(epilogue),
-                &ptrs,
-                ws_ptr,
-            )
-        }
+        Engine::Graph(g) => g.execute(handle, &ids, &ptrs, ws_ptr),
         Engine::Legacy(plan) => execute_legacy(handle, plan, dtype, [pa, pb, po], ws_ptr),
     };
     status.map_err(|e| dnn_err(dev, prim.name(), e))?;
@@ -527,6 +555,7 @@ fn graph_spec(key: &PlanKey) -> crate::conv_graph::Spec {
         channels_last: key.channels_last,
         max_workspace: MAX_WORKSPACE,
         epilogue: key.epilogue,
+        timed: key.timed,
     }
 }
 

@@ -85,11 +85,13 @@ impl Desc {
     }
 }
 
-/// A finalized plan and the descriptors it was made from (kept alive with it).
+/// A finalized plan and the descriptors it was made from (kept alive with it: its engine
+/// config, then the operation graph and its tensors, which the chosen candidate takes).
 pub(crate) struct GraphPlan {
     plan: Desc,
     pub(crate) workspace: usize,
-    _parts: Vec<Desc>,
+    _config: Option<Desc>,
+    _graph: Vec<Desc>,
 }
 
 // SAFETY: descriptors are host structures used under the device's mutex
@@ -117,6 +119,9 @@ pub(crate) struct Spec {
     /// Pointwise operations on the forward convolution's result, in the same graph
     /// (`Prim::Conv2dEpilogue`).
     pub epilogue: Option<ConvEpilogue>,
+    /// The plan is the fastest of several candidates by time (max-autotune), not heuristics'
+    /// first: a choice of its own on disk.
+    pub timed: bool,
 }
 
 /// The strides of packed NCHW dims `s`, in NCHW or channels-last memory order.
@@ -376,12 +381,15 @@ fn allowed(spec: &Spec, cfg: &Desc) -> DnnResult<bool> {
 }
 
 /// Engine configs for `graph` from the heuristics of `mode`, best first.
-fn configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> DnnResult<Vec<Desc>> {
+fn configs(
+    graph: dsys::cudnnBackendDescriptor_t,
+    mode: dsys::cudnnBackendHeurMode_t,
+) -> DnnResult<Vec<Desc>> {
     let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
     heur.set(
         A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH,
         T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-        &[graph.0],
+        &[graph],
     )?;
     heur.set(
         A::CUDNN_ATTR_ENGINEHEUR_MODE,
@@ -411,13 +419,23 @@ fn configs(graph: &Desc, mode: dsys::cudnnBackendHeurMode_t) -> DnnResult<Vec<De
     Ok(cfgs)
 }
 
+/// How a timed plan's candidates are measured: device milliseconds of one run of the plan,
+/// `None` where it cannot run (its workspace cannot be had).
+pub(crate) type Timer<'a> = &'a mut dyn FnMut(&GraphPlan) -> Option<f32>;
+
+/// Candidates timed for a max-autotune plan: heuristics' first and up to this many more.
+const TIMED_CANDIDATES: usize = 8;
+
 /// The plan for `spec` on `device` (its name and architecture): rebuilt from the disk cache
-/// when an earlier process stored it (`conv_plan_cache.rs`), else chosen by heuristics and
-/// stored. `Ok(None)` when no engine config is allowed and finalizes.
+/// when an earlier process stored it (`conv_plan_cache.rs`), else chosen and stored — by
+/// heuristics (their first engine config that is allowed, finalizes and fits the workspace), or
+/// with `time` (`spec.timed`, max-autotune) the fastest of heuristics' first few by `time`.
+/// `Ok(None)` when no engine config is allowed and finalizes.
 pub(crate) fn make_plan(
     handle: dsys::cudnnHandle_t,
     spec: &Spec,
     device: &str,
+    time: Option<Timer<'_>>,
 ) -> DnnResult<Option<GraphPlan>> {
     let entry = conv_plan_cache::entry(spec, device);
     let read = profiler::span(Category::Compile, || "cuDNN: plan read from disk".into());
@@ -425,16 +443,52 @@ pub(crate) fn make_plan(
         return Ok(Some(plan));
     }
     drop(read);
-    let plan = choose_plan(handle, spec)?;
+    let plan = match time {
+        Some(time) if spec.timed => {
+            let _span = profiler::span(Category::Compile, || "cuDNN: engines timed".into());
+            let (plans, graph) = candidates(handle, spec, 1 + TIMED_CANDIDATES)?;
+            fastest(plans, time).map(|p| p.with_graph(graph))
+        }
+        _ => {
+            let (mut plans, graph) = candidates(handle, spec, 1)?;
+            plans.pop().map(|p| p.with_graph(graph))
+        }
+    };
     if let Some(plan) = &plan {
         conv_plan_cache::store(plan, &entry);
     }
     Ok(plan)
 }
 
-/// The plan for `spec` from cuDNN's heuristics: the first engine config, best first, that is
-/// allowed, finalizes and fits the workspace.
-fn choose_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<GraphPlan>> {
+/// The candidate `time` measures fastest; heuristics' first where none can be timed.
+fn fastest(mut plans: Vec<GraphPlan>, time: Timer<'_>) -> Option<GraphPlan> {
+    let times: Vec<Option<f32>> = plans.iter().map(time).collect();
+    TIMED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let best = times
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| t.map(|t| (i, t)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map_or(0, |(i, _)| i);
+    (best < plans.len()).then(|| plans.swap_remove(best))
+}
+
+static TIMED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Convolution shapes whose plan this process chose by timing cuDNN's engines (max-autotune).
+pub fn cudnn_plans_timed() -> usize {
+    TIMED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Up to `limit` finalized plans for `spec`, best first by cuDNN's heuristics: engine configs
+/// that are allowed, finalize and fit the workspace. After the first, configs whose engines
+/// compile at run time (NVRTC inside cuDNN: seconds each) are passed over. With them, the
+/// operation graph's descriptors, which the plan kept must hold (`GraphPlan::with_graph`).
+fn candidates(
+    handle: dsys::cudnnHandle_t,
+    spec: &Spec,
+    limit: usize,
+) -> DnnResult<(Vec<GraphPlan>, Vec<Desc>)> {
     let (ops, mut parts) = operations(spec)?;
     let graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
     graph.set(
@@ -449,15 +503,26 @@ fn choose_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<Gra
         &raw,
     )?;
     let graph = graph.finalize()?;
+    let graph_handle = graph.0;
+    // users before what they refer to, as the descriptors are dropped in order
+    let mut keep = vec![graph];
+    keep.extend(ops);
+    keep.append(&mut parts);
+    let mut plans: Vec<GraphPlan> = Vec::new();
     use dsys::cudnnBackendHeurMode_t::*;
     for mode in [CUDNN_HEUR_MODE_INSTANT, CUDNN_HEUR_MODE_FALLBACK] {
         let heuristics = profiler::span(Category::Compile, || "cuDNN: heuristics".into());
-        let Ok(cfgs) = configs(&graph, mode) else {
+        let Ok(cfgs) = configs(graph_handle, mode) else {
             continue;
         };
         drop(heuristics);
         for cfg in cfgs {
-            if !allowed(spec, &cfg).unwrap_or(false) {
+            if plans.len() >= limit {
+                return Ok((plans, keep));
+            }
+            if !allowed(spec, &cfg).unwrap_or(false)
+                || (!plans.is_empty() && compiles_at_run_time(&cfg).unwrap_or(true))
+            {
                 continue;
             }
             let _finalize = profiler::span(Category::Compile, || "cuDNN: finalize a plan".into());
@@ -484,18 +549,35 @@ fn choose_plan(handle: dsys::cudnnHandle_t, spec: &Spec) -> DnnResult<Option<Gra
             let Some(workspace) = workspace(&plan, spec) else {
                 continue;
             };
-            // users before what they refer to, as the descriptors are dropped in order
-            let mut keep = vec![cfg, graph];
-            keep.extend(ops);
-            keep.append(&mut parts);
-            return Ok(Some(GraphPlan {
+            plans.push(GraphPlan {
                 plan,
                 workspace,
-                _parts: keep,
-            }));
+                _config: Some(cfg),
+                _graph: Vec::new(),
+            });
         }
     }
-    Ok(None)
+    Ok((plans, keep))
+}
+
+/// Whether an engine config's engine is compiled when its plan is finalized (cuDNN's runtime
+/// fusion engines).
+fn compiles_at_run_time(cfg: &Desc) -> DnnResult<bool> {
+    let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
+    cfg.get(
+        A::CUDNN_ATTR_ENGINECFG_ENGINE,
+        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        &mut [engine.0],
+    )?;
+    // read as u32, as the numerical notes are
+    let mut notes = [0u32; 32];
+    let count = engine.get(
+        A::CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE,
+        T::CUDNN_TYPE_BEHAVIOR_NOTE,
+        &mut notes,
+    )?;
+    let runtime = dsys::cudnnBackendBehaviorNote_t::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32;
+    Ok(notes[..count.min(notes.len())].contains(&runtime))
 }
 
 /// The workspace a finalized plan needs, or `None` when it cannot be read or exceeds
@@ -518,8 +600,15 @@ impl GraphPlan {
         Some(GraphPlan {
             plan,
             workspace,
-            _parts: Vec::new(),
+            _config: None,
+            _graph: Vec::new(),
         })
+    }
+
+    /// The plan holding the descriptors of the operation graph it was made from.
+    fn with_graph(mut self, graph: Vec<Desc>) -> GraphPlan {
+        self._graph = graph;
+        self
     }
 
     /// The finalized execution plan.

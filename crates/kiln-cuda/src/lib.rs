@@ -36,6 +36,7 @@ pub use conv::{
     cudnn_allow_tf32, cudnn_benchmark, cudnn_fused_plans, cudnn_graph_error, cudnn_plan_counts,
     set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
+pub use conv_graph::cudnn_plans_timed;
 pub use conv_plan_cache::cudnn_plan_disk_hits;
 pub use event::Event;
 pub use fallback::host_fallbacks;

@@ -69,7 +69,8 @@ fn epilogue_as_ops(prim: &Prim, inputs: &[&Tensor]) -> Result<Arc<dyn DeviceBuff
 }
 
 impl CudaRuntime {
-    /// `prim` on `device`, its GEMMs as max-autotune's (`matmul_tune.rs`) when `tuned`.
+    /// `prim` on `device`, its GEMMs and convolutions as max-autotune's (`matmul_tune.rs`,
+    /// `conv_graph.rs`'s timed plans) when `tuned`.
     fn run(
         &self,
         device: Device,
@@ -158,12 +159,13 @@ impl CudaRuntime {
                 Ok(Arc::new(out))
             }
             Prim::Conv2d(_) | Prim::Conv2dGradInput { .. } | Prim::Conv2dGradWeight { .. } => {
-                match crate::conv::run(&dev, prim, inputs, meta)? {
+                match crate::conv::run(&dev, prim, inputs, meta, tuned)? {
                     Some(out) => Ok(out),
                     None => crate::fallback::run(&dev, prim, inputs),
                 }
             }
-            Prim::Conv2dEpilogue { .. } => match crate::conv::run(&dev, prim, inputs, meta)? {
+            Prim::Conv2dEpilogue { .. } => match crate::conv::run(&dev, prim, inputs, meta, tuned)?
+            {
                 Some(out) => Ok(out),
                 None => epilogue_as_ops(prim, inputs),
             },

@@ -1082,7 +1082,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 30] = [
+    let tests: [(&str, Check); 31] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -1120,6 +1120,10 @@ fn main() {
         (
             "max_autotune_times_gemm_algorithms",
             autotune::max_autotune_times_gemm_algorithms,
+        ),
+        (
+            "max_autotune_times_convolution_engines",
+            autotune::max_autotune_times_convolution_engines,
         ),
         (
             "conv_epilogues_in_max_autotune",

@@ -96,7 +96,8 @@ pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn C
     let cache = (sizes.is_none() && !flags.autotune).then(describe);
     std::thread::scope(|s| {
         let warm = |convs: Vec<crate::runtime::conv_warmup::Conv>| {
-            (!convs.is_empty()).then(|| s.spawn(move || crate::runtime::conv_warmup::run(&convs)))
+            (!convs.is_empty())
+                .then(|| s.spawn(move || crate::runtime::conv_warmup::run(&convs, flags.autotune)))
         };
         // graphs whose convolutions are already in their final form (a training step's
         // halves: AOT autograd rewrote the joint graph) start the warm-up before their plans
@@ -351,7 +352,7 @@ fn finish(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let compiled = Arc::new(CompiledCpu::new(graph, steps).with_tuned_gemms(flags.autotune));
+    let compiled = Arc::new(CompiledCpu::new(graph, steps).with_tuned_externs(flags.autotune));
     Ok(match flags.cuda_graphs {
         true => Arc::new(CudaGraphed::new(compiled.clone(), &compiled.graph)),
         false => compiled,

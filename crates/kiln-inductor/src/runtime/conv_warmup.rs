@@ -6,6 +6,11 @@
 //! same cuDNN plans (cached in memory and on disk) the compiled graph's extern steps then find,
 //! their kernels already loaded.
 //!
+//! In max-autotune the convolutions run tuned (`exec::execute_tuned`), as the graph's steps
+//! will: each shape's cuDNN engines are timed here, off the compile's critical path, and the
+//! graph's first call (or its CUDA graph's recording, when nothing can be timed) finds the
+//! fastest plan chosen.
+//!
 //! Best effort: results are dropped, and an error (memory, an unsupported layout) only ends the
 //! warm-up; the compiled graph's own call reports whatever is really wrong. The work is queued
 //! on the device's stream ahead of the graph's first call, and takes there what the
@@ -55,8 +60,9 @@ pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
     out
 }
 
-/// Runs each of `convs` once on zeros, stopping at the first error.
-pub(crate) fn run(convs: &[Conv]) -> Result<()> {
+/// Runs each of `convs` once on zeros (`tuned`: as max-autotune's steps run them), stopping
+/// at the first error.
+pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
     let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
         format!(
             "inductor: {} convolutions run once (cuDNN warm-up)",
@@ -71,11 +77,10 @@ pub(crate) fn run(convs: &[Conv]) -> Result<()> {
             .map(|(shape, dtype)| Tensor::full_on(shape, 0.0, *dtype, c.device))
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = operands.iter().collect();
-        drop(kiln_core::dispatch::apply_on(
-            c.prim.clone(),
-            &refs,
-            c.device,
-        )?);
+        drop(match tuned {
+            true => super::exec::execute_tuned(&c.prim, &refs, c.device)?,
+            false => kiln_core::dispatch::apply_on(c.prim.clone(), &refs, c.device)?,
+        });
     }
     Ok(())
 }

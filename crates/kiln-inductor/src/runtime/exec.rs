@@ -64,9 +64,9 @@ pub struct CompiledCpu {
     /// For each step, the values no later step reads.
     pub free_after: Vec<Vec<NodeId>>,
     pool: BufferPool,
-    /// Whether extern matmuls run by the runtime's `execute_tuned` (max-autotune's GEMMs: the
-    /// fastest algorithm) rather than as eager execution runs them.
-    tuned_gemms: bool,
+    /// Whether extern matmuls and convolutions run by the runtime's `execute_tuned`
+    /// (max-autotune's: the fastest algorithm) rather than as eager execution runs them.
+    tuned: bool,
 }
 
 impl CompiledCpu {
@@ -104,13 +104,14 @@ impl CompiledCpu {
             steps,
             free_after,
             pool: BufferPool::default(),
-            tuned_gemms: false,
+            tuned: false,
         }
     }
 
-    /// The graph with its extern matmuls run tuned (`DeviceRuntime::execute_tuned`) when `on`.
-    pub fn with_tuned_gemms(mut self, on: bool) -> Self {
-        self.tuned_gemms = on;
+    /// The graph with its extern matmuls and convolutions run tuned
+    /// (`DeviceRuntime::execute_tuned`) when `on`.
+    pub fn with_tuned_externs(mut self, on: bool) -> Self {
+        self.tuned = on;
         self
     }
 
@@ -234,9 +235,7 @@ impl CompiledCpu {
                     let p = rand_at(p, seed, base);
                     // a device graph computes everything on its device (see `Graph::device`)
                     vals[*node] = Some(match p {
-                        Prim::Matmul | Prim::MatmulEpilogue(_) if self.tuned_gemms => {
-                            execute_tuned(&p, &refs, self.device)?
-                        }
+                        _ if self.tuned && tunable(&p) => execute_tuned(&p, &refs, self.device)?,
                         _ => apply_on(p, &refs, self.device)?,
                     });
                 }
@@ -259,9 +258,18 @@ impl CompiledCpu {
     }
 }
 
+/// Whether max-autotune runs `p` tuned: GEMMs and convolutions, whose runtime chooses among
+/// implementations by time.
+pub(crate) fn tunable(p: &Prim) -> bool {
+    matches!(
+        p,
+        Prim::Matmul | Prim::MatmulEpilogue(_) | Prim::Conv2dEpilogue { .. }
+    ) || p.conv_params().is_some()
+}
+
 /// `p` on `device` as its runtime runs it tuned (`DeviceRuntime::execute_tuned`). A compiled
 /// graph's step: no autograd, no interceptor, every operand already on the device.
-fn execute_tuned(p: &Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
+pub(crate) fn execute_tuned(p: &Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = p.infer(&shapes, &dtypes)?;

@@ -1,15 +1,17 @@
 //! max-autotune on the GPU: a pointwise chain with a softmax and an Adam step compiled in both
 //! max-autotune modes equal eager; the first compile times the kernels' launch shapes and
 //! writes its choices under the cache folder, a second compile (after `kiln::reset`) reads them
-//! and times nothing.
+//! and times nothing. The same holds for cuBLASLt's GEMM algorithms and for cuDNN's engines of a
+//! training step's convolutions.
 
 use std::sync::Mutex;
 
 use kiln::inductor::{cache_dir, exec_stats, with_fresh_cache};
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
+use kiln::nn::{Conv2d, Conv2dConfig, Flatten, Linear, Module, ReLU, Sequential};
 use kiln::prelude::*;
 
-use super::{cuda_randn, err, params_with_grads, same, same_outputs, Outcome};
+use super::{cuda_randn, err, params_with_grads, randn, same, same_outputs, Outcome, CUDA};
 
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
     let h = x[0].mul(&x[1])?.tanh()?.add(&x[0])?;
@@ -203,6 +205,85 @@ pub fn max_autotune_times_gemm_algorithms() -> Outcome {
                     "{mode:?}: a new scope timed {} shapes and read {} choices, want 0 and 3",
                     gemms_tuned() - timed,
                     gemm_tune_disk_hits() - hits
+                ));
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
+}
+
+/// Two convolutions without bias (a stride-1 and a stride-2 one) and a linear layer.
+fn conv_net() -> Result<Sequential> {
+    let conv = |i, o, stride| {
+        Conv2d::new(
+            i,
+            o,
+            [3, 3],
+            Conv2dConfig::default()
+                .padding(1)
+                .stride(stride)
+                .bias(false),
+        )
+    };
+    let mut m = Sequential::new()
+        .add(conv(3, 8, 1)?)
+        .add(ReLU::new())
+        .add(conv(8, 16, 2)?)
+        .add(ReLU::new())
+        .add(Flatten::new(1, -1))
+        .add(Linear::new(16 * 4 * 4, 4, true)?);
+    m.to(CUDA)?;
+    Ok(m)
+}
+
+/// The output and every parameter's gradient after one step of `m` on `x`, compiled in `mode`
+/// (eager without one).
+fn conv_step(m: &Sequential, mode: Option<Mode>, x: &Tensor) -> Result<Vec<Tensor>> {
+    m.zero_grad();
+    let out = match mode {
+        Some(mode) => kiln::compile(m, CompileOptions::default().mode(mode))?.forward(x)?,
+        None => m.forward(x)?,
+    };
+    out.square()?.mean_all()?.backward()?;
+    let mut all = vec![out];
+    all.extend(m.parameters().iter().filter_map(|p| p.grad()));
+    Ok(all)
+}
+
+/// max-autotune times cuDNN's engines for each convolution of a training step once (the two
+/// forward convolutions, both weight gradients, the second's input gradient), equal to eager to
+/// rounding, writes the chosen plans, and a later scope over the same cache folder (a new
+/// process's view) reads them instead of timing.
+pub fn max_autotune_times_convolution_engines() -> Outcome {
+    use kiln::cuda::{cudnn_plan_disk_hits, cudnn_plans_timed};
+    let m = conv_net().map_err(err)?;
+    let x = randn(&[4, 3, 8, 8], 77)
+        .and_then(|x| x.to(CUDA))
+        .map_err(err)?;
+    let want = conv_step(&m, None, &x).map_err(err)?;
+    for mode in [Mode::MaxAutotune, Mode::MaxAutotuneNoCudagraphs] {
+        with_fresh_cache(|| -> Outcome {
+            kiln::reset();
+            let before = cudnn_plans_timed();
+            let got = conv_step(&m, Some(mode), &x).map_err(err)?;
+            close_to_largest(&format!("{mode:?} step"), &got, &want, 1e-5)?;
+            let timed = cudnn_plans_timed() - before;
+            if timed != 5 {
+                return Err(format!(
+                    "{mode:?}: {timed} convolution shapes timed, want 5"
+                ));
+            }
+            kiln::reset();
+            let (timed, hits) = (cudnn_plans_timed(), cudnn_plan_disk_hits());
+            let again = kiln::core::cache::with_root(cache_dir(), || conv_step(&m, Some(mode), &x))
+                .map_err(err)?;
+            close_to_largest(&format!("{mode:?} step, new scope"), &again, &want, 1e-5)?;
+            let read = cudnn_plan_disk_hits() - hits;
+            if cudnn_plans_timed() != timed || read < 5 {
+                return Err(format!(
+                    "{mode:?}: a new scope timed {} shapes and read {read} plans, want 0 and 5",
+                    cudnn_plans_timed() - timed
                 ));
             }
             Ok(())
