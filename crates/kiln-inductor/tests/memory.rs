@@ -33,6 +33,7 @@ fn delta<R>(f: impl FnOnce() -> R) -> (R, ExecStats) {
         inplace_bytes: b.inplace_bytes - a.inplace_bytes,
         inplace_fallbacks: b.inplace_fallbacks - a.inplace_fallbacks,
         graph_replays: b.graph_replays - a.graph_replays,
+        replay_copied_bytes: b.replay_copied_bytes - a.replay_copied_bytes,
         kernel_launches: b.kernel_launches - a.kernel_launches,
         kernels_tuned: b.kernels_tuned - a.kernels_tuned,
         tuning_hits: b.tuning_hits - a.tuning_hits,

@@ -12,6 +12,8 @@ use std::sync::Mutex;
 mod autotune;
 #[path = "gpu_compile/conv_epilogues.rs"]
 mod conv_epilogues;
+#[path = "gpu_compile/cudagraph_training.rs"]
+mod cudagraph_training;
 #[path = "gpu_compile/graph_cache.rs"]
 mod graph_cache;
 #[path = "gpu_compile/losses.rs"]
@@ -1082,7 +1084,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 31] = [
+    let tests: [(&str, Check); 32] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -1120,6 +1122,10 @@ fn main() {
         (
             "max_autotune_times_gemm_algorithms",
             autotune::max_autotune_times_gemm_algorithms,
+        ),
+        (
+            "reduce_overhead_backward_reads_saved_activations_in_place",
+            cudagraph_training::reduce_overhead_backward_reads_saved_activations_in_place,
         ),
         (
             "max_autotune_times_convolution_engines",

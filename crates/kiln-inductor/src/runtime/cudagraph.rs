@@ -5,7 +5,13 @@
 //! records: the graph reads its inputs from buffers it owns — call arguments, gradients and CPU
 //! scalars are copied into them before every replay — except the captured tensors
 //! (`Graph::static_inputs`: parameters, buffers, optimizer state), which keep their storage from
-//! call to call and are read and written where they are. Everything the recorded work allocates
+//! call to call and are read and written where they are, and what other recordings read or
+//! write at fixed addresses (a training step's forward hands its backward the activations it
+//! saved — hundreds of megabytes a step, which a replay of the forward writes at the same
+//! addresses every time, as PyTorch's cudagraph trees share one memory pool between a forward
+//! and its backward — and the weights it multiplied by). Such an input is read where it lies
+//! for as long as the calls pass it; a call that passes another tensor in its place records
+//! anew. Everything the recorded work allocates
 //! belongs to the graph while it lives (kiln-cuda's allocator), so a replay writes the same
 //! buffers again: an output of one call is overwritten by the next. That is PyTorch's contract;
 //! a caller who still holds an output when the graph runs again gets a warning (once), telling
@@ -40,8 +46,11 @@ enum State {
 
 struct Recording {
     graph: Arc<dyn DeviceGraph>,
-    /// What the recorded work reads: the graph's own buffers, or the static inputs themselves.
+    /// What the recorded work reads: the graph's own buffers, or the static inputs and other
+    /// recordings' outputs themselves.
     inputs: Vec<Tensor>,
+    /// For each input: read where it lies (not copied into a buffer of the recording's).
+    in_place: Vec<bool>,
     outputs: Vec<Tensor>,
     /// For each output: whether it is one of `inputs` (an in-place update), handed back as is.
     output_is_input: Vec<bool>,
@@ -75,11 +84,16 @@ impl CudaGraphed {
         self.static_inputs.get(i).copied().unwrap_or(false) && t.device() == self.device
     }
 
-    /// Records one run over buffers of the recording's own (static inputs as they are).
+    /// Records one run over buffers of the recording's own (static inputs and other
+    /// recordings' outputs as they are).
     fn record(&self, inputs: &[Tensor]) -> Result<Recording> {
         let mut mine = Vec::with_capacity(inputs.len());
+        let mut in_place = Vec::with_capacity(inputs.len());
         for (i, t) in inputs.iter().enumerate() {
-            mine.push(match self.is_static(i, t) {
+            let read_there = self.is_static(i, t)
+                || (t.device() == self.device && recorded_elsewhere(t, self.id()));
+            in_place.push(read_there);
+            mine.push(match read_there {
                 true => t.clone(),
                 false => copy_to_device(t, self.device)?,
             });
@@ -90,21 +104,37 @@ impl CudaGraphed {
         // the recording ends whatever happened, so the stream runs work again
         let graph = rt.end_capture(self.device);
         let (outputs, graph) = (run?, graph?);
-        let output_is_input = outputs
+        let output_is_input: Vec<bool> = outputs
             .iter()
             .map(|o| mine.iter().any(|m| m.same_tensor(o)))
             .collect();
+        // what a later recording may read in place: this one's outputs, and the captured
+        // tensors it reads there (a forward hands its backward the weights it multiplied by)
+        let stable = outputs
+            .iter()
+            .zip(&output_is_input)
+            .filter(|(_, &input)| !input)
+            .map(|(o, _)| o)
+            .chain(
+                mine.iter()
+                    .enumerate()
+                    .filter(|&(i, t)| self.is_static(i, t))
+                    .map(|(_, t)| t),
+            );
+        register_stable(stable, self.id());
         Ok(Recording {
             graph,
             inputs: mine,
+            in_place,
             outputs,
             output_is_input,
             handed_out: Vec::new(),
         })
     }
 
-    /// Copies the call's non-static inputs into the recording's buffers; false when a static
-    /// input is not the tensor recorded (a parameter replaced): the recording is stale.
+    /// Copies the call's other inputs into the recording's buffers; false when an input read
+    /// in place is not what was recorded (a parameter replaced, another tensor where a
+    /// recording's output was): the recording is stale.
     fn load_inputs(&self, rec: &Recording, inputs: &[Tensor]) -> Result<bool> {
         for (i, (t, mine)) in inputs.iter().zip(&rec.inputs).enumerate() {
             if self.is_static(i, t) {
@@ -113,9 +143,18 @@ impl CudaGraphed {
                 }
                 continue;
             }
+            if rec.in_place[i] {
+                if !(t.shares_storage(mine) && t.layout() == mine.layout()) {
+                    return Ok(false);
+                }
+                continue;
+            }
             if t.shape() != mine.shape() || t.dtype() != mine.dtype() {
                 return Ok(false);
             }
+            super::pool::count(|s| {
+                s.replay_copied_bytes += super::pool::nbytes(t.shape(), t.dtype())
+            });
             if t.device() == self.device {
                 mine.assign(t)?;
             } else {
@@ -152,6 +191,37 @@ impl CudaGraphed {
         }
         Ok(out)
     }
+}
+
+impl CudaGraphed {
+    /// This wrapper's identity among the recordings of the process.
+    fn id(&self) -> usize {
+        self as *const CudaGraphed as usize
+    }
+}
+
+/// Tensors the process's recordings write or read at the same addresses at every replay — their
+/// outputs and the captured tensors they read in place — held weakly (a dropped recording's go
+/// with it), with the recording they belong to.
+fn stable_tensors() -> &'static Mutex<Vec<(usize, WeakTensor)>> {
+    static STABLE: Mutex<Vec<(usize, WeakTensor)>> = Mutex::new(Vec::new());
+    &STABLE
+}
+
+/// Notes `tensors` as recording `owner`'s stable tensors, in place of those it had.
+fn register_stable<'a>(tensors: impl Iterator<Item = &'a Tensor>, owner: usize) {
+    let mut all = stable_tensors().lock().unwrap_or_else(|e| e.into_inner());
+    // a graph recorded anew, or dropped, no longer writes its old outputs
+    all.retain(|(o, w)| *o != owner && w.upgrade().is_some());
+    all.extend(tensors.map(|t| (owner, t.downgrade())));
+}
+
+/// Whether `t` lies in a stable tensor of a live recording other than `owner`'s (one that
+/// reads its own outputs must copy them: the replay writes them while reading).
+fn recorded_elsewhere(t: &Tensor, owner: usize) -> bool {
+    let all = stable_tensors().lock().unwrap_or_else(|e| e.into_inner());
+    all.iter()
+        .any(|(o, w)| *o != owner && w.upgrade().is_some_and(|r| r.shares_storage(t)))
 }
 
 /// A new device buffer holding `t`'s values.

@@ -29,6 +29,9 @@ pub struct ExecStats {
     pub inplace_fallbacks: u64,
     /// Calls answered by replaying a recorded device graph (reduce-overhead).
     pub graph_replays: u64,
+    /// Bytes of replayed graphs' inputs copied into their recordings' buffers (inputs read in
+    /// place — captured tensors, other recordings' outputs — are not counted).
+    pub replay_copied_bytes: u64,
     /// Generated kernels launched (a horizontal kernel counts once: `horizontal.rs`).
     pub kernel_launches: u64,
     /// Generated kernels whose launch shape max-autotune timed (`runtime/autotune.rs`).
