@@ -313,6 +313,70 @@ impl Default for Descs {
     }
 }
 
+/// One matrix of a cuBLASLt GEMM as stored: column-major `rows` x `cols` (before its
+/// transpose), leading dimension `ld`, `batch_stride` elements between the batch's matrices.
+#[derive(Clone, Copy)]
+pub(crate) struct Stored {
+    pub(crate) rows: u64,
+    pub(crate) cols: u64,
+    pub(crate) ld: i64,
+    pub(crate) batch_stride: i64,
+}
+
+/// The descriptors of `D = epilogue(op(A) op(B))` over `batch` matrices each (cuBLASLt's A, B
+/// and D in `[a, b, d]`, A and B read transposed where `trans` says), with a preference that
+/// allows `WORKSPACE` bytes: what a heuristic GEMM (`plan`) and a timed one (`matmul_tune.rs`)
+/// both start from.
+pub(crate) fn descriptors(
+    o: usize,
+    (dtype, tf32): (DType, bool),
+    epilogue: Epilogue,
+    trans: [bool; 2],
+    stored: [Stored; 3],
+    batch: usize,
+) -> Result<Descs> {
+    let e = |what: &'static str| move |x| lt_err(o, what, x);
+    let (data, compute) = lt_types(dtype, tf32);
+    let mut d = Descs::default();
+    d.matmul =
+        lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
+    let op = |t: bool| match t {
+        true => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
+        false => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
+    };
+    use ltsys::cublasLtMatmulDescAttributes_t::*;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(trans[0])).map_err(e("transa"))?;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(trans[1])).map_err(e("transb"))?;
+    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue.lt()).map_err(e("epilogue"))?;
+    for m in stored {
+        let l = lt::create_matrix_layout(data, m.rows, m.cols, m.ld).map_err(e("layout"))?;
+        d.layouts.push(l);
+        if batch > 1 {
+            use ltsys::cublasLtMatrixLayoutAttribute_t::*;
+            let count = batch as i32;
+            // SAFETY: a live layout; each value has its attribute's type and size
+            unsafe {
+                lt::set_matrix_layout_attribute(
+                    l,
+                    CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                    (&count as *const i32).cast(),
+                    std::mem::size_of::<i32>(),
+                )
+                .map_err(e("batch count"))?;
+                lt::set_matrix_layout_attribute(
+                    l,
+                    CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                    (&m.batch_stride as *const i64).cast(),
+                    std::mem::size_of::<i64>(),
+                )
+                .map_err(e("batch stride"))?;
+            }
+        }
+    }
+    d.pref = preference().map_err(e("preference"))?;
+    Ok(d)
+}
+
 /// The device's cuBLASLt handle (created at its first use), its mutex held by the guard.
 pub(crate) fn lt_handle(
     dev: &CudaDevice,
@@ -491,32 +555,28 @@ fn plan(
 ) -> Result<Plan> {
     let e = |what: &'static str| move |x| lt_err(o, what, x);
     let [m, k, n] = key.mkn;
-    let (data, compute) = lt_types(key.dtype, key.tf32);
-    let mut d = Descs::default();
-    d.matmul =
-        lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
-    let op = |t: bool| {
-        if t {
-            cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
-    use ltsys::cublasLtMatmulDescAttributes_t::*;
-    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(first.trans)).map_err(e("transa"))?;
-    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(second.trans)).map_err(e("transb"))?;
     let epilogue = key.epilogue;
-    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue.lt()).map_err(e("epilogue"))?;
-    for (rows, cols, ld) in [
-        (first.rows, first.cols, first.ld),
-        (second.rows, second.cols, second.ld),
-        (n as u64, m as u64, n.max(1) as i64),
-    ] {
-        d.layouts
-            .push(lt::create_matrix_layout(data, rows, cols, ld).map_err(e("layout"))?);
-    }
+    let stored = |x: &Operand| Stored {
+        rows: x.rows,
+        cols: x.cols,
+        ld: x.ld,
+        batch_stride: 0,
+    };
+    let out = Stored {
+        rows: n as u64,
+        cols: m as u64,
+        ld: n.max(1) as i64,
+        batch_stride: 0,
+    };
+    let d = descriptors(
+        o,
+        (key.dtype, key.tf32),
+        epilogue,
+        [first.trans, second.trans],
+        [stored(first), stored(second), out],
+        1,
+    )?;
     let (la_, lb_, lc_) = (d.layouts[0], d.layouts[1], d.layouts[2]);
-    d.pref = preference().map_err(e("preference"))?;
     use ltsys::cublasLtMatmulPreferenceAttributes_t::*;
     let [aa, ab, ad, abias] = key.align;
     for (attr, bytes) in [

@@ -26,7 +26,7 @@ use kiln_core::{DType, Error, Result};
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 use crate::matmul::{allow_tf32, gemm, operand};
-use crate::matmul_lt::{launch, lt_handle, preference, set_desc, Descs, Epilogue, WORKSPACE};
+use crate::matmul_lt::{launch, lt_handle, set_desc, Descs, Epilogue, Stored, WORKSPACE};
 
 /// Algorithms asked of cuBLASLt's heuristics and timed per shape.
 const CANDIDATES: usize = 8;
@@ -288,59 +288,34 @@ fn tune(
 /// The cuBLASLt descriptors of `key`'s GEMM: its math, each operand's stored matrix (before its
 /// transpose, column-major) with its batch stride, and a preference for the workspace allowed.
 fn descriptors(o: usize, key: &Key) -> Result<Descs> {
-    let e = |what: &'static str| move |x| lt_err(o, what, x);
-    let (data, compute) = crate::matmul_lt::lt_types(key.dtype, key.tf32);
-    let mut d = Descs::default();
-    d.matmul =
-        lt::create_matmul_desc(compute, ltsys::cudaDataType::CUDA_R_32F).map_err(e("desc"))?;
-    let op = |t: bool| match t {
-        true => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T,
-        false => cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N,
-    };
     let ((a_trans, a_ld, a_stride), (b_trans, b_ld, b_stride)) = (key.a, key.b);
-    use ltsys::cublasLtMatmulDescAttributes_t::*;
-    // cuBLASLt's first operand is `b`
-    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op(b_trans)).map_err(e("transa"))?;
-    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op(a_trans)).map_err(e("transb"))?;
-    set_desc(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &key.epilogue.lt()).map_err(e("epilogue"))?;
     let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
     // each stored matrix as (rows, cols) column-major, before its transpose
-    let stored = |trans: bool, rows: u64, cols: u64| match trans {
-        true => (cols, rows),
-        false => (rows, cols),
-    };
-    let layouts = [
-        (stored(b_trans, n, k), b_ld as i64, b_stride),
-        (stored(a_trans, k, m), a_ld as i64, a_stride),
-        ((n, m), n as i64, (key.m * key.n) as i64),
-    ];
-    for ((rows, cols), ld, stride) in layouts {
-        let l = lt::create_matrix_layout(data, rows, cols, ld).map_err(e("layout"))?;
-        d.layouts.push(l);
-        if key.batch > 1 {
-            use ltsys::cublasLtMatrixLayoutAttribute_t::*;
-            let count = key.batch as i32;
-            // SAFETY: a live layout; each value has its attribute's type and size
-            unsafe {
-                lt::set_matrix_layout_attribute(
-                    l,
-                    CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                    (&count as *const i32).cast(),
-                    std::mem::size_of::<i32>(),
-                )
-                .map_err(e("batch count"))?;
-                lt::set_matrix_layout_attribute(
-                    l,
-                    CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                    (&stride as *const i64).cast(),
-                    std::mem::size_of::<i64>(),
-                )
-                .map_err(e("batch stride"))?;
-            }
+    let stored = |trans: bool, (rows, cols): (u64, u64), ld: i64, batch_stride: i64| {
+        let (rows, cols) = match trans {
+            true => (cols, rows),
+            false => (rows, cols),
+        };
+        Stored {
+            rows,
+            cols,
+            ld,
+            batch_stride,
         }
-    }
-    d.pref = preference().map_err(e("preference"))?;
-    Ok(d)
+    };
+    // cuBLASLt's first operand is `b`
+    crate::matmul_lt::descriptors(
+        o,
+        (key.dtype, key.tf32),
+        key.epilogue,
+        [b_trans, a_trans],
+        [
+            stored(b_trans, (n, k), b_ld as i64, b_stride),
+            stored(a_trans, (k, m), a_ld as i64, a_stride),
+            stored(false, (n, m), n as i64, (key.m * key.n) as i64),
+        ],
+        key.batch,
+    )
 }
 
 /// A GEMM being tuned: the device's cuBLASLt handle (its mutex held by the caller), the shape's
