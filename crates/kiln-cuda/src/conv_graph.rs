@@ -356,18 +356,10 @@ fn allowed(spec: &Spec, cfg: &Desc) -> DnnResult<bool> {
     if !spec.strict_f32 {
         return Ok(true);
     }
-    let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
-    cfg.get(
-        A::CUDNN_ATTR_ENGINECFG_ENGINE,
-        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-        &mut [engine.0],
-    )?;
-    // read as u32: a note this binding does not know stays a number, not an invalid enum
-    let mut notes = [0u32; 32];
-    let count = engine.get(
+    let notes = engine_notes(
+        cfg,
         A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
         T::CUDNN_TYPE_NUMERICAL_NOTE,
-        &mut notes,
     )?;
     use dsys::cudnnBackendNumericalNote_t::*;
     let banned = [
@@ -375,9 +367,22 @@ fn allowed(spec: &Spec, cfg: &Desc) -> DnnResult<bool> {
         CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS as u32,
         CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION as u32,
     ];
-    Ok(!notes[..count.min(notes.len())]
-        .iter()
-        .any(|n| banned.contains(n)))
+    Ok(!notes.iter().any(|n| banned.contains(n)))
+}
+
+/// The notes of kind `name` (numerical or behaviour) of an engine config's engine, each read as
+/// a u32: a note this binding does not know stays a number, not an invalid enum.
+fn engine_notes(cfg: &Desc, name: A, ty: T) -> DnnResult<Vec<u32>> {
+    let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
+    cfg.get(
+        A::CUDNN_ATTR_ENGINECFG_ENGINE,
+        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+        &mut [engine.0],
+    )?;
+    let mut notes = vec![0u32; 32];
+    let count = engine.get(name, ty, &mut notes)?;
+    notes.truncate(count);
+    Ok(notes)
 }
 
 /// Engine configs for `graph` from the heuristics of `mode`, best first.
@@ -563,21 +568,13 @@ fn candidates(
 /// Whether an engine config's engine is compiled when its plan is finalized (cuDNN's runtime
 /// fusion engines).
 fn compiles_at_run_time(cfg: &Desc) -> DnnResult<bool> {
-    let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR)?;
-    cfg.get(
-        A::CUDNN_ATTR_ENGINECFG_ENGINE,
-        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
-        &mut [engine.0],
-    )?;
-    // read as u32, as the numerical notes are
-    let mut notes = [0u32; 32];
-    let count = engine.get(
+    let notes = engine_notes(
+        cfg,
         A::CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE,
         T::CUDNN_TYPE_BEHAVIOR_NOTE,
-        &mut notes,
     )?;
     let runtime = dsys::cudnnBackendBehaviorNote_t::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32;
-    Ok(notes[..count.min(notes.len())].contains(&runtime))
+    Ok(notes.contains(&runtime))
 }
 
 /// The workspace a finalized plan needs, or `None` when it cannot be read or exceeds
