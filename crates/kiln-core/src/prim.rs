@@ -84,6 +84,25 @@ pub const SUM_CHUNKED_FROM: usize = 1 << 15;
 /// See `SUM_CHUNKED_FROM` (a multiple of `SUM_LANES`).
 pub const SUM_CHUNK: usize = 4096;
 
+/// Longest reduced length of a small CPU matmul (`small_cpu_matmul`).
+pub const SMALL_CPU_MATMUL_K: usize = 64;
+/// Most multiply-adds of a small CPU matmul (`small_cpu_matmul`): a 16x16x16 product.
+pub const SMALL_CPU_MATMUL_MACS: usize = 1 << 12;
+
+/// Whether an f32 or f64 `Matmul` of `[b, m, k] x [b, k, n]` on the CPU is small. A small product
+/// has one order, which the eager kernel (`cpu/matmul.rs`) and kiln-inductor's generated C
+/// (which computes it inline, its operands' producers fused into its loads) both follow, so
+/// their results are bitwise equal: each output is the sum, in f64 from 0.0, of the products of
+/// the operands' values widened to f64, in order of k, rounded once to the output's type.
+/// Larger products go to the `gemm` crate, eager and compiled alike. The bound: a product of
+/// 2^12 multiply-adds takes the eager loop a few microseconds, within about a microsecond of
+/// gemm's dispatch and packing, while generated inline it costs no call at all; at 2^16 (a
+/// 40x40x40 product) the loop takes six times gemm's time (BENCHMARKS.md).
+pub fn small_cpu_matmul(b: usize, m: usize, n: usize, k: usize) -> bool {
+    k <= SMALL_CPU_MATMUL_K
+        && b.saturating_mul(m).saturating_mul(n).saturating_mul(k) <= SMALL_CPU_MATMUL_MACS
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     Sum,

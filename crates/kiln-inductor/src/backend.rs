@@ -13,7 +13,7 @@ use kiln_compile::graph::NodeId;
 use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
 use crate::codegen::cuda_compile::{self, CudaFlags};
 use crate::codegen::template;
-use crate::ir::lower::{small_matmul, Kind, MatmulDims};
+use crate::ir::lower::{small_cpu_matmul, Kind, MatmulDims};
 use crate::plan_cache::{Plan, PlanStep};
 use crate::repeats::{self, Cone};
 use crate::runtime::cc::{self, toolchain};
@@ -93,19 +93,20 @@ pub trait Target: Sync {
 
 /// The C target (`codegen/c.rs`).
 pub struct C {
-    /// Small matmuls as generated reductions (`Target::inline_matmul`); off unless the
-    /// `inline_small_matmuls` option turns it on (see `INLINE_SMALL_MATMULS`).
+    /// Small matmuls as generated reductions (`Target::inline_matmul`); on unless the
+    /// `inline_small_matmuls` option turns it off (see `INLINE_SMALL_MATMULS`).
     pub inline_matmul: bool,
     /// Whether independent kernels share one parallel region (`codegen/c_horizontal.rs`).
     pub horizontal: bool,
 }
 
 /// `CompileOptions::option` key: `"true"` or `"false"`, whether small matmuls are generated
-/// inline (`ir::lower::small_matmul`) instead of calling gemm / cuBLAS. On by default on a GPU,
-/// off on the CPU: a generated matmul sums in double where gemm's f32 FMA chain rounds at every
-/// step, so results differ from eager in the last bits, and the CPU keeps compiled equal to eager
-/// bit for bit (ARCHITECTURE.md invariant 2). The CPU `regional` call (64 blocks of 10x10
-/// Linears) runs in about 0.6x the time with it on.
+/// inline (`ir::lower::small_matmul` on a GPU, `small_cpu_matmul` on the CPU) instead of calling
+/// gemm / cuBLAS. On by default: on the CPU a generated matmul sums in the order of the eager
+/// kernel for small products (`kiln_core::prim::small_cpu_matmul`), so compiled stays equal to
+/// eager bit for bit
+/// (ARCHITECTURE.md invariant 2); on a GPU eager runs cuBLAS, and a generated matmul agrees with
+/// it to rounding. Off, every matmul is an extern call of the eager kernel.
 pub const INLINE_SMALL_MATMULS: &str = "inline_small_matmuls";
 
 /// The `inline_small_matmuls` option of a compile, or `default` when it is not given.
@@ -152,7 +153,7 @@ impl Target for C {
         crate::codegen::c_rows::REACH
     }
     fn inline_matmul(&self, dims: MatmulDims) -> bool {
-        self.inline_matmul && small_matmul(dims)
+        self.inline_matmul && small_cpu_matmul(dims)
     }
     /// A function call per kernel costs less than a libm `tanh` recomputed per output column.
     /// Measured on `kiln-bench regional` (64 blocks of Linear 10→10, ReLU, sigmoid; back to
@@ -528,7 +529,7 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
     // become one size-generic kernel (`codegen/template.rs`)
     let sizes = symbolic::context::current();
     let c = C {
-        inline_matmul: inline_small_matmuls(ctx, false)?,
+        inline_matmul: inline_small_matmuls(ctx, true)?,
         // not under a size context: a horizontal kernel's member functions are named by
         // the hash of their static text, which a size-generic kernel rewrites under the same
         // names

@@ -1,13 +1,14 @@
 //! Small matmuls generated inline (`kiln_inductor::ir::lower::small_matmul`): a sum over k of
 //! `a[b,m,k]·b[b,k,n]` in a generated kernel, fused with the operands' producers, instead of an
 //! extern gemm call. The generated sum multiplies in double (exact for f32 operands) and
-//! accumulates in double, as `Reduce(sum)` does; the eager kernel is gemm's f32 FMA chain. So
-//! compiled and eager differ in the last bits, and the check is that the compiled result is
-//! within a few f32 ulp of eager and at least as close as eager to a float64 reference, forward
-//! and backward (the backward's matmuls are small too and inlined).
+//! accumulates in double, in order of k (`kiln_core::prim::small_cpu_matmul` on the CPU). On the CPU the eager
+//! kernel sums small products in that same order, so compiled equals eager bit for bit; on a GPU
+//! eager runs cuBLAS's f32 chain, and the check is that the compiled result is within a few f32
+//! ulp of eager and at least as close as eager to a float64 reference, forward and backward (the
+//! backward's matmuls are small too and inlined).
 //!
-//! On the CPU the generation is an option (`inline_small_matmuls`, off by default: the CPU keeps
-//! compiled bitwise equal to eager); on a GPU it is on by default. The test turns it on.
+//! The generation is on by default (the `inline_small_matmuls` option turns it off); the test
+//! also names it.
 //!
 //! One test, in order: it profiles (which records every thread) to see which matmuls ran as
 //! eager prims.
@@ -33,11 +34,15 @@ fn max_err(x: &Tensor, y: &Tensor) -> (f64, f64) {
     })
 }
 
-/// `compiled` within `TOL` of `eager`, and no farther than eager from the f64 reference (plus
-/// half an f32 ulp of the reference's largest element: both are rounded to f32 at the end).
+/// `compiled` within `TOL` of `eager` (on the CPU equal to it), and no farther than eager from
+/// the f64 reference (plus half an f32 ulp of the reference's largest element: both are rounded
+/// to f32 at the end).
 fn check(what: &str, compiled: &Tensor, eager: &Tensor, reference: &Tensor) {
     assert_eq!(compiled.shape(), eager.shape(), "{what}: shape");
     let (d, scale) = max_err(compiled, eager);
+    if common::test_device() == Device::Cpu {
+        assert_eq!(d, 0.0, "{what}: compiled vs eager on the CPU");
+    }
     assert!(
         d <= TOL * scale.max(1e-30),
         "{what}: compiled vs eager differ by {d:e} (largest |eager| {scale:e})"
@@ -105,31 +110,35 @@ fn inline() -> CompileOptions {
 #[test]
 fn small_matmuls_are_generated_and_at_least_as_accurate_as_eager() {
     let mut rng = Rng::new(41);
-    // (a, its layout, b, its layout, eager matmuls a compiled forward and backward runs)
-    type Shapes = (&'static [usize], Lay, &'static [usize], Lay, usize);
+    // (a, its layout, b, its layout, eager matmuls a compiled forward and backward runs on the
+    // CPU and on a GPU, whose bounds differ: `small_cpu_matmul`, `small_matmul`)
+    type Shapes = (&'static [usize], Lay, &'static [usize], Lay, (usize, usize));
     let cases: &[Shapes] = &[
-        (&[3, 4], Lay::C, &[4, 5], Lay::C, 0),
+        (&[3, 4], Lay::C, &[4, 5], Lay::C, (0, 0)),
         // transposed (non-contiguous) operands, read through their index expressions
-        (&[3, 4], Lay::T, &[4, 5], Lay::T, 0),
-        (&[2, 3, 4], Lay::T, &[2, 4, 5], Lay::S, 0),
+        (&[3, 4], Lay::T, &[4, 5], Lay::T, (0, 0)),
+        (&[2, 3, 4], Lay::T, &[2, 4, 5], Lay::S, (0, 0)),
         // broadcast batch: [2,1,3,4] @ [5,4,2] -> [2,5,3,2]; an expanded (stride-0) operand
-        (&[2, 1, 3, 4], Lay::C, &[5, 4, 2], Lay::C, 0),
-        (&[3, 3, 4], Lay::E, &[4, 2], Lay::T, 0),
-        (&[2, 3, 4], Lay::C, &[4, 5], Lay::C, 0),
+        (&[2, 1, 3, 4], Lay::C, &[5, 4, 2], Lay::C, (0, 0)),
+        (&[3, 3, 4], Lay::E, &[4, 2], Lay::T, (0, 0)),
+        (&[2, 3, 4], Lay::C, &[4, 5], Lay::C, (0, 0)),
         // size-1 dims and vectors
-        (&[1, 4], Lay::C, &[4, 1], Lay::C, 0),
-        (&[4], Lay::C, &[2, 4, 5], Lay::C, 0),
-        (&[2, 3, 4], Lay::C, &[4], Lay::C, 0),
+        (&[1, 4], Lay::C, &[4, 1], Lay::C, (0, 0)),
+        (&[4], Lay::C, &[2, 4, 5], Lay::C, (0, 0)),
+        (&[2, 3, 4], Lay::C, &[4], Lay::C, (0, 0)),
         // the regional workload's shape, the largest K generated, and a classifier's backward
         // shapes (a batch of 2, 4 classes, 1024 features): the gradient of the 1024-wide side
-        // has K = 1024 and stays a gemm, the other is generated
-        (&[10, 10], Lay::C, &[10, 10], Lay::T, 0),
-        (&[4, 64], Lay::C, &[64, 6], Lay::C, 0),
-        (&[2, 4], Lay::C, &[4, 1024], Lay::C, 1),
-        (&[4, 2], Lay::T, &[2, 1024], Lay::C, 1),
+        // has K = 1024 and stays a gemm; the forward and the other gradient (8192
+        // multiply-adds) are generated on a GPU, gemm calls on the CPU
+        (&[10, 10], Lay::C, &[10, 10], Lay::T, (0, 0)),
+        (&[4, 64], Lay::C, &[64, 6], Lay::C, (0, 0)),
+        (&[2, 4], Lay::C, &[4, 1024], Lay::C, (3, 1)),
+        (&[4, 2], Lay::T, &[2, 1024], Lay::C, (3, 1)),
     ];
     let mm = |a: &[Tensor]| Ok(vec![a[0].matmul(&a[1])?]);
-    for &(sa, la, sb, lb, externs_want) in cases {
+    let on_cpu = common::test_device() == Device::Cpu;
+    for &(sa, la, sb, lb, (on_cpu_want, on_gpu_want)) in cases {
+        let externs_want = if on_cpu { on_cpu_want } else { on_gpu_want };
         let what = format!("{sa:?} {la:?} @ {sb:?} {lb:?}");
         let ins = vec![
             rng.arg(Gen::Normal, sa, la, true),
@@ -158,13 +167,15 @@ fn small_matmuls_are_generated_and_at_least_as_accurate_as_eager() {
         }
     }
 
-    // a large matmul stays on gemm (K = 128 > 64), and so does a small one on the CPU without
-    // the option: extern on both sides, the same gemm, bitwise
-    let default_on_cpu = match common::test_device() {
-        Device::Cpu => CompileOptions::default(),
-        _ => CompileOptions::default().option(kiln::inductor::INLINE_SMALL_MATMULS, "false"),
-    };
-    for (k, opts) in [(128, inline()), (8, default_on_cpu)] {
+    // a large matmul stays on gemm (K = 128 > 64), and so does a small one with the option off:
+    // extern on both sides, the same kernel, bitwise; by default a small one is generated, on
+    // the CPU bitwise equal to eager
+    let off = CompileOptions::default().option(kiln::inductor::INLINE_SMALL_MATMULS, "false");
+    let mut cases = vec![(128, inline(), 1), (8, off, 1)];
+    if common::test_device() == Device::Cpu {
+        cases.push((8, CompileOptions::default(), 0));
+    }
+    for (k, opts, externs_want) in cases {
         let f = kiln::compile_fn(mm, opts).unwrap();
         let ins = [
             rng.arg(Gen::Normal, &[8, k], Lay::C, false),
@@ -175,7 +186,7 @@ fn small_matmuls_are_generated_and_at_least_as_accurate_as_eager() {
         let mut out = None;
         assert_eq!(
             eager_matmuls(|| out = Some(f.call(&args).unwrap())),
-            1,
+            externs_want,
             "K = {k}"
         );
         let (d, _) = max_err(&out.unwrap()[0], &args[0].matmul(&args[1]).unwrap());

@@ -1,6 +1,7 @@
 //! Batched matmul [B,M,K] x [B,K,N] on the `gemm` crate, which reads strided operands directly, so
 //! transposed views cost no copy. Many small matrices run in parallel over the batch; large ones let
-//! gemm parallelise inside.
+//! gemm parallelise inside. A small f32 or f64 product (`prim::small_cpu_matmul`) is summed in the
+//! order generated code sums it instead (`small_product`).
 
 use gemm::{gemm, Parallelism};
 use rayon::prelude::*;
@@ -63,6 +64,78 @@ fn gemm_batched<T: Num + 'static>(a: &[T], la: &Layout, b: &[T], lb: &Layout) ->
     out
 }
 
+/// A small product (`prim::small_cpu_matmul`) in its one order: each output the f64 sum, from 0.0,
+/// of the operands' values widened to f64 and multiplied, in order of k, rounded once — what
+/// kiln-inductor's generated matmul computes, bit for bit. The operands are read through their
+/// layouts (any strides, broadcasts included); a row's outputs accumulate side by side with k
+/// outermost, so the adds run across the row while each output keeps its own order.
+fn small_product<T: Num>(a: &[T], la: &Layout, b: &[T], lb: &Layout) -> Vec<T> {
+    let (bs, m, k, n) = (la.shape[0], la.shape[1], la.shape[2], lb.shape[2]);
+    let (sa, sb) = (&la.strides, &lb.strides);
+    if bs * m * n == 0 {
+        // no output (an empty operand's offsets may lie past its buffer)
+        return Vec::new();
+    }
+    let mut out = Vec::with_capacity(bs * m * n);
+    let mut acc = vec![0f64; n];
+    for i in 0..bs {
+        let (a0, b0) = (la.offset + i * sa[0], lb.offset + i * sb[0]);
+        if sa[2] == 1 && sb[1] == 1 && k > 0 {
+            // a's rows and b's columns contiguous (a linear layer's `x @ w.t()`): each output a
+            // dot product of two slices, four outputs at a time so that their chains overlap
+            for r in 0..m {
+                let x = &a[a0 + r * sa[1]..][..k];
+                let col = |c: usize| &b[b0 + c * sb[2]..][..k];
+                let mut c = 0;
+                while c + 4 <= n {
+                    let (w0, w1, w2, w3) = (col(c), col(c + 1), col(c + 2), col(c + 3));
+                    let mut s = [0f64; 4];
+                    for p in 0..k {
+                        let xv = x[p].to_f64();
+                        s[0] += xv * w0[p].to_f64();
+                        s[1] += xv * w1[p].to_f64();
+                        s[2] += xv * w2[p].to_f64();
+                        s[3] += xv * w3[p].to_f64();
+                    }
+                    out.extend(s.iter().map(|&v| T::from_f64(v)));
+                    c += 4;
+                }
+                for c in c..n {
+                    let w = col(c);
+                    let mut s = 0f64;
+                    for p in 0..k {
+                        s += x[p].to_f64() * w[p].to_f64();
+                    }
+                    out.push(T::from_f64(s));
+                }
+            }
+            continue;
+        }
+        for r in 0..m {
+            acc.fill(0.0);
+            for p in 0..k {
+                let av = a[a0 + r * sa[1] + p * sa[2]].to_f64();
+                let row = b0 + p * sb[1];
+                match sb[2] {
+                    // a contiguous row of b: one slice, the adds vectorized
+                    1 => {
+                        for (s, bv) in acc.iter_mut().zip(&b[row..row + n]) {
+                            *s += av * bv.to_f64();
+                        }
+                    }
+                    st => {
+                        for (c, s) in acc.iter_mut().enumerate() {
+                            *s += av * b[row + c * st].to_f64();
+                        }
+                    }
+                }
+            }
+            out.extend(acc.iter().map(|&s| T::from_f64(s)));
+        }
+    }
+    out
+}
+
 /// Integer matmul: rare, so a plain loop over contiguous copies.
 fn naive<T: Num>(a: &[T], b: &[T], bs: usize, m: usize, k: usize, n: usize) -> Vec<T> {
     let mut out = vec![T::ZERO; bs * m * n];
@@ -90,8 +163,15 @@ pub(super) fn matmul(a: &Tensor, b: &Tensor) -> CpuStorage {
     let (sa, sb) = (a.storage(), b.storage());
     let (la, lb) = (a.layout().clone(), b.layout().clone());
     let direct = gemm_ready(&la) && gemm_ready(&lb);
+    let small = crate::prim::small_cpu_matmul(bs, m, n, k);
     let (ca, cb) = (Layout::contiguous(&la.shape), Layout::contiguous(&lb.shape));
     match (a.dtype(), &*sa, &*sb) {
+        (DType::F32, CpuStorage::F32(va), CpuStorage::F32(vb)) if small => {
+            CpuStorage::F32(small_product(va, &la, vb, &lb))
+        }
+        (DType::F64, CpuStorage::F64(va), CpuStorage::F64(vb)) if small => {
+            CpuStorage::F64(small_product(va, &la, vb, &lb))
+        }
         (DType::F32, CpuStorage::F32(va), CpuStorage::F32(vb)) if direct => {
             CpuStorage::F32(gemm_batched(va, &la, vb, &lb))
         }

@@ -62,21 +62,26 @@ pub fn matmul_dims(g: &Graph, n: &Node) -> Option<MatmulDims> {
     }
 }
 
-/// Longest reduced length of a generated matmul: a thread (or a warp) walks it alone.
+/// Longest reduced length of a generated matmul on a GPU: a thread (or a warp) walks it alone.
 const SMALL_MATMUL_K: usize = 64;
-/// Most multiply-adds of a generated matmul.
+/// Most multiply-adds of a generated matmul on a GPU.
 const SMALL_MATMUL_MACS: usize = 1 << 16;
 
-/// Whether a matmul is small enough to be generated inline (a sum over k of `a[b,m,k]·b[b,k,n]`,
-/// its operands' producers fused into the loads) rather than sent to gemm / cuBLAS. A generated
-/// loop does no tiling, no register blocking and no shared-memory staging, and every operand
-/// element is loaded (and its fused producers recomputed) once per output it contributes to:
-/// good only where the whole product is a few thousand multiply-adds, which a library call costs
-/// more to set up (a launch of a few µs on a GPU, dispatch and packing on the CPU) than to run.
-/// At 2^16 multiply-adds (a 40x40x40 product) gemm's packing starts to pay, and K ≤ 64 keeps a
-/// thread's serial loop short.
+/// Whether a matmul on a GPU is small enough to be generated inline (a sum over k of
+/// `a[b,m,k]·b[b,k,n]`, its operands' producers fused into the loads) rather than sent to
+/// cuBLAS. A generated loop does no tiling, no register blocking and no shared-memory staging,
+/// and every operand element is loaded (and its fused producers recomputed) once per output it
+/// contributes to: good only where the whole product is a few thousand multiply-adds, which a
+/// library call costs more to set up (a launch of a few µs) than to run. At 2^16 multiply-adds (a
+/// 40x40x40 product) cuBLAS starts to pay, and K ≤ 64 keeps a thread's serial loop short.
 pub fn small_matmul(d: MatmulDims) -> bool {
     d.k <= SMALL_MATMUL_K && d.b * d.m * d.n * d.k <= SMALL_MATMUL_MACS
+}
+
+/// Whether a matmul on the CPU is generated inline: `kiln_core::prim::small_cpu_matmul`, the
+/// products whose order the eager kernel shares (so the generated one equals it bit for bit).
+pub fn small_cpu_matmul(d: MatmulDims) -> bool {
+    kiln_core::prim::small_cpu_matmul(d.b, d.m, d.n, d.k)
 }
 
 /// A node's kind, with a matmul the target generates (`inline_matmul`) a reduction.
