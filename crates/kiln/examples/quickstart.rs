@@ -29,7 +29,8 @@ fn main() -> kiln::Result<()> {
     println!("\nlargest per-step loss difference, compiled vs eager: {max_rel:.2e} (relative)");
     println!(
         "backend: kiln (captured forward and AOT-derived backward graphs as fused C/OpenMP kernels; \
-         matmul and conv on the core kernels). First step includes tracing and compiling; kernels are \
+         small matmuls generated inline, larger ones and conv on the core kernels). First step \
+         includes tracing and compiling; kernels are \
          cached under KILN_CACHE_DIR (default ~/.cache/kiln), so the next run starts warm."
     );
     Ok(())
