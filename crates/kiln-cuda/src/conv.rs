@@ -339,7 +339,8 @@ pub(crate) fn run(
     let ids = crate::conv_graph::variant_ids(epilogue);
     if !state.plans.contains_key(&key) {
         let handle = state.handle;
-        // a candidate's time on the call's own operands (it writes only the output)
+        // a candidate's time on the call's own operands (it writes only the output), asked for
+        // by a timed key only
         let mut time = |g: &crate::conv_graph::GraphPlan| -> Option<f32> {
             let ws = match g.workspace {
                 0 => None,
@@ -362,8 +363,7 @@ pub(crate) fn run(
                 state.handle,
                 &graph_spec(&key),
                 &format!("{} {}", dev.name, dev.arch),
-                key.timed
-                    .then_some(&mut time as crate::conv_graph::Timer<'_>),
+                &mut time,
             ) {
                 Ok(Some(g)) => Some(g),
                 refused => {

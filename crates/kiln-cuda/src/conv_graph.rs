@@ -424,8 +424,8 @@ fn configs(
     Ok(cfgs)
 }
 
-/// How a timed plan's candidates are measured: device milliseconds of one run of the plan,
-/// `None` where it cannot run (its workspace cannot be had).
+/// How a timed plan's candidates are measured (`Spec::timed`): device milliseconds of one run
+/// of the plan, `None` where it cannot run (its workspace cannot be had).
 pub(crate) type Timer<'a> = &'a mut dyn FnMut(&GraphPlan) -> Option<f32>;
 
 /// Candidates timed for a max-autotune plan: heuristics' first and up to this many more.
@@ -434,13 +434,13 @@ const TIMED_CANDIDATES: usize = 8;
 /// The plan for `spec` on `device` (its name and architecture): rebuilt from the disk cache
 /// when an earlier process stored it (`conv_plan_cache.rs`), else chosen and stored — by
 /// heuristics (their first engine config that is allowed, finalizes and fits the workspace), or
-/// with `time` (`spec.timed`, max-autotune) the fastest of heuristics' first few by `time`.
+/// when `spec.timed` (max-autotune) the fastest of heuristics' first few by `time`.
 /// `Ok(None)` when no engine config is allowed and finalizes.
 pub(crate) fn make_plan(
     handle: dsys::cudnnHandle_t,
     spec: &Spec,
     device: &str,
-    time: Option<Timer<'_>>,
+    time: Timer<'_>,
 ) -> DnnResult<Option<GraphPlan>> {
     let entry = conv_plan_cache::entry(spec, device);
     let read = profiler::span(Category::Compile, || "cuDNN: plan read from disk".into());
@@ -448,13 +448,13 @@ pub(crate) fn make_plan(
         return Ok(Some(plan));
     }
     drop(read);
-    let plan = match time {
-        Some(time) if spec.timed => {
+    let plan = match spec.timed {
+        true => {
             let _span = profiler::span(Category::Compile, || "cuDNN: engines timed".into());
             let (plans, graph) = candidates(handle, spec, 1 + TIMED_CANDIDATES)?;
             fastest(plans, time).map(|p| p.with_graph(graph))
         }
-        _ => {
+        false => {
             let (mut plans, graph) = candidates(handle, spec, 1)?;
             plans.pop().map(|p| p.with_graph(graph))
         }
@@ -522,9 +522,6 @@ fn candidates(
         };
         drop(heuristics);
         for cfg in cfgs {
-            if plans.len() >= limit {
-                return Ok((plans, keep));
-            }
             if !allowed(spec, &cfg).unwrap_or(false)
                 || (!plans.is_empty() && compiles_at_run_time(&cfg).unwrap_or(true))
             {
@@ -560,6 +557,10 @@ fn candidates(
                 _config: Some(cfg),
                 _graph: Vec::new(),
             });
+            // enough: no further finalization, nor the fallback heuristics' query
+            if plans.len() == limit {
+                return Ok((plans, keep));
+            }
         }
     }
     Ok((plans, keep))

@@ -260,7 +260,7 @@ impl CompiledCpu {
 
 /// Whether max-autotune runs `p` tuned: GEMMs and convolutions, whose runtime chooses among
 /// implementations by time.
-pub(crate) fn tunable(p: &Prim) -> bool {
+fn tunable(p: &Prim) -> bool {
     matches!(
         p,
         Prim::Matmul | Prim::MatmulEpilogue(_) | Prim::Conv2dEpilogue { .. }
