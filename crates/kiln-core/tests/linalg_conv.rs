@@ -617,32 +617,21 @@ fn matmul_epilogue_prim_rejects_bad_operands() {
     assert!(err.to_string().contains("matmul_epilogue"), "{err}");
 }
 
+/// f32 values uniform in [-1, 1) of `shape`, laid out as `kind` says.
+fn uniform_f32(shape: &[usize], kind: Kind, rng: &mut TRng) -> Tensor {
+    make(shape, kind, DType::F32, rng, |r| r.uniform(-1.0, 1.0))
+}
+
 /// The GEMMs of matmul and conv2d write into a reused buffer from the CPU's cache (`take_vec`)
 /// without reading it: a freed buffer of NaNs of the result's size (1 MiB, the cache's smallest)
 /// leaves no trace in the next result.
 #[test]
 fn gemm_outputs_in_reused_buffers_do_not_read_them() -> kiln_core::Result<()> {
     let mut rng = TRng::new(7);
-    let x = make(
-        &[2, 3, 34, 66],
-        Kind::Contiguous,
-        DType::F32,
-        &mut rng,
-        |r| r.uniform(-1.0, 1.0),
-    );
-    let w = make(
-        &[64, 3, 3, 3],
-        Kind::Contiguous,
-        DType::F32,
-        &mut rng,
-        |r| r.uniform(-1.0, 1.0),
-    );
-    let a = make(&[512, 8], Kind::Contiguous, DType::F32, &mut rng, |r| {
-        r.uniform(-1.0, 1.0)
-    });
-    let b = make(&[8, 512], Kind::Contiguous, DType::F32, &mut rng, |r| {
-        r.uniform(-1.0, 1.0)
-    });
+    let x = uniform_f32(&[2, 3, 34, 66], Kind::Contiguous, &mut rng);
+    let w = uniform_f32(&[64, 3, 3, 3], Kind::Contiguous, &mut rng);
+    let a = uniform_f32(&[512, 8], Kind::Contiguous, &mut rng);
+    let b = uniform_f32(&[8, 512], Kind::Contiguous, &mut rng);
     let conv = || x.conv2d(&w, None, [1, 1], [0, 0], [1, 1], 1);
     let want_conv = conv()?.to_vec_f64()?;
     let want_mm = a.matmul(&b)?.to_vec_f64()?;
@@ -662,12 +651,8 @@ fn gemm_outputs_in_reused_buffers_do_not_read_them() -> kiln_core::Result<()> {
 #[test]
 fn cat_and_pad_in_reused_buffers_leave_no_trace() -> kiln_core::Result<()> {
     let mut rng = TRng::new(11);
-    let a = make(&[512, 512], Kind::Contiguous, DType::F32, &mut rng, |r| {
-        r.uniform(-1.0, 1.0)
-    });
-    let b = make(&[512, 512], Kind::Permuted, DType::F32, &mut rng, |r| {
-        r.uniform(-1.0, 1.0)
-    });
+    let a = uniform_f32(&[512, 512], Kind::Contiguous, &mut rng);
+    let b = uniform_f32(&[512, 512], Kind::Permuted, &mut rng);
     let cat = || Tensor::cat(&[&a, &b], 0);
     let pad = || a.narrow(0, 0, 510)?.pad(&[0, 0, 1, 1], 2.0);
     let (want_cat, want_pad) = (cat()?.to_vec_f64()?, pad()?.to_vec_f64()?);
