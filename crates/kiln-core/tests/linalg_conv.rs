@@ -617,6 +617,16 @@ fn matmul_epilogue_prim_rejects_bad_operands() {
     assert!(err.to_string().contains("matmul_epilogue"), "{err}");
 }
 
+/// `f`'s values right after a buffer of `len` NaNs went back to the CPU's cache (the next buffer
+/// of that size is likely that one).
+fn after_freed_nans(
+    len: usize,
+    f: impl Fn() -> kiln_core::Result<Tensor>,
+) -> kiln_core::Result<Vec<f64>> {
+    drop(Tensor::full(&[len], f64::NAN, DType::F32)?.add(0.0)?);
+    f()?.to_vec_f64()
+}
+
 /// f32 values uniform in [-1, 1) of `shape`, laid out as `kind` says.
 fn uniform_f32(shape: &[usize], kind: Kind, rng: &mut TRng) -> Tensor {
     make(shape, kind, DType::F32, rng, |r| r.uniform(-1.0, 1.0))
@@ -638,10 +648,8 @@ fn gemm_outputs_in_reused_buffers_do_not_read_them() -> kiln_core::Result<()> {
     assert_eq!(want_conv.len(), 1 << 18);
     assert_eq!(want_mm.len(), 1 << 18);
     for _ in 0..2 {
-        drop(Tensor::full(&[1 << 18], f64::NAN, DType::F32)?.add(0.0)?);
-        assert_eq!(conv()?.to_vec_f64()?, want_conv);
-        drop(Tensor::full(&[1 << 18], f64::NAN, DType::F32)?.add(0.0)?);
-        assert_eq!(a.matmul(&b)?.to_vec_f64()?, want_mm);
+        assert_eq!(after_freed_nans(1 << 18, conv)?, want_conv);
+        assert_eq!(after_freed_nans(1 << 18, || a.matmul(&b))?, want_mm);
     }
     Ok(())
 }
@@ -659,10 +667,8 @@ fn cat_and_pad_in_reused_buffers_leave_no_trace() -> kiln_core::Result<()> {
     assert_eq!(want_cat.len(), 1 << 19);
     assert_eq!(want_pad.len(), 1 << 18);
     for _ in 0..2 {
-        drop(Tensor::full(&[1 << 19], f64::NAN, DType::F32)?.add(0.0)?);
-        assert_eq!(cat()?.to_vec_f64()?, want_cat);
-        drop(Tensor::full(&[1 << 18], f64::NAN, DType::F32)?.add(0.0)?);
-        assert_eq!(pad()?.to_vec_f64()?, want_pad);
+        assert_eq!(after_freed_nans(1 << 19, cat)?, want_cat);
+        assert_eq!(after_freed_nans(1 << 18, pad)?, want_pad);
     }
     Ok(())
 }
