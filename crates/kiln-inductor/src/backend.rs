@@ -104,9 +104,8 @@ pub struct C {
 /// inline (`ir::lower::small_matmul` on a GPU, `small_cpu_matmul` on the CPU) instead of calling
 /// gemm / cuBLAS. On by default: on the CPU a generated matmul sums in the order of the eager
 /// kernel for small products (`kiln_core::prim::small_cpu_matmul`), so compiled stays equal to
-/// eager bit for bit
-/// (ARCHITECTURE.md invariant 2); on a GPU eager runs cuBLAS, and a generated matmul agrees with
-/// it to rounding. Off, every matmul is an extern call of the eager kernel.
+/// eager bit for bit (ARCHITECTURE.md invariant 2); on a GPU eager runs cuBLAS, and a generated
+/// matmul agrees with it to rounding. Off, every matmul is an extern call of the eager kernel.
 pub const INLINE_SMALL_MATMULS: &str = "inline_small_matmuls";
 
 /// The `inline_small_matmuls` option of a compile, or `default` when it is not given.
