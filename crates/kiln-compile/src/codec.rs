@@ -178,7 +178,13 @@ const BINARY: [BinaryOp; 15] = [
     BinaryOp::Or,
 ];
 
-const REDUCE: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min];
+const REDUCE: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Prod,
+    ReduceOp::Max,
+    ReduceOp::Min,
+    ReduceOp::SumSqDev,
+];
 
 /// The index of `v` in `table` (the op tables list every variant in declaration order, so
 /// their encoding is `op as usize`; a test checks both).
@@ -704,6 +710,7 @@ mod tests {
         };
         let reduce = |r: ReduceOp| match r {
             ReduceOp::Sum | ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min => (),
+            ReduceOp::SumSqDev => (),
         };
         for (i, &u) in UNARY.iter().enumerate() {
             unary(u);

@@ -11,6 +11,7 @@ pub mod backends;
 mod cache;
 pub mod codec;
 mod compiled_fn;
+pub mod cse;
 pub mod debug;
 pub mod disk_cache;
 mod explain;

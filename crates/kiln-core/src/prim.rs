@@ -109,6 +109,62 @@ pub enum ReduceOp {
     Prod,
     Max,
     Min,
+    /// The sum of squared deviations from the mean, `Σ (x - mean(x))²` over the reduced dims
+    /// (Welford's M2: a variance is it divided by the count), in one walk over a float operand
+    /// (`SqDevState`'s order).
+    SumSqDev,
+}
+
+/// Welford's running moments: the count, mean and sum of squared deviations (`ReduceOp::SumSqDev`)
+/// of the values pushed so far, in f64. Their one order, which every CPU implementation (the
+/// eager kernel in `cpu/reduce.rs`, kiln-inductor's generated C) follows so results are bitwise
+/// equal, follows `SUM_LANES`'s: each run of the innermost reduced dim is cut into full groups of
+/// `SUM_LANES` elements and a shorter tail; element `l` of each full group (every run's, in
+/// order) is pushed into lane `l`, element `j` of each run's tail into tail lane `j`; the lanes
+/// are then merged in halves (`lane[l] = lane[l].merge(lane[l + h])` for `h = SUM_LANES/2, ...,
+/// 1`), the tail lanes likewise, and the tail lanes' result merged into the lanes' last. A
+/// single long row goes in `SUM_CHUNKED_FROM`'s chunks, each chunk's result then merged in
+/// order, left to right. Every lane has seen as many values (every tail lane in use too: the
+/// runs' tails are alike), so a vectorized walk computes the update's `1 / count` once per
+/// group, not once per value. One walk reads each value once, where the mean and then the
+/// squares around it read it twice; the deviations are taken from the running mean, so there
+/// is no cancellation of large squares.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SqDevState {
+    pub count: f64,
+    pub mean: f64,
+    pub m2: f64,
+}
+
+impl SqDevState {
+    /// Welford's update with one more value (C: `codegen/c_sums.rs` writes the same operations).
+    #[inline(always)]
+    pub fn push(&mut self, x: f64) {
+        self.count += 1.0;
+        let inv = 1.0 / self.count;
+        let d = x - self.mean;
+        self.mean += d * inv;
+        self.m2 += d * (x - self.mean);
+    }
+
+    /// Chan et al.'s combination of two disjoint parts' moments (an empty part leaves the
+    /// other as it is).
+    #[inline(always)]
+    pub fn merge(self, b: SqDevState) -> SqDevState {
+        if b.count == 0.0 {
+            return self;
+        }
+        if self.count == 0.0 {
+            return b;
+        }
+        let count = self.count + b.count;
+        let d = b.mean - self.mean;
+        SqDevState {
+            count,
+            mean: self.mean + d * (b.count / count),
+            m2: self.m2 + b.m2 + d * d * (self.count * b.count / count),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -559,6 +615,13 @@ impl Prim {
                         op,
                         dtypes[0],
                         "reductions need a numeric input",
+                    ));
+                }
+                if *r == ReduceOp::SumSqDev && !dtypes[0].is_float() {
+                    return Err(Error::dtype(
+                        op,
+                        dtypes[0],
+                        "squared deviations need a float input",
                     ));
                 }
                 OutMeta {

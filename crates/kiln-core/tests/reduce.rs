@@ -198,3 +198,47 @@ fn nan_and_inf_in_reductions() -> Result<()> {
     assert_eq!(z.max(&[], true)?.shape(), &[] as &[usize]);
     Ok(())
 }
+
+/// Variance far from zero: values around 10^4 with a spread of one, in f32. The squared
+/// deviations are Welford's (deviations from a running mean, no cancellation of squares around
+/// zero), so the result is as close to the f64 two-pass reference as f32 output allows — rows
+/// short, long, and single rows long enough to be taken in chunks.
+#[test]
+fn variance_of_values_far_from_zero() -> Result<()> {
+    let mut rng = TRng::new(17);
+    for shape in [vec![4usize, 37], vec![3, 5000], vec![1, 40_000]] {
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n)
+            .map(|_| (1e4 + rng.uniform(-1.0, 1.0)) as f32 as f64)
+            .collect();
+        let x = Tensor::from_vec(v.iter().map(|&a| a as f32).collect::<Vec<_>>(), &shape)?;
+        let got = x.var(&[1], 1, false)?.to_vec::<f32>()?;
+        for (row, g) in v.chunks(shape[1]).zip(got) {
+            let want = var(row, 1);
+            assert!(
+                (g as f64 - want).abs() <= 1e-5 * want,
+                "{shape:?}: {g} vs {want}"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The squared-deviations prim takes float operands only: an integer one is an error naming the
+/// op and the dtype (`Tensor::var` converts to float first, as PyTorch's does).
+#[test]
+fn squared_deviations_of_integers_are_an_error() -> Result<()> {
+    use kiln_core::prim::{Prim, ReduceOp};
+    let x = Tensor::from_vec(vec![1i64, 2, 3, 4], &[2, 2])?;
+    let prim = Prim::Reduce {
+        op: ReduceOp::SumSqDev,
+        dims: vec![1],
+    };
+    let err = kiln_core::dispatch::apply(prim, &[&x])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("reduce") && err.contains("I64"), "{err}");
+    let v = x.var(&[1], 0, false)?.to_vec::<f32>()?;
+    assert_eq!(v, vec![0.25, 0.25]);
+    Ok(())
+}

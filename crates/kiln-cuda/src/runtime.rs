@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use kiln_core::device::{DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime};
-use kiln_core::prim::{OutMeta, Prim};
+use kiln_core::prim::{OutMeta, Prim, ReduceOp};
 use kiln_core::shape::Layout;
 use kiln_core::storage::CpuStorage;
 use kiln_core::{DType, Device, Error, Result, Tensor};
@@ -55,7 +55,12 @@ pub(crate) fn operand<'a>(op: &'static str, t: &'a Tensor) -> Result<(&'a CudaBu
 /// device, where the library has no fused call for it; the result's buffer as the prim's output
 /// (its own when it is the tensor, contiguous from its start; else a contiguous copy's).
 fn epilogue_as_ops(prim: &Prim, inputs: &[&Tensor]) -> Result<Arc<dyn DeviceBuffer>> {
-    let t = kiln_core::ops::epilogue::as_ops(prim, inputs)?;
+    as_ops(prim, || kiln_core::ops::epilogue::as_ops(prim, inputs))
+}
+
+/// `prim`'s value computed by other prims (`ops`), as a contiguous device buffer.
+fn as_ops(prim: &Prim, ops: impl FnOnce() -> Result<Tensor>) -> Result<Arc<dyn DeviceBuffer>> {
+    let t = kiln_core::no_grad(ops)?;
     let t = match t.is_contiguous() && t.layout().offset == 0 {
         true => t,
         false => kiln_core::dispatch::apply(Prim::Contiguous, &[&t])?,
@@ -123,6 +128,12 @@ impl CudaRuntime {
                     ..Scalars::default()
                 },
             ),
+            Prim::Reduce {
+                op: ReduceOp::SumSqDev,
+                dims,
+            } => as_ops(prim, || {
+                kiln_core::ops::reduce::sum_sq_dev_as_ops(inputs[0], dims)
+            }),
             Prim::Reduce { op, dims } => {
                 let out = dev.alloc(n, meta.dtype)?;
                 let (b, l) = ops[0];

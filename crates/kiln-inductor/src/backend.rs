@@ -62,6 +62,11 @@ pub trait Target: Sync {
     }
     /// Whether a matmul of these sizes is generated as a reduction over k (fused with its
     /// operands' producers and its readers) instead of running as an extern call.
+    /// Whether the target generates `ReduceOp::SumSqDev` itself (Welford's lanes, the C target);
+    /// else a graph has it as two sums before it is planned (`two_pass.rs`).
+    fn generates_sqdev(&self) -> bool {
+        false
+    }
     fn inline_matmul(&self, _dims: MatmulDims) -> bool {
         false
     }
@@ -150,6 +155,9 @@ impl Target for C {
     }
     fn row_reach(&self) -> crate::rows::RowReach {
         crate::codegen::c_rows::REACH
+    }
+    fn generates_sqdev(&self) -> bool {
+        true
     }
     fn inline_matmul(&self, dims: MatmulDims) -> bool {
         self.inline_matmul && small_cpu_matmul(dims)
@@ -248,6 +256,10 @@ const MAX_GROUP: usize = 8;
 /// what the caller receives, a pooled buffer otherwise — and consecutive kernels of one shape
 /// grouped into one loop where they can be.
 pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
+    debug_assert!(
+        t.generates_sqdev() || crate::two_pass::two_pass(graph).is_none(),
+        "squared deviations reach a target that sums them in two passes (prepare_joint)"
+    );
     let sched = schedule_for(t, graph);
     let (steps, kernels) = kernels_of(t, graph, &sched);
     let reads: Vec<Vec<NodeId>> = steps
@@ -405,20 +417,29 @@ pub(crate) fn prepare_cuda(graph: &Graph, tuned: bool) -> std::borrow::Cow<'_, G
 }
 
 /// A joint graph (forward and backward, before AOT autograd partitions it) rewritten as the
-/// code generators want it: one-per-row gathers and their gradients' scatter_adds as sums and
+/// code generators want it: on a device, squared deviations as two sums (`two_pass.rs`), then
+/// one-per-row gathers and their gradients' scatter_adds as sums and
 /// selects over the row (`one_hot.rs`), then NHWC values for cuDNN on a device
 /// (`channels_last.rs`), then, on a device, the backward's reads of a matmul-fed ReLU's mask
 /// taken from its output (`relu_mask.rs`). `None` when none rewrites anything. Tests that capture graphs call
 /// it to see what the `kiln` backend partitions.
 pub fn prepare_joint(joint: &Graph) -> Option<Graph> {
-    let picked = crate::one_hot::one_hot(joint);
-    let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(joint)).or(picked);
-    // what lets a training forward's ReLUs join their GEMMs, where `prepare` fuses epilogues
-    if joint.device() == kiln_core::Device::Cpu {
-        return nhwc;
-    }
-    let masks = crate::relu_mask::relu_masks_from_outputs(nhwc.as_ref().unwrap_or(joint));
-    masks.or(nhwc)
+    // a device's reductions take squared deviations as two sums (`two_pass.rs`)
+    let two = match joint.device() {
+        kiln_core::Device::Cpu => None,
+        _ => crate::two_pass::two_pass(joint),
+    };
+    let rewritten = {
+        let joint = two.as_ref().unwrap_or(joint);
+        let picked = crate::one_hot::one_hot(joint);
+        let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(joint)).or(picked);
+        // what lets a training forward's ReLUs join their GEMMs, where `prepare` fuses epilogues
+        match joint.device() {
+            kiln_core::Device::Cpu => nhwc,
+            _ => crate::relu_mask::relu_masks_from_outputs(nhwc.as_ref().unwrap_or(joint)).or(nhwc),
+        }
+    };
+    rewritten.or(two)
 }
 
 /// How `ctx` asks for CUDA graphs to be compiled. torch.compile's modes: reduce-overhead and

@@ -30,6 +30,7 @@ mod split_reduction;
 #[cfg(test)]
 mod test_graphs;
 pub mod traffic;
+mod two_pass;
 
 use std::sync::{Arc, Once};
 

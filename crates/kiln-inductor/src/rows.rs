@@ -136,11 +136,19 @@ pub(crate) fn group_rows<T: Target>(
                 break;
             };
             let reads_run = t.inputs(kernel).iter().any(|i| roots.contains(i));
-            if !reads_run && pending.len() < MAX_HOISTED {
+            let joins = joins_rows(graph, sched, root, &domain, t.row_reach());
+            // on the C target a reduction over the same rows joins though it reads no member
+            // (a norm's squared deviations beside its mean): its walk is the mean's
+            // (`codegen/c_rows.rs`); a GPU's warp rows keep such a reduction apart
+            let sibling = !reads_run
+                && joins
+                && t.row_reach() == RowReach::Any
+                && sched.kinds[root] == Kind::Reduction;
+            if !reads_run && !sibling && pending.len() < MAX_HOISTED {
                 pending.extend(rest.next());
                 continue;
             }
-            if !reads_run || !joins_rows(graph, sched, root, &domain, t.row_reach()) {
+            if !(reads_run || sibling) || !joins {
                 break;
             }
             roots.push(root);
@@ -214,6 +222,7 @@ impl RowLoops {
 /// One member's pass over a row, for a target to wrap in its loops: the loop body's lines
 /// (`body`), what they compute, and the output offset (`off`) it is stored at — one value per
 /// row for a reduction, every element for a value.
+#[derive(Clone)]
 pub(crate) struct Pass {
     /// The member's index: it writes `out<k>`, a reduction holds its result in `r<k>`.
     pub(crate) k: usize,
@@ -226,6 +235,7 @@ pub(crate) struct Pass {
 
 /// What a member computes at each element of the row: a value to store there, or a reduction's
 /// accumulation.
+#[derive(Clone)]
 pub(crate) enum Computes {
     Value(String),
     Reduction(Accumulator),

@@ -251,7 +251,10 @@ pub(crate) fn planned_kernels<T: crate::backend::Target>(
         + 'static,
     args: &[kiln_core::Tensor],
 ) -> kiln_core::Result<Vec<(T::Kernel, usize)>> {
-    let g = traced(f, args)?;
+    let mut g = traced(f, args)?;
+    if !t.generates_sqdev() {
+        g = crate::two_pass::two_pass(&g).unwrap_or(g);
+    }
     Ok(kernels(t, &crate::backend::prepare(&g)))
 }
 

@@ -127,6 +127,8 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
     let mut graph = std::mem::take(&mut st.graph);
     graph.outputs = outputs;
     graph.rng_span = fwd.rng_span;
+    // what a derivative rule computes again as the forward did (a norm's mean) is computed once
+    let graph = crate::cse::cse(&graph).unwrap_or(graph);
     Ok(Some(Joint {
         graph,
         num_primals: fwd.num_inputs,

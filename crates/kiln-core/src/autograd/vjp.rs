@@ -115,6 +115,21 @@ fn reduce_vjp(
     let out_full = apply(Prim::Expand(shape.clone()), &[out])?;
     match op {
         ReduceOp::Sum => Ok(g_full),
+        // d/dx_i Σ (x - mean)² = 2 (x_i - mean) (the mean's own gradient, Σ 2 (x - mean) / n,
+        // is zero). The mean is written as `Tensor::mean` writes it, so a graph holding both
+        // (a norm's forward and backward) computes it once (`kiln_compile::cse`).
+        ReduceOp::SumSqDev => {
+            let count: usize = dims.iter().map(|&d| shape[d]).product();
+            let mean = apply(
+                Prim::Reduce {
+                    op: ReduceOp::Sum,
+                    dims: dims.to_vec(),
+                },
+                &[x],
+            )?
+            .div(count as f64)?;
+            g_full.mul(&x.sub(&mean)?)?.mul(2.0)
+        }
         ReduceOp::Max | ReduceOp::Min => {
             let mask = x.eq(&out_full)?.to_dtype(g.dtype())?;
             let count = apply(

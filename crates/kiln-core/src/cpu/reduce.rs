@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use super::num::Num;
 use super::{as_f32, from_f32_like, typed, PAR_THRESHOLD};
-use crate::prim::{ArgReduceOp, ReduceOp, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
+use crate::prim::{ArgReduceOp, ReduceOp, SqDevState, SUM_CHUNK, SUM_CHUNKED_FROM, SUM_LANES};
 use crate::shape::Layout;
 use crate::storage::CpuStorage;
 use crate::{DType, Tensor};
@@ -52,36 +52,87 @@ fn lane_sum<T: Num>(row: &[T], inner: usize) -> f64 {
     acc[0]
 }
 
-/// The float sum of a single long row in `prim::SUM_CHUNKED_FROM`'s chunked order: chunks of
-/// whole runs (or pieces of one long run) lane-summed in parallel, their sums added in order.
-fn chunked_sum<T: Num>(row: &[T], inner: usize) -> f64 {
+/// Welford's moments of one row in their shared order (`prim::SqDevState`): full groups of each
+/// run into the lanes, the runs' tails into the tail lanes, merged last.
+fn lane_sqdev<T: Num>(row: &[T], inner: usize) -> SqDevState {
+    let mut lanes = [SqDevState::default(); SUM_LANES];
+    let mut tails = [SqDevState::default(); SUM_LANES];
+    for run in row.chunks(inner.max(1)) {
+        let mut full = run.chunks_exact(SUM_LANES);
+        for c in &mut full {
+            for (a, v) in lanes.iter_mut().zip(c) {
+                a.push(v.to_f64());
+            }
+        }
+        for (a, v) in tails.iter_mut().zip(full.remainder()) {
+            a.push(v.to_f64());
+        }
+    }
+    let fold = |acc: &mut [SqDevState; SUM_LANES]| {
+        let mut h = SUM_LANES / 2;
+        while h > 0 {
+            for l in 0..h {
+                acc[l] = acc[l].merge(acc[l + h]);
+            }
+            h /= 2;
+        }
+        acc[0]
+    };
+    fold(&mut lanes).merge(fold(&mut tails))
+}
+
+/// A single long row in `prim::SUM_CHUNKED_FROM`'s chunks: chunks of whole runs (or pieces of
+/// one long run) each reduced by `lane` in parallel, their results in order.
+fn chunks<T: Num, S: Send>(
+    row: &[T],
+    inner: usize,
+    lane: impl Fn(&[T], usize) -> S + Sync,
+) -> Vec<S> {
     let inner = inner.max(1);
-    let sums: Vec<f64> = if inner <= SUM_CHUNK {
+    if inner <= SUM_CHUNK {
         row.par_chunks(SUM_CHUNK / inner * inner)
-            .map(|c| lane_sum(c, inner))
+            .map(|c| lane(c, inner))
             .collect()
     } else {
         row.par_chunks(inner)
-            .flat_map_iter(|run| run.chunks(SUM_CHUNK).map(|p| lane_sum(p, p.len())))
+            .flat_map_iter(|run| run.chunks(SUM_CHUNK).map(|p| lane(p, p.len())))
             .collect()
-    };
-    sums.iter().fold(0.0, |a, s| a + s)
+    }
 }
 
-/// Float sums of each row in the shared lane order (a single long row in chunks: `chunked_sum`).
-fn sum_rows<T: Num>(x: &[T], row: usize, outer: usize, inner: usize) -> Vec<T> {
+/// Each row of `x` reduced in the shared lane order by `lane` (a single long row in chunks
+/// merged in order by `merge`), finished by `fin`.
+fn lane_rows<T: Num, S: Send + Default>(
+    (x, row, outer, inner): (&[T], usize, usize, usize),
+    lane: impl Fn(&[T], usize) -> S + Sync + Send,
+    merge: impl Fn(S, S) -> S,
+    fin: impl Fn(S) -> f64 + Sync + Send,
+) -> Vec<T> {
     if row == 0 {
-        return vec![T::from_f64(0.0); outer];
+        return vec![T::from_f64(fin(S::default())); outer];
     }
     if outer == 1 && row >= SUM_CHUNKED_FROM {
-        return vec![T::from_f64(chunked_sum(x, inner))];
+        let total = chunks(x, inner, &lane).into_iter().reduce(merge);
+        return vec![T::from_f64(fin(total.unwrap_or_default()))];
     }
-    let fin = |r: &[T]| T::from_f64(lane_sum(r, inner));
+    let f = |r: &[T]| T::from_f64(fin(lane(r, inner)));
     if outer * row >= PAR_THRESHOLD {
-        x.par_chunks(row).map(fin).collect()
+        x.par_chunks(row).map(f).collect()
     } else {
-        x.chunks(row).map(fin).collect()
+        x.chunks(row).map(f).collect()
     }
+}
+
+/// Float sums of each row in the shared lane order (a single long row in chunks added in order).
+fn sum_rows<T: Num>(x: &[T], row: usize, outer: usize, inner: usize) -> Vec<T> {
+    lane_rows((x, row, outer, inner), lane_sum, |a, b| a + b, |s| s)
+}
+
+/// Sums of squared deviations of each row (`ReduceOp::SumSqDev`) in `prim::SqDevState`'s order.
+fn sqdev_rows<T: Num>(x: &[T], row: usize, outer: usize, inner: usize) -> Vec<T> {
+    lane_rows((x, row, outer, inner), lane_sqdev, SqDevState::merge, |s| {
+        s.m2
+    })
 }
 
 /// Reduces each row of `x` with an accumulator type `A` (f64 for floats: sums stay accurate).
@@ -127,6 +178,7 @@ fn reduce_typed<T: Num>(op: ReduceOp, x: &[T], row: usize, outer: usize, inner: 
     };
     match op {
         ReduceOp::Sum => sum_rows(x, row, outer, inner),
+        ReduceOp::SumSqDev => sqdev_rows(x, row, outer, inner),
         ReduceOp::Prod => reduce_rows(
             x,
             row,
@@ -329,10 +381,49 @@ mod tests {
                 .num_threads(1)
                 .build()
                 .unwrap();
-            assert_eq!(pool.install(|| chunked_sum(&x, inner)), want);
+            assert_eq!(pool.install(|| sum_rows(&x, n, 1, inner)), vec![want]);
         }
         // below the threshold: one lane-ordered row, as before
         let x: Vec<f64> = (0..1000).map(|_| next()).collect();
         assert_eq!(sum_rows(&x, 1000, 1, 10), vec![lane_sum(&x, 10)]);
+    }
+
+    /// Sums of squared deviations (Welford's M2) against the two-pass definition in f64: rows
+    /// short and long (chunked), runs shorter and longer than the lanes, values far from zero
+    /// (a large mean: squares around zero would cancel), empty rows; a single long row gives
+    /// the same bits on one thread as on many.
+    #[test]
+    fn squared_deviations_match_the_two_pass_definition() {
+        let mut next = values(0x2545_f491_4f6c_dd1d);
+        let two_pass = |r: &[f64]| {
+            let mean = r.iter().sum::<f64>() / r.len() as f64;
+            r.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>()
+        };
+        for (outer, row, inner, shift) in [
+            (3, 37, 37, 0.0),
+            (4, 48, 3, 0.0),
+            (2, 1, 1, 0.0),
+            (5, 100, 10, 1e6),
+            (1, SUM_CHUNKED_FROM + 33, 1000, 1e4),
+            (1, 3 * 20_000, 20_000, 0.0),
+        ] {
+            let x: Vec<f64> = (0..outer * row).map(|_| next() + shift).collect();
+            let got = sqdev_rows(&x, row, outer, inner);
+            for (r, g) in x.chunks(row).zip(&got) {
+                let want = two_pass(r);
+                assert!(
+                    (g - want).abs() <= 1e-12 * want.abs().max(1.0),
+                    "{outer}x{row} (runs {inner}, shift {shift}): {g} vs {want}"
+                );
+            }
+            if outer == 1 {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .build()
+                    .unwrap();
+                assert_eq!(pool.install(|| sqdev_rows(&x, row, 1, inner)), got);
+            }
+        }
+        assert_eq!(sqdev_rows::<f64>(&[], 0, 3, 1), vec![0.0; 3]);
     }
 }

@@ -10,7 +10,7 @@ mod index;
 mod linalg;
 mod loss;
 pub mod norm;
-mod reduce;
+pub mod reduce;
 mod shape;
 
 pub use creation::{default_draw, manual_seed, set_default_generator_state, Generator};

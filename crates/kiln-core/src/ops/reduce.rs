@@ -6,7 +6,7 @@ use crate::shape::norm_dim;
 use crate::{DType, Result, Tensor};
 
 /// Normalized, sorted, deduplicated dims; empty means every dim.
-fn reduce_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize>> {
+pub(crate) fn reduce_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize>> {
     if dims.is_empty() {
         return Ok((0..x.rank()).collect());
     }
@@ -34,6 +34,47 @@ fn drop_dims(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
         .map(|(_, &d)| d)
         .collect();
     x.reshape(s)
+}
+
+/// `Σ (x - mean(x))²` over the normalized dims `d`, kept (`ReduceOp::SumSqDev`) of a float `x`:
+/// what a variance divides by its count. A norm's variance, in one walk where the mean and the
+/// squares around it took two.
+pub(crate) fn sum_sq_dev(x: &Tensor, d: &[usize]) -> Result<Tensor> {
+    let x = &x.to_dtype(x.dtype().to_float())?;
+    if d.is_empty() {
+        // one value per output (a scalar): no deviation (NaN for an infinite value, as Welford's)
+        return x.sub(x)?.square();
+    }
+    apply(
+        Prim::Reduce {
+            op: ReduceOp::SumSqDev,
+            dims: d.to_vec(),
+        },
+        &[x],
+    )
+}
+
+/// `ReduceOp::SumSqDev` of `x` over `dims` (kept) as other prims: the mean, then the sum of the
+/// squares around it (two walks over `x`, where Welford's takes one). What a device without a
+/// Welford kernel computes (kiln-cuda's eager runtime; kiln-inductor rewrites a GPU graph's
+/// `SumSqDev` into these same prims, `two_pass.rs`): equal to the prim's value up to rounding.
+pub fn sum_sq_dev_as_ops(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
+    let sum = apply(
+        Prim::Reduce {
+            op: ReduceOp::Sum,
+            dims: dims.to_vec(),
+        },
+        &[x],
+    )?;
+    let centered = x.sub(&sum.div(count as f64)?)?;
+    apply(
+        Prim::Reduce {
+            op: ReduceOp::Sum,
+            dims: dims.to_vec(),
+        },
+        &[&centered.square()?],
+    )
 }
 
 fn reduce(
@@ -100,14 +141,14 @@ impl Tensor {
     pub fn mean_all(&self) -> Result<Tensor> {
         self.mean(&[], false)
     }
-    /// Variance with Bessel's `correction` (1 = unbiased, PyTorch's default).
+    /// Variance with Bessel's `correction` (1 = unbiased, PyTorch's default): the sum of squared
+    /// deviations from the mean (Welford's, one walk: `sum_sq_dev`) over the count less it.
     pub fn var(&self, dims: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
         let x = self.to_dtype(self.dtype().to_float())?;
         let d = reduce_dims("var", &x, dims)?;
         let count: usize = d.iter().map(|&i| x.shape()[i]).product();
-        let centered = x.sub(&x.mean(dims, true)?)?;
         let denom = count as f64 - correction as f64;
-        centered.square()?.sum(dims, keepdim)?.div(denom.max(0.0))
+        drop_dims(&sum_sq_dev(&x, &d)?.div(denom.max(0.0))?, &d, keepdim)
     }
     pub fn std(&self, dims: &[isize], correction: usize, keepdim: bool) -> Result<Tensor> {
         self.var(dims, correction, keepdim)?.sqrt()

@@ -54,9 +54,11 @@ fn acc_type(op: ReduceOp, d: DType) -> &'static str {
     compute_type(acc_dtype(op, d))
 }
 
+// `ReduceOp::SumSqDev` never comes here: the runtime computes it as two sums
+// (`kiln_core::ops::reduce::sum_sq_dev_as_ops`), and `launch` refuses it.
 fn init(op: ReduceOp, d: DType) -> &'static str {
     match (op, d) {
-        (ReduceOp::Sum, _) => "0",
+        (ReduceOp::Sum | ReduceOp::SumSqDev, _) => "0",
         (ReduceOp::Prod, _) => "1",
         (ReduceOp::Max, DType::F64) => "__longlong_as_double(0xfff0000000000000ULL)",
         (ReduceOp::Min, DType::F64) => "__longlong_as_double(0x7ff0000000000000ULL)",
@@ -73,7 +75,7 @@ fn init(op: ReduceOp, d: DType) -> &'static str {
 
 fn combine(op: ReduceOp, acc: &str) -> String {
     match op {
-        ReduceOp::Sum => format!("return ({acc})(a + b);"),
+        ReduceOp::Sum | ReduceOp::SumSqDev => format!("return ({acc})(a + b);"),
         ReduceOp::Prod => format!("return ({acc})(a * b);"),
         ReduceOp::Max => "return (a != a || (b == b && a >= b)) ? a : b;".into(),
         ReduceOp::Min => "return (a != a || (b == b && a <= b)) ? a : b;".into(),
@@ -135,6 +137,12 @@ pub(crate) fn launch(
     layout: &Layout,
     out: &CudaBuffer,
 ) -> Result<()> {
+    if op == ReduceOp::SumSqDev {
+        return Err(kiln_core::Error::arg(
+            "reduce",
+            "squared deviations have no CUDA kernel (the runtime computes them as two sums)",
+        ));
+    }
     let (mut g, kr, rr) = geometry(layout, dims);
     if g.nout == 0 {
         return Ok(());

@@ -413,12 +413,16 @@ pub(crate) fn reduce_accumulator(b: &mut Builder<'_>, g: &Graph, root: NodeId) -
         acc_t,
         init,
         step,
-        lanes: *op == ReduceOp::Sum && matches!(dtype, DType::F32 | DType::F64) && !dims.is_empty(),
+        lanes: matches!(op, ReduceOp::Sum | ReduceOp::SumSqDev)
+            && matches!(dtype, DType::F32 | DType::F64)
+            && !dims.is_empty(),
+        sqdev: *op == ReduceOp::SumSqDev,
     }
 }
 
 /// What a reduction accumulates: the operand's expression `value`, the accumulator's C type,
 /// initial value and combine step `acc = step(acc, v)`.
+#[derive(Clone)]
 pub(crate) struct Accumulator {
     pub(crate) value: String,
     pub(crate) acc_t: &'static str,
@@ -427,6 +431,9 @@ pub(crate) struct Accumulator {
     /// A float sum: on the CPU it follows `prim::SUM_LANES`'s summation order (the eager
     /// kernel's), not one sequential accumulator.
     pub(crate) lanes: bool,
+    /// Squared deviations (`ReduceOp::SumSqDev`): each lane holds Welford's moments
+    /// (`prim::SqDevState`), not a sum; always in lanes.
+    pub(crate) sqdev: bool,
 }
 
 /// A small matmul `[B,M,K] x [B,K,N]` as a sum over the loop space `[B,M,N,K]` (variables
@@ -459,6 +466,7 @@ fn matmul_parts<'a>(g: &'a Graph, sched: &'a Schedule, root: NodeId) -> Reductio
             step,
             // the extern gemm's order: one sequential accumulator per output
             lanes: false,
+            sqdev: false,
         },
         out_offset: linear(&out_idx, &node.shape).to_c("i"),
         kept: vec![(0, bs), (1, m), (2, n)],
@@ -489,7 +497,7 @@ pub fn reduction_kernel(g: &Graph, sched: &Schedule, root: NodeId) -> Kernel {
         (true, Some((&(d, n), outer))) if rows == 1 && red >= SUM_CHUNKED_FROM => {
             // its chunks run in a parallel region of its own (`chunked_sum`)
             shareable = false;
-            chunked_sum(&mut text, (&b.body, v), acc_t, (d, n), outer, step);
+            chunked_sum(&mut text, (&b.body, &acc), (d, n), outer);
             let _ = writeln!(text, "  out[{off}] = ({})total;\n  }}", ty(node.dtype));
         }
         (true, Some((&(d, n), outer))) => {

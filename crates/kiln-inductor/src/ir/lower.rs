@@ -123,6 +123,12 @@ pub fn kind(g: &Graph, n: &Node) -> Kind {
         | Prim::Cat { .. }
         | Prim::Contiguous => Kind::Movement,
         Prim::Full { .. } | Prim::Iota { .. } => Kind::Constant,
+        // squared deviations are generated in Welford's lane order (`codegen/c_sums.rs`), which
+        // a reduction over no dims does not have
+        Prim::Reduce {
+            op: ReduceOp::SumSqDev,
+            dims,
+        } if dims.is_empty() => Kind::Extern,
         Prim::Reduce { .. } if float_in => Kind::Reduction,
         _ => Kind::Extern,
     }
@@ -271,11 +277,17 @@ pub fn binary_c(op: BinaryOp, a: &str, b: &str, d: DType) -> String {
 /// Accumulator type, initial value, and the combine step `acc = f(acc, v)` of a reduction.
 pub fn reduce_c(op: ReduceOp, d: DType) -> (&'static str, String, fn(&str, &str) -> String) {
     let acc_ty = match op {
-        ReduceOp::Sum | ReduceOp::Prod => "double",
+        ReduceOp::Sum | ReduceOp::Prod | ReduceOp::SumSqDev => "double",
         ReduceOp::Max | ReduceOp::Min => c_dtype(d).unwrap_or("double"),
     };
     match op {
         ReduceOp::Sum => (acc_ty, "0.0".into(), |acc, v| {
+            format!("{acc} + (double){v}")
+        }),
+        // the squared deviations' sum; the C target writes Welford's update in its lane loops
+        // (`codegen/c_sums.rs`), a GPU graph has its `SumSqDev` rewritten into two sums
+        // (`two_pass.rs`), so this step is the one of the value they hold
+        ReduceOp::SumSqDev => (acc_ty, "0.0".into(), |acc, v| {
             format!("{acc} + (double){v}")
         }),
         ReduceOp::Prod => (acc_ty, "1.0".into(), |acc, v| {

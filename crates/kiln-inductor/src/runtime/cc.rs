@@ -225,6 +225,12 @@ pub fn translation_unit(kernels: &[CKernel<'_>], libmvec: bool) -> String {
     if kernels.iter().any(|k| k.source.contains(c_sums::FOLD_SUM)) {
         s.push_str(&c_sums::fold_sum_definition());
     }
+    if kernels
+        .iter()
+        .any(|k| k.source.contains(c_sums::FOLD_SQDEV))
+    {
+        s.push_str(&c_sums::fold_sqdev_definition());
+    }
     for k in kernels {
         s.push_str(k.source);
         s.push('\n');

@@ -101,7 +101,7 @@ fn lane_order_tol(dtype: DType) -> f64 {
 /// Float sums long enough to fill the 16 accumulators of `prim::SUM_LANES`'s summation order
 /// (full groups, a remainder, several runs of the innermost reduced dim, a strided column): the
 /// generated C follows the eager kernel's order, so compiled equals eager bitwise. In f32 and f64;
-/// var, layer norm and softmax are sums too. f32 values summed in f64 are mostly exact whatever the
+/// var (Welford's moments in the same lanes and chunks), layer norm and softmax too. f32 values summed in f64 are mostly exact whatever the
 /// order, so the values are divided by 3 in f64 (all 53 bits used), and checked to be ones where
 /// the lane order and a single sequential accumulator give different bits: the order is really
 /// under test.
@@ -154,14 +154,19 @@ fn long_float_sums_follow_the_eager_lane_order() {
             differs |= sequential != *want;
         }
         for dtype in [DType::F32, DType::F64] {
-            Case::new(format!("sum {shape:?} dims {dims:?} {dtype:?}"))
+            Case::new(format!("sum, mean, var {shape:?} dims {dims:?} {dtype:?}"))
                 .fwd_tol(lane_order_tol(dtype))
                 .grad_tol(lane_order_tol(dtype))
                 .run(
                     &mut rng,
                     move |a| {
                         let x = a[0].to_dtype(dtype)?.div(3.0)?;
-                        Ok(vec![x.sum(dims, false)?, x.mean(dims, true)?])
+                        // var: squared deviations in Welford's lanes (`prim::SqDevState`)
+                        Ok(vec![
+                            x.sum(dims, false)?,
+                            x.mean(dims, true)?,
+                            x.var(dims, 1, false)?,
+                        ])
                     },
                     move |r| vec![r.arg(Gen::Normal, shape, Lay::C, true)],
                 );
