@@ -40,7 +40,8 @@ fn generated_bytes(g: &Graph) -> (usize, String) {
 }
 
 /// conv → batch norm → ReLU → conv in training, on a [16, 64, 32, 32] activation (large enough
-/// for batch norm's sums to be split as on a GPU). The backward's generated kernels move at
+/// for batch norm's sums to be split as on a GPU). The forward reads the batch norm's input once
+/// for its statistics. The backward's generated kernels move at
 /// most 9.5 activations: batch norm's three passes read the convolution's output and the
 /// gradient (2 + 1 + 2, the first pass's four sums in one kernel) and write the input's
 /// gradient (1); the output gradient, handed in NCHW, is made NHWC (2); partial sums and
@@ -87,6 +88,16 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
     assert!(
         moved <= 9.5,
         "the backward's kernels move {moved:.2} activations:\n{table}"
+    );
+    // the forward's batch norm reads the convolution's output once for its statistics (its
+    // mean's sum, Σx and Σx² in f64: sibling sums, `two_pass.rs`) and once to normalize: 7.89
+    // activations in all; with the squared deviations' two sums (the mean's, then the squares
+    // around it) it read the output twice for them: 8.52
+    let (bytes, table) = generated_bytes(&graphs[0]);
+    let moved = bytes as f64 / activation as f64;
+    assert!(
+        moved <= 8.0,
+        "the forward's kernels move {moved:.2} activations:\n{table}"
     );
     Ok(())
 }

@@ -54,27 +54,50 @@ pub(crate) fn sum_sq_dev(x: &Tensor, d: &[usize]) -> Result<Tensor> {
     )
 }
 
-/// `ReduceOp::SumSqDev` of `x` over `dims` (kept) as other prims: the mean, then the sum of the
-/// squares around it (two walks over `x`, where Welford's takes one). What a device without a
-/// Welford kernel computes (kiln-cuda's eager runtime; kiln-inductor rewrites a GPU graph's
-/// `SumSqDev` into these same prims, `two_pass.rs`): equal to the prim's value up to rounding.
+/// Longest trailing row whose squared deviations a device takes as two sums
+/// (`sum_sq_dev_as_ops`): a GPU's row kernel holds a row this long in registers, where the
+/// second sum reads it again for free (kiln-inductor's `rows::MAX_COLS`).
+pub const SQDEV_TWO_SUMS_ROW: usize = 4096;
+
+/// Whether a device takes the squared deviations of an operand of `shape` and `dtype` over
+/// `dims` (normalized, ascending) as moment sums — `Σx²` and `Σx` in f64, one walk — rather
+/// than as the mean and then the squares around it: any 16-bit or f32 operand but a trailing
+/// row of at most `SQDEV_TWO_SUMS_ROW` elements (layer norm); an f64 operand has no wider type
+/// to sum its squares in.
+pub fn sq_dev_in_moment_sums(shape: &[usize], dtype: DType, dims: &[usize]) -> bool {
+    let rank = shape.len();
+    let cols: usize = dims.iter().map(|&d| shape[d]).product();
+    let trailing = !dims.is_empty() && dims.iter().copied().eq(rank - dims.len()..rank);
+    dtype != DType::F64 && !(trailing && (2..=SQDEV_TWO_SUMS_ROW).contains(&cols))
+}
+
+/// `ReduceOp::SumSqDev` of `x` over `dims` (kept) as other prims, what a device without a
+/// Welford kernel computes: kiln-cuda's eager runtime runs these, and kiln-inductor rewrites a
+/// GPU graph's `SumSqDev` into the same prims (`two_pass.rs`), so a device's compiled results
+/// compute what its eager ones do. Equal to the prim's value up to rounding. Moment sums where
+/// `sq_dev_in_moment_sums` says so — `Σx² - (Σx)² / n` in f64, clamped at zero (rounding may
+/// leave a constant row's value a hair below), rounded to `x`'s dtype; what cancellation loses
+/// is the digits of mean² / variance out of f64's sixteen, nothing an f32 result holds for any
+/// batch norm's input — else the mean, then the sum of the squares around it (two walks).
 pub fn sum_sq_dev_as_ops(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
     let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
-    let sum = apply(
-        Prim::Reduce {
-            op: ReduceOp::Sum,
-            dims: dims.to_vec(),
-        },
-        &[x],
-    )?;
-    let centered = x.sub(&sum.div(count as f64)?)?;
-    apply(
-        Prim::Reduce {
-            op: ReduceOp::Sum,
-            dims: dims.to_vec(),
-        },
-        &[&centered.square()?],
-    )
+    let sum = |t: &Tensor| {
+        apply(
+            Prim::Reduce {
+                op: ReduceOp::Sum,
+                dims: dims.to_vec(),
+            },
+            &[t],
+        )
+    };
+    if sq_dev_in_moment_sums(x.shape(), x.dtype(), dims) {
+        let xd = x.to_dtype(DType::F64)?;
+        let (s1, s2) = (sum(&xd)?, sum(&xd.mul(&xd)?)?);
+        let m2 = s2.sub(&s1.mul(&s1)?.div(count as f64)?)?;
+        return m2.clamp(Some(0.0), None)?.to_dtype(x.dtype());
+    }
+    let centered = x.sub(&sum(x)?.div(count as f64)?)?;
+    sum(&centered.square()?)
 }
 
 fn reduce(
