@@ -112,8 +112,12 @@ fn lane_rows<T: Num, S: Send + Default>(
         return vec![T::from_f64(fin(S::default())); outer];
     }
     if outer == 1 && row >= SUM_CHUNKED_FROM {
-        let total = chunks(x, inner, &lane).into_iter().reduce(merge);
-        return vec![T::from_f64(fin(total.unwrap_or_default()))];
+        // from the empty state, as the generated C's total starts (a sum from 0.0, so a row of
+        // -0.0 sums to 0.0 in both)
+        let total = chunks(x, inner, &lane)
+            .into_iter()
+            .fold(S::default(), merge);
+        return vec![T::from_f64(fin(total))];
     }
     let f = |r: &[T]| T::from_f64(fin(lane(r, inner)));
     if outer * row >= PAR_THRESHOLD {
