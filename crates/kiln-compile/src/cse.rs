@@ -1,11 +1,21 @@
 //! Common subexpressions: a node that repeats an earlier one (the same prim on the same operands,
-//! with the same shape, dtype, device and grad flags) is that node. Prims are pure functions of
-//! their operands (a `Rand` of its seed and offset too), so the two values are equal and one
+//! with the same shape, dtype and device) is that node. Prims are pure functions of their
+//! operands (a `Rand` of its seed and offset too), so the two values are equal and one
 //! computation serves both readers. What repeats in practice is what autograd writes again: a
 //! derivative rule that needs a value the forward computed (a norm's mean, in the rule of its
 //! squared deviations) computes it the way the forward did, and the joint graph keeps one.
+//!
+//! For graphs whose derivatives are already taken (a joint graph, a graph a backend prepares).
+//! A backward's nodes are traced under no_grad, a forward's with grad: a reduction repeated
+//! across the two is one node (grad-enabled if either was), so the forward sums once what its
+//! backward needs; elementwise values stay apart across them, since AOT's partition would save
+//! a merged one for the backward (an activation written and read) where it recomputes the
+//! backward's own inside a kernel that reads the same operands anyway (`kiln/tests/
+//! fusion_traffic.rs`: merging them all cost batch norm's forward one more activation written).
 
 use std::collections::HashMap;
+
+use kiln_core::prim::Prim;
 
 use crate::graph::{Graph, Node, NodeId, Op};
 
@@ -25,14 +35,21 @@ pub fn cse(g: &Graph) -> Option<Graph> {
             }));
             continue;
         }
-        // the op's Debug text holds every field (a literal's value printed exactly)
+        // the op's Debug text holds every field (a literal's value printed exactly); the grad
+        // mode keeps elementwise values apart (below)
+        let reduction = matches!(node.op, Op::Prim(Prim::Reduce { .. }));
         let key = format!(
-            "{:?}|{args:?}|{:?}|{:?}|{:?}|{}{}",
-            node.op, node.shape, node.dtype, node.device, node.grad_enabled, node.requires_grad
+            "{:?}|{args:?}|{:?}|{:?}|{:?}|{}",
+            node.op,
+            node.shape,
+            node.dtype,
+            node.device,
+            reduction || node.grad_enabled
         );
         match first.get(&key) {
             Some(&earlier) => {
                 repeats += 1;
+                out.nodes[earlier].grad_enabled |= node.grad_enabled;
                 map.push(earlier);
             }
             None => {

@@ -405,3 +405,58 @@ fn a_value_a_backward_matmul_reads_is_saved_not_recomputed() -> Result<()> {
     );
     Ok(())
 }
+
+/// Layer norm's backward needs its forward's mean (the derivative of the squared deviations is
+/// `2 (x - mean)`), and its rule computes the mean as the forward did; the joint graph keeps one
+/// (`kiln_compile::cse`), so the forward sums its input once for the mean — one sum saved or
+/// recomputed, not a second sum of the same row. Gradients as eager's.
+#[test]
+fn a_norms_backward_reuses_its_forwards_mean() -> Result<()> {
+    use kiln::compiler::Op;
+    use kiln::core::prim::{Prim, ReduceOp};
+    let inner = Arc::new(Recording(Mutex::new(Vec::new())));
+    let aot = Arc::new(AotBackend::new("aot_recording_norm", inner.clone()));
+    let f = compile_fn(
+        |a: &[Tensor]| Ok(vec![a[0].layer_norm(&[40], None, None, 1e-5)?.square()?]),
+        CompileOptions::default().custom_backend(aot),
+    )?;
+    let x = Tensor::randn(&[6, 40], DType::F32)?.with_grad()?;
+    f.call(std::slice::from_ref(&x))?
+        .remove(0)
+        .sum_all()?
+        .backward()?;
+    let compiled_grad = x.grad().expect("grad");
+    x.set_grad(None);
+    x.layer_norm(&[40], None, None, 1e-5)?
+        .square()?
+        .sum_all()?
+        .backward()?;
+    assert_close(&compiled_grad, &x.grad().expect("grad"), 1e-5, "grad");
+    let graphs = inner.0.lock().unwrap_or_else(|e| e.into_inner());
+    let sums_of_input = |g: &Graph| {
+        g.nodes
+            .iter()
+            .filter(|n| {
+                matches!(
+                    &n.op,
+                    Op::Prim(Prim::Reduce {
+                        op: ReduceOp::Sum,
+                        ..
+                    })
+                ) && matches!(g.nodes[n.args[0]].op, Op::Input(_))
+            })
+            .count()
+    };
+    let (fwd, bwd) = (&graphs[0], &graphs[1]);
+    assert_eq!(
+        sums_of_input(fwd),
+        1,
+        "the forward sums x once, for its mean"
+    );
+    assert_eq!(
+        sums_of_input(bwd),
+        0,
+        "the backward takes the forward's mean"
+    );
+    Ok(())
+}

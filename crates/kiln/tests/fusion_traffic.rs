@@ -90,7 +90,7 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
         "the backward's kernels move {moved:.2} activations:\n{table}"
     );
     // the forward's batch norm reads the convolution's output once for its statistics (its
-    // mean's sum, Σx and Σx² in f64: sibling sums, `two_pass.rs`) and once to normalize: 7.89
+    // mean's sum, Σx and Σx² in f64: sibling sums, `two_pass.rs`) and once to normalize: 7.77
     // activations in all; with the squared deviations' two sums (the mean's, then the squares
     // around it) it read the output twice for them: 8.52
     let (bytes, table) = generated_bytes(&graphs[0]);
