@@ -1,8 +1,8 @@
 //! Float sums in the eager kernel's order (`prim::SUM_LANES`, `prim::SUM_CHUNKED_FROM`), as C:
 //! lane arrays filled in one walk over the operands and folded in halves, and a single long
 //! sum in chunks on OpenMP threads. Squared deviations (`ReduceOp::SumSqDev`) walk the same
-//! lanes with Welford's moments in each (`prim::SqDevState`: three lane arrays, merged in
-//! halves by Chan's formula). Generated results equal eager ones bit for bit (ARCHITECTURE.md
+//! lanes with Welford's moments in each, and in tail lanes for the runs' tails
+//! (`prim::SqDevState`'s order), merged in halves by Chan's formula. Generated results equal eager ones bit for bit (ARCHITECTURE.md
 //! invariant 2); reduction, row (`c_rows.rs`) and sibling (`c_siblings.rs`) kernels use them.
 
 use std::fmt::Write;
