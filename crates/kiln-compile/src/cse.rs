@@ -36,7 +36,7 @@ pub fn cse(g: &Graph) -> Option<Graph> {
             continue;
         }
         // the op's Debug text holds every field (a literal's value printed exactly); the grad
-        // mode keeps elementwise values apart (below)
+        // mode keeps elementwise values apart (the module's doc says why)
         let reduction = matches!(node.op, Op::Prim(Prim::Reduce { .. }));
         let key = format!(
             "{:?}|{args:?}|{:?}|{:?}|{:?}|{}",

@@ -16,7 +16,8 @@ use kiln_compile::graph::{Graph, Node, NodeId, Op};
 use kiln_core::prim::{BinaryOp, Prim, ReduceOp};
 use kiln_core::DType;
 
-/// `g` with every `SumSqDev` written as two sums; `None` when it has none.
+/// `g` with every `SumSqDev` written with sums (`as_moment_sums` or `as_two_sums`); `None` when
+/// it has none.
 pub(crate) fn two_pass(g: &Graph) -> Option<Graph> {
     let is_sqdev = |n: &Node| {
         matches!(
