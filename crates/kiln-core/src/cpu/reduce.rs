@@ -42,10 +42,16 @@ fn lane_sum<T: Num>(row: &[T], inner: usize) -> f64 {
             *a += v.to_f64();
         }
     }
+    fold_halves(acc, |a, b| a + b)
+}
+
+/// Lanes folded in halves into lane 0 (`lane[l] = merge(lane[l], lane[l + h])` for
+/// `h = SUM_LANES/2, ..., 1`): the end of every lane order (sums', squared deviations').
+fn fold_halves<S: Copy>(mut acc: [S; SUM_LANES], merge: impl Fn(S, S) -> S) -> S {
     let mut h = SUM_LANES / 2;
     while h > 0 {
         for l in 0..h {
-            acc[l] += acc[l + h];
+            acc[l] = merge(acc[l], acc[l + h]);
         }
         h /= 2;
     }
@@ -68,17 +74,7 @@ fn lane_sqdev<T: Num>(row: &[T], inner: usize) -> SqDevState {
             a.push(v.to_f64());
         }
     }
-    let fold = |acc: &mut [SqDevState; SUM_LANES]| {
-        let mut h = SUM_LANES / 2;
-        while h > 0 {
-            for l in 0..h {
-                acc[l] = acc[l].merge(acc[l + h]);
-            }
-            h /= 2;
-        }
-        acc[0]
-    };
-    fold(&mut lanes).merge(fold(&mut tails))
+    fold_halves(lanes, SqDevState::merge).merge(fold_halves(tails, SqDevState::merge))
 }
 
 /// A single long row in `prim::SUM_CHUNKED_FROM`'s chunks: chunks of whole runs (or pieces of
