@@ -44,8 +44,7 @@ impl Tensor {
                 ));
             }
             let mean = self.mean(&dims, true)?;
-            let d = super::reduce::reduce_dims("batch_norm", self, &dims)?;
-            let var = super::reduce::sum_sq_dev(self, &d)?.div(count as f64)?;
+            let var = self.var(&dims, 0, true)?;
             if let Some(r) = &running {
                 no_grad(|| -> Result<()> {
                     let unbiased = var.mul(count as f64 / (count - 1) as f64)?.reshape([c])?;
@@ -101,9 +100,7 @@ impl Tensor {
         let dims: Vec<isize> = (1..=k as isize).map(|i| -i).collect();
         let mean = self.mean(&dims, true)?;
         let centered = self.sub(&mean)?;
-        let d = super::reduce::reduce_dims("layer_norm", self, &dims)?;
-        let count: usize = d.iter().map(|&i| self.shape()[i]).product();
-        let var = super::reduce::sum_sq_dev(self, &d)?.div(count as f64)?;
+        let var = self.var(&dims, 0, true)?;
         let mut y = centered.mul(&var.add(eps)?.rsqrt()?)?;
         if let Some(w) = weight {
             y = y.mul(w)?;

@@ -6,7 +6,7 @@ use crate::shape::norm_dim;
 use crate::{DType, Result, Tensor};
 
 /// Normalized, sorted, deduplicated dims; empty means every dim.
-pub(crate) fn reduce_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize>> {
+fn reduce_dims(op: &'static str, x: &Tensor, dims: &[isize]) -> Result<Vec<usize>> {
     if dims.is_empty() {
         return Ok((0..x.rank()).collect());
     }
@@ -39,7 +39,7 @@ fn drop_dims(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
 /// `Σ (x - mean(x))²` over the normalized dims `d`, kept (`ReduceOp::SumSqDev`) of a float `x`:
 /// what a variance divides by its count. A norm's variance, in one walk where the mean and the
 /// squares around it took two.
-pub(crate) fn sum_sq_dev(x: &Tensor, d: &[usize]) -> Result<Tensor> {
+fn sum_sq_dev(x: &Tensor, d: &[usize]) -> Result<Tensor> {
     let x = &x.to_dtype(x.dtype().to_float())?;
     if d.is_empty() {
         // one value per output (a scalar): no deviation (NaN for an infinite value, as Welford's)
