@@ -60,13 +60,13 @@ pub trait Target: Sync {
     ) -> Option<Self::Kernel> {
         None
     }
-    /// Whether a matmul of these sizes is generated as a reduction over k (fused with its
-    /// operands' producers and its readers) instead of running as an extern call.
     /// Whether the target generates `ReduceOp::SumSqDev` itself (Welford's lanes, the C target);
-    /// else a graph has it as two sums before it is planned (`two_pass.rs`).
+    /// else a graph has it as sums before it is planned (`two_pass.rs`).
     fn generates_sqdev(&self) -> bool {
         false
     }
+    /// Whether a matmul of these sizes is generated as a reduction over k (fused with its
+    /// operands' producers and its readers) instead of running as an extern call.
     fn inline_matmul(&self, _dims: MatmulDims) -> bool {
         false
     }
@@ -257,7 +257,7 @@ const MAX_GROUP: usize = 8;
 /// grouped into one loop where they can be.
 pub fn plan_graph<T: Target>(t: &T, graph: &Graph) -> Vec<Planned<T::Kernel>> {
     debug_assert!(
-        t.generates_sqdev() || crate::two_pass::two_pass(graph).is_none(),
+        t.generates_sqdev() || !crate::two_pass::has_sqdev(graph),
         "squared deviations reach a target that sums them in two passes (prepare_joint)"
     );
     let sched = schedule_for(t, graph);

@@ -19,16 +19,7 @@ use kiln_core::DType;
 /// `g` with every `SumSqDev` written with sums (`as_moment_sums` or `as_two_sums`); `None` when
 /// it has none.
 pub(crate) fn two_pass(g: &Graph) -> Option<Graph> {
-    let is_sqdev = |n: &Node| {
-        matches!(
-            n.op,
-            Op::Prim(Prim::Reduce {
-                op: ReduceOp::SumSqDev,
-                ..
-            })
-        )
-    };
-    if !g.nodes.iter().any(is_sqdev) {
+    if !has_sqdev(g) {
         return None;
     }
     let mut out = g.empty_like(g.nodes.len() + 8);
@@ -53,6 +44,19 @@ pub(crate) fn two_pass(g: &Graph) -> Option<Graph> {
     }
     out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
     Some(kiln_compile::cse::cse(&out).unwrap_or(out))
+}
+
+/// Whether `g` has a `SumSqDev` (which a target that does not generate it must not plan).
+pub(crate) fn has_sqdev(g: &Graph) -> bool {
+    g.nodes.iter().any(|n| {
+        matches!(
+            n.op,
+            Op::Prim(Prim::Reduce {
+                op: ReduceOp::SumSqDev,
+                ..
+            })
+        )
+    })
 }
 
 /// Whether the squared deviations `id` of `g` are taken as moment sums: the rule kiln-cuda's

@@ -281,13 +281,10 @@ pub fn reduce_c(op: ReduceOp, d: DType) -> (&'static str, String, fn(&str, &str)
         ReduceOp::Max | ReduceOp::Min => c_dtype(d).unwrap_or("double"),
     };
     match op {
-        ReduceOp::Sum => (acc_ty, "0.0".into(), |acc, v| {
-            format!("{acc} + (double){v}")
-        }),
-        // the squared deviations' sum; the C target writes Welford's update in its lane loops
-        // (`codegen/c_sums.rs`), a GPU graph has its `SumSqDev` rewritten into two sums
-        // (`two_pass.rs`), so this step is the one of the value they hold
-        ReduceOp::SumSqDev => (acc_ty, "0.0".into(), |acc, v| {
+        // squared deviations are a sum of squares; no kernel takes them by this step: the C
+        // target writes Welford's update in its lane loops (`codegen/c_sums.rs`), a GPU graph
+        // has them as sums (`two_pass.rs`)
+        ReduceOp::Sum | ReduceOp::SumSqDev => (acc_ty, "0.0".into(), |acc, v| {
             format!("{acc} + (double){v}")
         }),
         ReduceOp::Prod => (acc_ty, "1.0".into(), |acc, v| {
