@@ -383,8 +383,8 @@ fn group<T: Target>(
 /// per-row arithmetic on broadcast values runs on the small shape; on a device a matmul's bias
 /// and activation join its call (`epilogue.rs`), on the CPU what follows a convolution does
 /// (`conv_epilogue.rs`).
-pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
-    let mut g = match prepare_joint(graph) {
+pub(crate) fn prepare(graph: &Graph) -> Result<std::borrow::Cow<'_, Graph>> {
+    let mut g = match prepare_joint(graph)? {
         Some(rewritten) => std::borrow::Cow::Owned(rewritten),
         None => std::borrow::Cow::Borrowed(graph),
     };
@@ -400,20 +400,20 @@ pub(crate) fn prepare(graph: &Graph) -> std::borrow::Cow<'_, Graph> {
     if let Some(fused) = fused {
         g = std::borrow::Cow::Owned(fused);
     }
-    g
+    Ok(g)
 }
 
 /// `prepare` for a CUDA compile: under max-autotune (`tuned`) also the convolution epilogues,
 /// whose cuDNN plans cost seconds to make (`conv_epilogue.rs`).
-pub(crate) fn prepare_cuda(graph: &Graph, tuned: bool) -> std::borrow::Cow<'_, Graph> {
-    let g = prepare(graph);
+pub(crate) fn prepare_cuda(graph: &Graph, tuned: bool) -> Result<std::borrow::Cow<'_, Graph>> {
+    let g = prepare(graph)?;
     if !tuned {
-        return g;
+        return Ok(g);
     }
-    match crate::conv_epilogue::fuse(&g) {
+    Ok(match crate::conv_epilogue::fuse(&g) {
         Some(fused) => std::borrow::Cow::Owned(fused),
         None => g,
-    }
+    })
 }
 
 /// A joint graph (forward and backward, before AOT autograd partitions it) rewritten as the
@@ -423,11 +423,11 @@ pub(crate) fn prepare_cuda(graph: &Graph, tuned: bool) -> std::borrow::Cow<'_, G
 /// (`channels_last.rs`), then, on a device, the backward's reads of a matmul-fed ReLU's mask
 /// taken from its output (`relu_mask.rs`). `None` when none rewrites anything. Tests that capture graphs call
 /// it to see what the `kiln` backend partitions.
-pub fn prepare_joint(joint: &Graph) -> Option<Graph> {
+pub fn prepare_joint(joint: &Graph) -> Result<Option<Graph>> {
     // a device's reductions take squared deviations as two sums (`two_pass.rs`)
     let two = match joint.device() {
         kiln_core::Device::Cpu => None,
-        _ => crate::two_pass::two_pass(joint),
+        _ => crate::two_pass::two_pass(joint)?,
     };
     let rewritten = {
         let joint = two.as_ref().unwrap_or(joint);
@@ -439,7 +439,7 @@ pub fn prepare_joint(joint: &Graph) -> Option<Graph> {
             _ => crate::relu_mask::relu_masks_from_outputs(nhwc.as_ref().unwrap_or(joint)).or(nhwc),
         }
     };
-    rewritten.or(two)
+    Ok(rewritten.or(two))
 }
 
 /// How `ctx` asks for CUDA graphs to be compiled. torch.compile's modes: reduce-overhead and
@@ -459,7 +459,7 @@ impl Backend for CpuCodegen {
         "kiln_cpu"
     }
 
-    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
+    fn prepare_joint(&self, joint: &Graph) -> Result<Option<Graph>> {
         prepare_joint(joint)
     }
 
@@ -557,7 +557,7 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
     };
     let plans: Vec<Plan> = graphs
         .iter()
-        .map(|&graph| {
+        .map(|&graph| -> Result<Plan> {
             // a symbolic graph's kernels are fitted across sizes: not cached
             let key = match sizes {
                 None => crate::plan_cache::key(
@@ -571,18 +571,18 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
                 Some(_) => None,
             };
             if let Some(plan) = key.and_then(|k| crate::plan_cache::load(CPU_KIND, k)) {
-                return plan;
+                return Ok(plan);
             }
             let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
                 "inductor: plan and generate C".into()
             });
-            let plan = plan_c(&c, &prepare(graph), sizes.as_ref());
+            let plan = plan_c(&c, &*prepare(graph)?, sizes.as_ref());
             if let Some(k) = key {
                 crate::plan_cache::store(CPU_KIND, k, &plan);
             }
-            plan
+            Ok(plan)
         })
-        .collect();
+        .collect::<Result<_>>()?;
     // every distinct kernel of the graphs (a unit of a C plan holds one), loaded by name
     let wanted: Vec<cc::CKernel<'_>> = plans
         .iter()

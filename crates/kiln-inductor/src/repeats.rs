@@ -201,7 +201,7 @@ mod tests {
         name: &str,
         text: impl Fn(&T::Kernel) -> String,
     ) -> (usize, usize) {
-        let g = prepare(g);
+        let g = prepare(g).expect("a traced graph is prepared");
         let sched = schedule_for(t, &g);
         let (steps, kernels) = kernels_of(t, &g, &sched);
         let (mut compared, mut keys) = (0, std::collections::HashSet::new());

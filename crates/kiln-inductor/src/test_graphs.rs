@@ -253,9 +253,9 @@ pub(crate) fn planned_kernels<T: crate::backend::Target>(
 ) -> kiln_core::Result<Vec<(T::Kernel, usize)>> {
     let mut g = traced(f, args)?;
     if !t.generates_sqdev() {
-        g = crate::two_pass::two_pass(&g).unwrap_or(g);
+        g = crate::two_pass::two_pass(&g)?.unwrap_or(g);
     }
-    Ok(kernels(t, &crate::backend::prepare(&g)))
+    Ok(kernels(t, &*crate::backend::prepare(&g)?))
 }
 
 /// The C target as the `kiln` backend makes it for a concrete graph (horizontal kernels on,

@@ -28,11 +28,11 @@ pub struct StepTraffic {
 /// The launches the CUDA target plans for `graph` (rewritten and split as a compile for a
 /// device of `sm_count` multiprocessors rewrites it: `codegen::cuda::plan`, the default launch
 /// shape, 48 KiB of shared memory per block), in order, with their traffic.
-pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
-    let prepared = prepare(graph);
+pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> kiln_core::Result<Vec<StepTraffic>> {
+    let prepared = prepare(graph)?;
     let (g, planned) = crate::codegen::cuda::plan(&prepared, &Cuda::new(sm_count), false);
     let g: &Graph = &g;
-    planned
+    Ok(planned
         .into_iter()
         .filter_map(|p| match p {
             Planned::Kernel { kernel, outs } => {
@@ -77,5 +77,5 @@ pub fn cuda_traffic(graph: &Graph, sm_count: u32) -> Vec<StepTraffic> {
                 })
             }
         })
-        .collect()
+        .collect())
 }

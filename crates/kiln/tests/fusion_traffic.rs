@@ -20,10 +20,10 @@ use mock_device::{setup, DEV};
 const SMS: u32 = 132;
 
 /// Bytes the generated kernels of `g` read and write, and their table (for a failure message).
-fn generated_bytes(g: &Graph) -> (usize, String) {
+fn generated_bytes(g: &Graph) -> Result<(usize, String)> {
     let mut total = 0;
     let mut table = String::new();
-    for s in kiln::inductor::traffic::cuda_traffic(g, SMS) {
+    for s in kiln::inductor::traffic::cuda_traffic(g, SMS)? {
         if s.generated {
             total += s.read + s.written;
         }
@@ -36,7 +36,7 @@ fn generated_bytes(g: &Graph) -> (usize, String) {
             s.writes
         );
     }
-    (total, table)
+    Ok((total, table))
 }
 
 /// conv → batch norm → ReLU → conv in training, on a [16, 64, 32, 32] activation (large enough
@@ -83,7 +83,7 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
     let graphs = capture.graphs();
     assert_eq!(graphs.len(), 2, "a forward and a backward graph");
     let activation = shape.iter().product::<usize>() * 4;
-    let (bytes, table) = generated_bytes(&graphs[1]);
+    let (bytes, table) = generated_bytes(&graphs[1])?;
     let moved = bytes as f64 / activation as f64;
     assert!(
         moved <= 9.5,
@@ -93,7 +93,7 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
     // mean's sum, Σx and Σx² in f64: sibling sums, `two_pass.rs`) and once to normalize: 7.77
     // activations in all; with the squared deviations' two sums (the mean's, then the squares
     // around it) it read the output twice for them: 8.52
-    let (bytes, table) = generated_bytes(&graphs[0]);
+    let (bytes, table) = generated_bytes(&graphs[0])?;
     let moved = bytes as f64 / activation as f64;
     assert!(
         moved <= 8.0,
@@ -103,9 +103,9 @@ fn batch_norm_backward_moves_few_activations() -> Result<()> {
 }
 
 /// Bytes every step of `g` reads and writes, generated kernels and extern calls alike.
-fn all_bytes(g: &Graph) -> usize {
-    let steps = kiln::inductor::traffic::cuda_traffic(g, SMS);
-    steps.iter().map(|s| s.read + s.written).sum()
+fn all_bytes(g: &Graph) -> Result<usize> {
+    let steps = kiln::inductor::traffic::cuda_traffic(g, SMS)?;
+    Ok(steps.iter().map(|s| s.read + s.written).sum())
 }
 
 /// Cross-entropy on [256, 1000] logits, forward and backward. The forward reads the logits once
@@ -146,14 +146,14 @@ fn cross_entropy_reads_the_logits_once() -> Result<()> {
     assert_eq!(graphs.len(), 2, "a forward and a backward graph");
     let logits = rows * classes * 4;
     for (g, name, most) in [(&graphs[0], "forward", 2.1), (&graphs[1], "backward", 2.1)] {
-        let moved = all_bytes(g) as f64 / logits as f64;
-        let (_, table) = generated_bytes(g);
+        let moved = all_bytes(g)? as f64 / logits as f64;
+        let (_, table) = generated_bytes(g)?;
         assert!(
             moved <= most,
             "the {name} moves {moved:.2} logits' worth of bytes:\n{table}"
         );
     }
-    let (_, table) = generated_bytes(&graphs[1]);
+    let (_, table) = generated_bytes(&graphs[1])?;
     assert!(
         !table.contains("extern"),
         "the backward runs no extern call:\n{table}"

@@ -3,18 +3,13 @@
 //! prim's derivative); `autograd::grad` then walks that tape, and the prims its rules apply are
 //! recorded too. The result is one graph: primals and tangents in, forward outputs and gradients out.
 
-use std::collections::HashMap;
-use std::panic::Location;
-use std::sync::{Arc, Mutex, Weak};
-
 use kiln_core::autograd::{self, is_differentiable, GradModeGuard};
 use kiln_core::dispatch::apply_on;
-use kiln_core::intercept::{self, Deferred, Interceptor};
-use kiln_core::prim::{OutMeta, Prim};
-use kiln_core::{Device, Error, Result, Tensor};
+use kiln_core::intercept;
+use kiln_core::{Error, Result, Tensor};
 
-use crate::fast_hash::Fast;
-use crate::graph::{Graph, Node, NodeId, Op};
+use crate::graph::{Graph, Op};
+use crate::record::Recorder;
 
 /// A joint graph and how its inputs and outputs line up with the forward graph's.
 pub struct Joint {
@@ -61,7 +56,7 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
         return Ok(None);
     }
     // the joint graph: every forward node again, and about as many backward nodes again
-    let rec = Recorder::new(2 * fwd.nodes.len());
+    let rec = Recorder::new(Graph::default(), 2 * fwd.nodes.len(), true, "aot autograd");
     let _on = intercept::install(Some(rec.clone()));
     let _grad = GradModeGuard::new(true);
     let mut vals: Vec<Option<Tensor>> = vec![None; fwd.nodes.len()];
@@ -115,16 +110,12 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
             grad_values.push(g);
         }
     }
-    let mut st = rec.lock();
-    let mut outputs = Vec::with_capacity(outs.len() + grad_values.len());
-    for t in outs.iter().chain(&grad_values) {
-        outputs.push(
-            *st.known
-                .get(&t.id())
-                .ok_or_else(|| internal("an output was not recorded"))?,
-        );
-    }
-    let mut graph = std::mem::take(&mut st.graph);
+    let outputs = outs
+        .iter()
+        .chain(&grad_values)
+        .map(|t| rec.node_of(t))
+        .collect::<Result<Vec<_>>>()?;
+    let mut graph = rec.take();
     graph.outputs = outputs;
     graph.rng_span = fwd.rng_span;
     // what a derivative rule computes again as the forward did (a norm's mean) is computed once
@@ -139,135 +130,5 @@ pub fn build(fwd: &Graph) -> Result<Option<Joint>> {
 }
 
 fn internal(msg: &str) -> Error {
-    Error::arg(
-        "aot autograd",
-        format!("internal error building the joint graph: {msg}"),
-    )
-}
-
-#[derive(Default)]
-struct RecState {
-    graph: Graph,
-    /// Tensor id -> the joint node that holds it.
-    known: HashMap<u64, NodeId, Fast>,
-}
-
-/// Records every prim into the joint graph; unlike the capture tracer it asks the dispatcher to keep
-/// the autograd tape on the deferred tensors it returns.
-struct Recorder {
-    me: Weak<Recorder>,
-    state: Mutex<RecState>,
-}
-
-impl Recorder {
-    /// A recorder with room for `nodes` nodes (a hint).
-    fn new(nodes: usize) -> Arc<Recorder> {
-        let mut state = RecState::default();
-        state.graph.nodes.reserve(nodes);
-        state.known.reserve(nodes);
-        Arc::new_cyclic(|me| Recorder {
-            me: me.clone(),
-            state: Mutex::new(state),
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, RecState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn deferred(&self, shape: &[usize], dtype: kiln_core::DType, device: Device) -> Option<Tensor> {
-        let me: Arc<dyn Deferred> = self.me.upgrade()?;
-        Some(Tensor::deferred(shape, dtype, device, me))
-    }
-
-    /// A new graph input (a primal or a tangent).
-    fn placeholder(
-        self: &Arc<Self>,
-        shape: &[usize],
-        dtype: kiln_core::DType,
-        device: Device,
-        requires_grad: bool,
-    ) -> Tensor {
-        let me: Arc<dyn Deferred> = self.clone();
-        let t = Tensor::deferred(shape, dtype, device, me);
-        let mut st = self.lock();
-        let i = st.graph.num_inputs;
-        st.graph.num_inputs += 1;
-        let id = st.graph.push(Node {
-            op: Op::Input(i),
-            args: vec![],
-            shape: shape.to_vec(),
-            dtype,
-            grad_enabled: false,
-            requires_grad,
-            device,
-        });
-        st.known.insert(t.id(), id);
-        t
-    }
-}
-
-impl Interceptor for Recorder {
-    fn apply(
-        &self,
-        prim: &Prim,
-        inputs: &[&Tensor],
-        meta: &OutMeta,
-        device: Device,
-    ) -> Option<Result<Tensor>> {
-        // made before taking the lock, so one lock covers the operands' lookups, the new node
-        // and its id
-        let out = self.deferred(&meta.shape, meta.dtype, device)?;
-        let mut st = self.lock();
-        let mut args = Vec::with_capacity(inputs.len());
-        for t in inputs {
-            match st.known.get(&t.id()) {
-                Some(&id) => args.push(id),
-                None => {
-                    return Some(Err(Error::Unsupported {
-                        op: "aot autograd",
-                        msg: format!(
-                            "a backward rule of `{}` read a tensor that is not part of the graph",
-                            prim.name()
-                        ),
-                    }))
-                }
-            }
-        }
-        let id = st.graph.push(Node {
-            op: Op::Prim(prim.clone()),
-            args,
-            shape: meta.shape.clone(),
-            dtype: meta.dtype,
-            grad_enabled: kiln_core::autograd::is_grad_enabled(),
-            requires_grad: false,
-            device,
-        });
-        st.known.insert(out.id(), id);
-        Some(Ok(out))
-    }
-
-    fn assign(&self, _: &Tensor, _: &Tensor) -> Option<Result<()>> {
-        Some(Err(Error::Unsupported {
-            op: "aot autograd",
-            msg: "an in-place write while building the backward graph".into(),
-        }))
-    }
-
-    fn records_autograd(&self) -> bool {
-        true
-    }
-}
-
-impl Deferred for Recorder {
-    fn force(&self, _: &Tensor, why: &'static str, at: &'static Location<'static>) -> Result<()> {
-        Err(Error::Unsupported {
-            op: "aot autograd",
-            msg: format!(
-                "`{why}` at {}:{} reads values while the backward graph is being built",
-                at.file(),
-                at.line()
-            ),
-        })
-    }
+    crate::record::internal("aot autograd", msg)
 }

@@ -108,7 +108,7 @@ impl AotBackend {
         });
         let mut joint = joint::build(graph)?
             .ok_or_else(|| Error::arg("aot autograd", "no output of the graph needs a gradient"))?;
-        if let Some(g) = self.inner.prepare_joint(&joint.graph) {
+        if let Some(g) = self.inner.prepare_joint(&joint.graph)? {
             joint.graph = g;
         }
         if debug::enabled() {

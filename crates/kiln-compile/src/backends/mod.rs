@@ -44,9 +44,9 @@ pub trait Backend: Send + Sync {
     /// so that what the forward saves for the backward is what this backend wants saved (kiln's
     /// CUDA target: activations in channels-last order). The rewrite keeps the graph's inputs and
     /// outputs, in order, with their shapes and values. `None`, the default: no rewrite.
-    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
+    fn prepare_joint(&self, joint: &Graph) -> Result<Option<Graph>> {
         let _ = joint;
-        None
+        Ok(None)
     }
     /// An id for what this backend makes of a graph, part of every key it and AOT autograd
     /// around it use in the compiled-graph cache on disk (`disk_cache.rs`). It must change

@@ -109,7 +109,7 @@ pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn C
         };
         let sources: Vec<Source<'_>> = graphs
             .iter()
-            .map(|&g| {
+            .map(|&g| -> Result<Source<'_>> {
                 let key = cache.as_ref().and_then(|t| plan_cache::key(KIND, t, g));
                 let cached = key.and_then(|k| {
                     let _span = profiler::span(profiler::Category::Compile, || {
@@ -117,12 +117,12 @@ pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn C
                     });
                     plan_cache::load(KIND, k)
                 });
-                match cached {
+                Ok(match cached {
                     Some(plan) => Source::Cached(plan),
-                    None => Source::Fresh(crate::backend::prepare_cuda(g, flags.autotune), key),
-                }
+                    None => Source::Fresh(crate::backend::prepare_cuda(g, flags.autotune)?, key),
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         if !early {
             let rewritten: Vec<&Graph> = sources.iter().map(Source::graph).collect();
             warmup = warm(crate::runtime::conv_warmup::distinct(&rewritten));

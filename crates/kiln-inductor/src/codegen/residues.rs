@@ -199,7 +199,7 @@ mod tests {
             let x = Tensor::randn(&[n, c, h, h], DType::F32)?;
             x.set_requires_grad(true)?;
             let backward = pool_backward(max, &x)?;
-            let g = crate::backend::prepare(&backward);
+            let g = crate::backend::prepare(&backward)?;
             let planned = kernels(&Cuda::new(132), &g);
             let split: Vec<&CudaKernel> = planned
                 .iter()

@@ -46,7 +46,7 @@ impl Backend for Capture {
     fn name(&self) -> &str {
         "capture"
     }
-    fn prepare_joint(&self, joint: &Graph) -> Option<Graph> {
+    fn prepare_joint(&self, joint: &Graph) -> Result<Option<Graph>> {
         kiln::inductor::prepare_joint(joint)
     }
     fn compile(&self, graph: &Graph, _ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
