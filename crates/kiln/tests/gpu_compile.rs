@@ -12,6 +12,8 @@ use std::sync::Mutex;
 mod autotune;
 #[path = "gpu_compile/conv_epilogues.rs"]
 mod conv_epilogues;
+#[path = "gpu_compile/cudagraph_arguments.rs"]
+mod cudagraph_arguments;
 #[path = "gpu_compile/cudagraph_training.rs"]
 mod cudagraph_training;
 #[path = "gpu_compile/graph_cache.rs"]
@@ -1084,7 +1086,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 32] = [
+    let tests: [(&str, Check); 33] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -1151,6 +1153,10 @@ fn main() {
             reduce_overhead_replays_with_new_inputs,
         ),
         ("reduce_overhead_adam_steps", reduce_overhead_adam_steps),
+        (
+            "reduce_overhead_reads_a_repeated_argument_in_place",
+            cudagraph_arguments::reduce_overhead_reads_a_repeated_argument_in_place,
+        ),
         ("plain_sgd_step", plain_sgd_step),
         ("pointwise_chain", pointwise_chain),
         ("reductions_every_strategy", reductions_every_strategy),

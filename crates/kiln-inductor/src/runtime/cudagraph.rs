@@ -2,16 +2,19 @@
 //! graph (CUDA graphs) and replayed with one launch per call, as PyTorch's cudagraph trees do.
 //!
 //! The first call runs normally (kernels load, libraries set up their workspaces). The second
-//! records: the graph reads its inputs from buffers it owns — call arguments, gradients and CPU
-//! scalars are copied into them before every replay — except the captured tensors
-//! (`Graph::static_inputs`: parameters, buffers, optimizer state), which keep their storage from
-//! call to call and are read and written where they are, and what other recordings read or
-//! write at fixed addresses (a training step's forward hands its backward the activations it
-//! saved — hundreds of megabytes a step, which a replay of the forward writes at the same
-//! addresses every time, as PyTorch's cudagraph trees share one memory pool between a forward
-//! and its backward — and the weights it multiplied by). Such an input is read where it lies
-//! for as long as the calls pass it; a call that passes another tensor in its place records
-//! anew. Everything the recorded work allocates
+//! records, reading where they lie the captured tensors (`Graph::static_inputs`: parameters,
+//! buffers, optimizer state), which keep their storage from call to call and are read and
+//! written where they are; what other recordings read or write at fixed addresses (a training
+//! step's forward hands its backward the activations it saved — hundreds of megabytes a step,
+//! which a replay of the forward writes at the same addresses every time, as PyTorch's
+//! cudagraph trees share one memory pool between a forward and its backward — and the weights
+//! it multiplied by); and, until a call passes another tensor there, the call's device
+//! arguments themselves (the recording holds them, so their memory stays theirs: an inference
+//! loop that fills one input tensor, or a benchmark, copies nothing). Such an input is read
+//! where it lies for as long as the calls pass it; a call that passes another tensor in its
+//! place records anew, and an argument that changed from call to call is from then on copied
+//! into a buffer of the recording's before every replay, as are CPU scalars (PyTorch copies
+//! every argument it was not told is static). Everything the recorded work allocates
 //! belongs to the graph while it lives (kiln-cuda's allocator), so a replay writes the same
 //! buffers again: an output of one call is overwritten by the next. That is PyTorch's contract;
 //! a caller who still holds an output when the graph runs again gets a warning (once), telling
@@ -32,13 +35,17 @@ pub struct CudaGraphed {
     device: Device,
     static_inputs: Vec<bool>,
     state: Mutex<State>,
+    /// Per input: a call has passed a tensor other than the one recorded there, so a recording
+    /// copies it instead of holding it (read with `state` locked).
+    varies: Mutex<Vec<bool>>,
 }
 
 enum State {
     /// Not called yet: the first call runs normally.
     Fresh,
-    /// Called once: the next call records.
-    Warm,
+    /// Called once: the next call records. The arguments of the call before (when it ran
+    /// without a recording), to see which the recording call passes anew.
+    Warm(Vec<WeakTensor>),
     Recorded(Recording),
     /// Recording failed or cannot work here: every call runs normally.
     Off,
@@ -77,6 +84,7 @@ impl CudaGraphed {
             device,
             static_inputs: graph.static_inputs.clone(),
             state: Mutex::new(state),
+            varies: Mutex::new(vec![false; graph.num_inputs]),
         }
     }
 
@@ -84,14 +92,36 @@ impl CudaGraphed {
         self.static_inputs.get(i).copied().unwrap_or(false) && t.device() == self.device
     }
 
-    /// Records one run over buffers of the recording's own (static inputs and other
-    /// recordings' outputs as they are).
+    /// Marks as varying each argument that is not the tensor the call `before` passed there.
+    fn note_varying(&self, before: &[WeakTensor], inputs: &[Tensor]) {
+        let mut varies = self.varies.lock().unwrap_or_else(|e| e.into_inner());
+        for ((w, t), v) in before.iter().zip(inputs).zip(varies.iter_mut()) {
+            let same = w
+                .upgrade()
+                .is_some_and(|b| b.shares_storage(t) && b.layout() == t.layout());
+            *v |= !same;
+        }
+    }
+
+    /// Records one run, reading where they lie the static inputs, other recordings' outputs and
+    /// the device arguments no call has varied; the rest from buffers of the recording's own.
     fn record(&self, inputs: &[Tensor]) -> Result<Recording> {
+        let varies = self
+            .varies
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let mut mine = Vec::with_capacity(inputs.len());
         let mut in_place = Vec::with_capacity(inputs.len());
         for (i, t) in inputs.iter().enumerate() {
+            let on_device = t.device() == self.device;
             let read_there = self.is_static(i, t)
-                || (t.device() == self.device && recorded_elsewhere(t, self.id()));
+                || (on_device && recorded_elsewhere(t, self.id()))
+                // held, unless it is this recording's own earlier output (the replay would
+                // write it while reading it)
+                || (on_device
+                    && !varies.get(i).copied().unwrap_or(true)
+                    && !recorded_by(t, self.id()));
             in_place.push(read_there);
             mine.push(match read_there {
                 true => t.clone(),
@@ -133,24 +163,35 @@ impl CudaGraphed {
     }
 
     /// Copies the call's other inputs into the recording's buffers; false when an input read
-    /// in place is not what was recorded (a parameter replaced, another tensor where a
-    /// recording's output was): the recording is stale.
+    /// in place is not what was recorded (a parameter replaced, another argument, another tensor
+    /// where a recording's output was): the recording is stale, and each argument that differs
+    /// is marked as varying.
     fn load_inputs(&self, rec: &Recording, inputs: &[Tensor]) -> Result<bool> {
+        let mut stale = false;
         for (i, (t, mine)) in inputs.iter().zip(&rec.inputs).enumerate() {
-            if self.is_static(i, t) {
-                if !t.same_tensor(mine) {
-                    return Ok(false);
+            let same = match (self.is_static(i, t), rec.in_place[i]) {
+                (true, _) => t.same_tensor(mine),
+                (false, true) => t.shares_storage(mine) && t.layout() == mine.layout(),
+                (false, false) => t.shape() == mine.shape() && t.dtype() == mine.dtype(),
+            };
+            if !same {
+                stale = true;
+                if let Some(v) = self
+                    .varies
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_mut(i)
+                {
+                    *v = true;
                 }
-                continue;
             }
+        }
+        if stale {
+            return Ok(false);
+        }
+        for (i, (t, mine)) in inputs.iter().zip(&rec.inputs).enumerate() {
             if rec.in_place[i] {
-                if !(t.shares_storage(mine) && t.layout() == mine.layout()) {
-                    return Ok(false);
-                }
                 continue;
-            }
-            if t.shape() != mine.shape() || t.dtype() != mine.dtype() {
-                return Ok(false);
             }
             super::pool::count(|s| {
                 s.replay_copied_bytes += super::pool::nbytes(t.shape(), t.dtype())
@@ -219,9 +260,18 @@ fn register_stable<'a>(tensors: impl Iterator<Item = &'a Tensor>, owner: usize) 
 /// Whether `t` lies in a stable tensor of a live recording other than `owner`'s (one that
 /// reads its own outputs must copy them: the replay writes them while reading).
 fn recorded_elsewhere(t: &Tensor, owner: usize) -> bool {
+    stable_of(t, |o| o != owner)
+}
+
+/// Whether `t` lies in a stable tensor of `owner`'s recording (an output of its last one).
+fn recorded_by(t: &Tensor, owner: usize) -> bool {
+    stable_of(t, |o| o == owner)
+}
+
+fn stable_of(t: &Tensor, owned: impl Fn(usize) -> bool) -> bool {
     let all = stable_tensors().lock().unwrap_or_else(|e| e.into_inner());
     all.iter()
-        .any(|(o, w)| *o != owner && w.upgrade().is_some_and(|r| r.shares_storage(t)))
+        .any(|(o, w)| owned(*o) && w.upgrade().is_some_and(|r| r.shares_storage(t)))
 }
 
 /// A new device buffer holding `t`'s values.
@@ -242,37 +292,40 @@ impl CompiledGraph for CudaGraphed {
                 if self.load_inputs(rec, inputs)? {
                     return self.replay(rec);
                 }
-                *st = State::Warm; // stale: record again
+                *st = State::Warm(Vec::new()); // stale: record again
             }
-            match &*st {
+            let before = match &*st {
                 State::Fresh => {
-                    *st = State::Warm;
+                    *st = State::Warm(inputs.iter().map(Tensor::downgrade).collect());
                     drop(st);
-                    self.inner.run(inputs)
+                    return self.inner.run(inputs);
                 }
                 State::Off => {
                     drop(st);
+                    return self.inner.run(inputs);
+                }
+                State::Warm(before) => before.as_slice(),
+                State::Recorded(_) => &[],
+            };
+            self.note_varying(before, inputs);
+            match self.record(inputs) {
+                Ok(mut rec) => {
+                    let out = self.replay(&mut rec);
+                    *st = State::Recorded(rec);
+                    out
+                }
+                Err(e) => {
+                    static WARN: Once = Once::new();
+                    WARN.call_once(|| {
+                        eprintln!(
+                            "kiln: a compiled graph could not be recorded as a CUDA graph \
+                             ({e}); it runs without one"
+                        )
+                    });
+                    *st = State::Off;
+                    drop(st);
                     self.inner.run(inputs)
                 }
-                _ => match self.record(inputs) {
-                    Ok(mut rec) => {
-                        let out = self.replay(&mut rec);
-                        *st = State::Recorded(rec);
-                        out
-                    }
-                    Err(e) => {
-                        static WARN: Once = Once::new();
-                        WARN.call_once(|| {
-                            eprintln!(
-                                "kiln: a compiled graph could not be recorded as a CUDA graph \
-                                 ({e}); it runs without one"
-                            )
-                        });
-                        *st = State::Off;
-                        drop(st);
-                        self.inner.run(inputs)
-                    }
-                },
             }
         })
     }
