@@ -119,6 +119,27 @@ impl Graph {
         self.nodes.len() - 1
     }
 
+    /// A new input of the graph (the next input number), traced with grad mode off.
+    pub fn push_input(
+        &mut self,
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        requires_grad: bool,
+    ) -> NodeId {
+        let i = self.num_inputs;
+        self.num_inputs += 1;
+        self.push(Node {
+            op: Op::Input(i),
+            args: vec![],
+            shape: shape.to_vec(),
+            dtype,
+            grad_enabled: false,
+            requires_grad,
+            device,
+        })
+    }
+
     /// The device the graph computes on: the device any of its values lives on, else the CPU.
     /// Values of one graph share a device, but for single-element CPU tensors a device graph
     /// reads (PyTorch's CPU-scalar rule) and what the graph computes from them alone (their

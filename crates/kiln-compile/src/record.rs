@@ -68,17 +68,7 @@ impl Recorder {
         let me: Arc<dyn Deferred> = self.clone();
         let t = Tensor::deferred(shape, dtype, device, me);
         let mut st = self.lock();
-        let i = st.graph.num_inputs;
-        st.graph.num_inputs += 1;
-        let id = st.graph.push(Node {
-            op: Op::Input(i),
-            args: vec![],
-            shape: shape.to_vec(),
-            dtype,
-            grad_enabled: false,
-            requires_grad,
-            device,
-        });
+        let id = st.graph.push_input(shape, dtype, device, requires_grad);
         st.known.insert(t.id(), id);
         t
     }
@@ -209,20 +199,10 @@ mod tests {
     use kiln_core::prim::{BinaryOp, Prim};
     use kiln_core::{DType, Device, Result};
 
-    use crate::graph::{Graph, Node, Op};
+    use crate::graph::{Graph, Op};
 
     fn input(g: &mut Graph, shape: &[usize]) -> usize {
-        let i = g.num_inputs;
-        g.num_inputs += 1;
-        g.push(Node {
-            op: Op::Input(i),
-            args: vec![],
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device: Device::Cpu,
-        })
+        g.push_input(shape, DType::F32, Device::Cpu, false)
     }
 
     /// Spliced tensor code becomes nodes over the given operands, in the grad mode asked for.

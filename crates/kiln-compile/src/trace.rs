@@ -205,17 +205,11 @@ impl Tracer {
         if let Some(&id) = seg.known.get(&t.id()) {
             return id;
         }
-        let input = seg.graph.num_inputs;
-        seg.graph.num_inputs += 1;
-        let id = seg.graph.push(Node {
-            op: Op::Input(input),
-            args: vec![],
-            shape: t.shape().to_vec(),
-            dtype: t.dtype(),
-            grad_enabled: true,
-            requires_grad: t.requires_grad(),
-            device: t.device(),
-        });
+        let id = seg
+            .graph
+            .push_input(t.shape(), t.dtype(), t.device(), t.requires_grad());
+        // the tracer's inputs are marked grad-enabled (the flag is part of the structure key)
+        seg.graph.nodes[id].grad_enabled = true;
         let grad_of = self
             .grads
             .lock()

@@ -26,9 +26,7 @@ pub(crate) fn push_on(
 
 /// The next graph input, on `device`.
 pub(crate) fn input_on(g: &mut Graph, device: Device, shape: &[usize]) -> NodeId {
-    let i = g.num_inputs;
-    g.num_inputs += 1;
-    push_on(g, device, Op::Input(i), vec![], shape)
+    g.push_input(shape, DType::F32, device, false)
 }
 
 pub(crate) fn push(g: &mut Graph, op: Op, args: Vec<NodeId>, shape: &[usize]) -> NodeId {
