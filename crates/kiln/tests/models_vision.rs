@@ -1,5 +1,6 @@
 //! Compiled equals eager on the vision models: ResNet-18 and DenseNet-121 (3x32x32, batch 2, four
-//! classes) through `kiln::compile` with the default `kiln` backend (AOT autograd + generated C)
+//! classes) through `kiln::compile` with the default `kiln` backend (AOT autograd + generated C;
+//! `KILN_TEST_BACKEND` and `KILN_TEST_MODE` pick another backend or mode, as for the op suite)
 //! against eager execution of an identically initialised twin. Train mode (two steps, the second a
 //! replay): logits, every parameter's gradient, and the BatchNorm running statistics. Eval mode (a
 //! recompile, the training flags are guarded): logits and gradients.
@@ -95,7 +96,7 @@ fn to_test_dtype(model: &mut dyn Module) -> Result<()> {
 /// Generic because `kiln::compile` takes a sized module (here a `Box<dyn Module>`).
 fn protocol<M: Module>(model: &M, compile: bool) -> Result<Run> {
     let compiled = match compile {
-        true => Some(kiln::compile(model, CompileOptions::default())?),
+        true => Some(kiln::compile(model, common::compile_options())?),
         false => None,
     };
     let run: &dyn Module = match &compiled {
