@@ -28,6 +28,11 @@ bin=carry/gpu
 out=${OUT:-/tmp/kiln-out}
 mkdir -p "$out"
 export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-cache}
+# the digits (cuda_memory's training run) when ../shared is not beside the tree there:
+# cp ../shared/data/digits.csv.gz carry/
+if [ -z "${KILN_DIGITS:-}" ] && [ ! -f ../shared/data/digits.csv.gz ] && [ -f carry/digits.csv.gz ]; then
+  export KILN_DIGITS=$PWD/carry/digits.csv.gz
+fi
 export PYTHONUNBUFFERED=1
 # the CUDA libraries live in PyTorch's pip folders
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null)
