@@ -73,6 +73,27 @@ fn as_ops(prim: &Prim, ops: impl FnOnce() -> Result<Tensor>) -> Result<Arc<dyn D
     })
 }
 
+/// `(Σx, Σx²)` in f64 over `dims` of device tensor `x`, into tensors of the `kept` shape: each
+/// one fused sum of x's widened values (`reduce::launch_f64_sum`), where the prims would first
+/// write x in f64 and its square (the same values added in the same order).
+fn f64_moment_sums(
+    dev: &Arc<CudaDevice>,
+    x: &Tensor,
+    dims: &[usize],
+    kept: &[usize],
+) -> Result<(Tensor, Tensor)> {
+    let (b, l) = operand("reduce_sumsqdev", x)?;
+    let sum = |term| -> Result<Tensor> {
+        let out = dev.alloc(kept.iter().product(), DType::F64)?;
+        reduce::launch_f64_sum(dev, term, dims, b, l, &out)?;
+        Ok(Tensor::from_device_buffer(
+            Arc::new(out),
+            Layout::contiguous(kept),
+        ))
+    };
+    Ok((sum(reduce::Term::Value)?, sum(reduce::Term::Square)?))
+}
+
 impl CudaRuntime {
     /// `prim` on `device`, its GEMMs and convolutions as max-autotune's (`matmul_tune.rs`,
     /// `conv_graph.rs`'s timed plans) when `tuned`.
@@ -132,7 +153,9 @@ impl CudaRuntime {
                 op: ReduceOp::SumSqDev,
                 dims,
             } => as_ops(prim, || {
-                kiln_core::ops::reduce::sum_sq_dev_as_ops(inputs[0], dims)
+                kiln_core::ops::reduce::sum_sq_dev_with(inputs[0], dims, |x| {
+                    f64_moment_sums(&dev, x, dims, &meta.shape)
+                })
             }),
             Prim::Reduce { op, dims } => {
                 let out = dev.alloc(n, meta.dtype)?;

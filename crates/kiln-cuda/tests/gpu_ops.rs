@@ -189,6 +189,57 @@ fn reduce_long_rows_split() -> std::result::Result<(), String> {
     })
 }
 
+/// The squared-deviations prim (moment sums fused by the runtime: `reduce::launch_f64_sum`)
+/// equals its definition run as prims (x in f64, its square, two sums:
+/// `kiln_core::ops::reduce::sum_sq_dev_as_ops`) to the bit: f32 and half operands, channels-last
+/// views, rows split into chunks, rows a block takes, rows a thread takes, an empty reduction.
+fn squared_deviations_fused_equal_their_prims() -> std::result::Result<(), String> {
+    use kiln_core::prim::{Prim, ReduceOp};
+    let e = |e: kiln_core::Error| e.to_string();
+    let mut rng = Rng::new(17);
+    // [N, C, H, W] reduced over N, H, W (a batch norm's statistics)
+    let shapes: [[usize; 4]; 4] = [[64, 3, 40, 40], [4, 5, 6, 7], [3, 17, 1, 2], [0, 3, 2, 2]];
+    for shape in shapes {
+        for channels_last in [false, true] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let [n, c, h, w] = shape;
+                let x = match channels_last {
+                    false => input(&mut rng, &shape, 98.0, 102.0, false).and_then(|x| x.to(CUDA)),
+                    true => input(&mut rng, &[n, h, w, c], 98.0, 102.0, false)
+                        .and_then(|x| x.to(CUDA))
+                        .and_then(|x| x.permute(&[0, 3, 1, 2])),
+                }
+                .and_then(|x| x.to_dtype(dtype))
+                .map_err(e)?;
+                let dims = [0, 2, 3];
+                let what = format!("{shape:?} {dtype} channels-last {channels_last}");
+                let fused = kiln_core::dispatch::apply(
+                    Prim::Reduce {
+                        op: ReduceOp::SumSqDev,
+                        dims: dims.to_vec(),
+                    },
+                    &[&x],
+                )
+                .map_err(e)?;
+                let prims = kiln_core::ops::reduce::sum_sq_dev_as_ops(&x, &dims).map_err(e)?;
+                let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                    Ok(t.to_dtype(DType::F32)?
+                        .to(Device::Cpu)?
+                        .to_vec::<f32>()?
+                        .into_iter()
+                        .map(f32::to_bits)
+                        .collect())
+                };
+                let (f, p) = (bits(&fused).map_err(e)?, bits(&prims).map_err(e)?);
+                if f != p || f.len() != c {
+                    return Err(format!("{what}: fused {f:x?} vs prims {p:x?}"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 reduce_test!(reduce_sum, 1e-6, true, |x, d| x.sum(&[d], true));
 reduce_test!(reduce_sum_all, 1e-6, true, |x, _| x.sum_all());
 reduce_test!(reduce_sum_two_dims, 1e-6, true, |x, d| {
@@ -848,6 +899,10 @@ fn main() {
         ("compare_all", compare_all),
         ("reduce_sum", reduce_sum),
         ("reduce_long_rows_split", reduce_long_rows_split),
+        (
+            "squared_deviations_fused_equal_their_prims",
+            squared_deviations_fused_equal_their_prims,
+        ),
         ("reduce_sum_all", reduce_sum_all),
         ("reduce_sum_two_dims", reduce_sum_two_dims),
         ("reduce_mean", reduce_mean),

@@ -10,8 +10,9 @@
 //!   walk with the norm's mean, so the input is read once for its statistics, not twice.
 //!
 //! Both forms are `kiln_core::ops::reduce::sum_sq_dev_as_ops`, recorded into the graph
-//! (`kiln_compile::record::splice`): the tensor code kiln-cuda's eager runtime runs, so a GPU's
-//! compiled results compute what its eager ones do, from one definition.
+//! (`kiln_compile::record::splice`): the definition kiln-cuda's eager runtime runs (its moment
+//! sums fused there, the same values added in the same order), so a GPU's compiled results
+//! compute what its eager ones do.
 
 use kiln_compile::graph::{Graph, NodeId, Op};
 use kiln_core::prim::{Prim, ReduceOp};

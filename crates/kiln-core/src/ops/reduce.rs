@@ -80,24 +80,44 @@ pub fn sq_dev_in_moment_sums(shape: &[usize], dtype: DType, dims: &[usize]) -> b
 /// is the digits of mean² / variance out of f64's sixteen, nothing an f32 result holds for any
 /// batch norm's input — else the mean, then the sum of the squares around it (two walks).
 pub fn sum_sq_dev_as_ops(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    sum_sq_dev_with(x, dims, |x| moment_sums(x, dims))
+}
+
+/// `sum_sq_dev_as_ops` with its moment sums — `(Σx, Σx²)` over `dims` (kept) of `x` in f64,
+/// each value widened to f64 before it is squared and added — computed by `moments`: a device
+/// may take both in one fused kernel of its own (kiln-cuda's eager runtime does) where the prims
+/// (`moment_sums`) write x in f64 and its square first. The sums must equal the prims' to the
+/// bit (same values, added in the device's order for a sum), so the result does too.
+pub fn sum_sq_dev_with(
+    x: &Tensor,
+    dims: &[usize],
+    moments: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
+) -> Result<Tensor> {
     let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
-    let sum = |t: &Tensor| {
-        apply(
-            Prim::Reduce {
-                op: ReduceOp::Sum,
-                dims: dims.to_vec(),
-            },
-            &[t],
-        )
-    };
     if sq_dev_in_moment_sums(x.shape(), x.dtype(), dims) {
-        let xd = x.to_dtype(DType::F64)?;
-        let (s1, s2) = (sum(&xd)?, sum(&xd.mul(&xd)?)?);
+        let (s1, s2) = moments(x)?;
         let m2 = s2.sub(&s1.mul(&s1)?.div(count as f64)?)?;
         return m2.clamp(Some(0.0), None)?.to_dtype(x.dtype());
     }
-    let centered = x.sub(&sum(x)?.div(count as f64)?)?;
-    sum(&centered.square()?)
+    let centered = x.sub(&sum_over(x, dims)?.div(count as f64)?)?;
+    sum_over(&centered.square()?, dims)
+}
+
+/// `(Σx, Σx²)` over `dims` (kept) of `x` in f64, as prims: x widened, then squared.
+pub fn moment_sums(x: &Tensor, dims: &[usize]) -> Result<(Tensor, Tensor)> {
+    let xd = x.to_dtype(DType::F64)?;
+    Ok((sum_over(&xd, dims)?, sum_over(&xd.mul(&xd)?, dims)?))
+}
+
+/// The sum prim over `dims` (normalized, kept).
+fn sum_over(t: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    apply(
+        Prim::Reduce {
+            op: ReduceOp::Sum,
+            dims: dims.to_vec(),
+        },
+        &[t],
+    )
 }
 
 fn reduce(

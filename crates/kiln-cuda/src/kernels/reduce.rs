@@ -54,8 +54,9 @@ fn acc_type(op: ReduceOp, d: DType) -> &'static str {
     compute_type(acc_dtype(op, d))
 }
 
-// `ReduceOp::SumSqDev` never comes here: the runtime computes it as two sums
-// (`kiln_core::ops::reduce::sum_sq_dev_as_ops`), and `launch` refuses it.
+// `ReduceOp::SumSqDev` never comes here: the runtime computes it as sums
+// (`kiln_core::ops::reduce::sum_sq_dev_with`, its moment sums by `launch_f64_sum`), and `launch`
+// refuses it.
 fn init(op: ReduceOp, d: DType) -> &'static str {
     match (op, d) {
         (ReduceOp::Sum | ReduceOp::SumSqDev, _) => "0",
@@ -137,6 +138,50 @@ pub(crate) fn launch(
     layout: &Layout,
     out: &CudaBuffer,
 ) -> Result<()> {
+    launch_with(dev, op, Term::Value, dims, x, layout, out)
+}
+
+/// A float `x`'s sum over `dims` (`Term::Value`) or sum of squares (`Term::Square`), each value
+/// widened to f64 before it is squared and added, into `out` (f64, contiguous, keepdim shape):
+/// what `x.to_dtype(F64)`, its square and a sum compute, added in the same order (the sum's
+/// chunks and threads walk the reduced elements alike whatever the operand's dtype), without
+/// writing either. Squared deviations' moment sums (`kiln_core::ops::reduce::sum_sq_dev_with`).
+pub(crate) fn launch_f64_sum(
+    dev: &Arc<CudaDevice>,
+    term: Term,
+    dims: &[usize],
+    x: &CudaBuffer,
+    layout: &Layout,
+    out: &CudaBuffer,
+) -> Result<()> {
+    if !x.dtype.is_float() || out.dtype != DType::F64 {
+        return Err(kiln_core::Error::arg(
+            "reduce",
+            format!(
+                "f64 moment sums take a float operand into f64, not {} into {}",
+                x.dtype, out.dtype
+            ),
+        ));
+    }
+    launch_with(dev, ReduceOp::Sum, term, dims, x, layout, out)
+}
+
+/// What a sum adds for each element: its value, or its square (in the accumulator's type).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Term {
+    Value,
+    Square,
+}
+
+fn launch_with(
+    dev: &Arc<CudaDevice>,
+    op: ReduceOp,
+    term: Term,
+    dims: &[usize],
+    x: &CudaBuffer,
+    layout: &Layout,
+    out: &CudaBuffer,
+) -> Result<()> {
     if op == ReduceOp::SumSqDev {
         return Err(kiln_core::Error::arg(
             "reduce",
@@ -163,6 +208,8 @@ pub(crate) fn launch(
     let kind = Kind {
         op,
         d,
+        out: out.dtype,
+        term,
         kr,
         rr,
         narrow,
@@ -220,7 +267,11 @@ pub(crate) fn launch(
 /// What a reduction kernel's code depends on.
 struct Kind {
     op: ReduceOp,
+    /// The operand's dtype, and the output's: the operand's, or the accumulator's
+    /// (`launch_f64_sum`).
     d: DType,
+    out: DType,
+    term: Term,
     kr: usize,
     rr: usize,
     /// Reduced element numbers fit 32 bits: the index divisions are 32-bit ones.
@@ -230,9 +281,11 @@ struct Kind {
 impl Kind {
     fn sig(&self) -> String {
         format!(
-            "red:{:?}:{}:k{}:r{}:n{}",
+            "red:{:?}:{}:{}:{:?}:k{}:r{}:n{}",
             self.op,
             self.d.tag(),
+            self.out.tag(),
+            self.term,
             self.kr,
             self.rr,
             self.narrow as u8
@@ -262,19 +315,31 @@ fn source(k: &Kind, pass: Pass) -> String {
         "__device__ __forceinline__ {acc} comb({acc} a, {acc} b) {{ {} }}",
         combine(op, acc)
     );
+    // what each element adds (no FMA: NVRTC compiles with --fmad=false)
+    let _ = writeln!(
+        s,
+        "__device__ __forceinline__ {acc} term({acc} v) {{ return {}; }}",
+        match k.term {
+            Term::Value => "v",
+            Term::Square => "v * v",
+        }
+    );
     let init = init(op, d);
+    // the output in the operand's dtype, or in the accumulator's
+    let (out_c, store_a) = match k.out == d {
+        true => (c_type(d), store(d, "a")),
+        false => (acc, "a".to_string()),
+    };
     if pass == Pass::Finish {
         let _ = writeln!(
             s,
-            "extern \"C\" __global__ void k({}* __restrict__ out, const {acc}* __restrict__ p, long long nout, long long chunks) {{
+            "extern \"C\" __global__ void k({out_c}* __restrict__ out, const {acc}* __restrict__ p, long long nout, long long chunks) {{
   for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < nout; o += (long long)gridDim.x * blockDim.x) {{
     {acc} a = {init};
     for (long long c = 0; c < chunks; ++c) a = comb(a, p[o * chunks + c]);
-    out[o] = {};
+    out[o] = {store_a};
   }}
-}}",
-            c_type(d),
-            store(d, "a")
+}}"
         );
         return s;
     }
@@ -303,10 +368,10 @@ fn source(k: &Kind, pass: Pass) -> String {
         }
     }
     s.push_str("  return off; }\n");
-    let load_x = load(d, "x[base + roff(g, r)]");
+    let load_x = format!("term(({acc}){})", load(d, "x[base + roff(g, r)]"));
     let (out_t, params) = match pass {
         Pass::Partial => (acc, ", long long chunk, long long chunks"),
-        _ => (c_type(d), ""),
+        _ => (out_c, ""),
     };
     let _ = writeln!(
         s,
@@ -316,8 +381,7 @@ fn source(k: &Kind, pass: Pass) -> String {
     if pass == Pass::PerThread {
         let _ = writeln!(
             s,
-            "  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < g.nout; o += (long long)gridDim.x * blockDim.x) {{\n    long long base = kbase(g, o); {acc} a = {init};\n    for (long long r = 0; r < g.nred; ++r) a = comb(a, ({acc}){load_x});\n    out[o] = {};\n  }}\n}}",
-            store(d, "a")
+            "  for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < g.nout; o += (long long)gridDim.x * blockDim.x) {{\n    long long base = kbase(g, o); {acc} a = {init};\n    for (long long r = 0; r < g.nred; ++r) a = comb(a, {load_x});\n    out[o] = {store_a};\n  }}\n}}"
         );
         return s;
     }
@@ -330,7 +394,7 @@ fn source(k: &Kind, pass: Pass) -> String {
             "min(g.nred, (b % chunks + 1) * chunk)",
             "a".to_string(),
         ),
-        _ => ("g.nout", "b", "0", "g.nred", store(d, "a")),
+        _ => ("g.nout", "b", "0", "g.nred", store_a.clone()),
     };
     let _ = writeln!(
         s,
@@ -339,7 +403,7 @@ fn source(k: &Kind, pass: Pass) -> String {
     long long base = kbase(g, {row});
     long long hi = {hi};
     {acc} a = {init};
-    for (long long r = {lo} + threadIdx.x; r < hi; r += blockDim.x) a = comb(a, ({acc}){load_x});
+    for (long long r = {lo} + threadIdx.x; r < hi; r += blockDim.x) a = comb(a, {load_x});
     for (int m = 16; m > 0; m >>= 1) a = comb(a, __shfl_xor_sync(0xffffffffu, a, m));
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
     if (lane == 0) part[warp] = a;
