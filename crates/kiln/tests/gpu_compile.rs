@@ -221,6 +221,44 @@ fn differential(
     Ok(())
 }
 
+/// A kernel taking both the sine and the cosine of one value calls `sincosf` once
+/// (`codegen/cuda_sincos.rs`): its results equal eager's separate `sinf` and `cosf` to the bit,
+/// f32 and f64, through the vector loop and the scalar one, for arguments small, large (CUDA's
+/// slow reduction path), infinite and NaN.
+fn sine_and_cosine_of_one_value_match_eager() -> Outcome {
+    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> {
+        let (s, c) = (a[0].sin()?, a[0].cos()?);
+        Ok(vec![s.add(&c)?, s.mul(&c)?])
+    };
+    let compiled = kiln::compile_fn(f, CompileOptions::default()).map_err(err)?;
+    for (n, dtype) in [
+        (1 << 20, DType::F32),
+        (1001, DType::F32),
+        (1 << 16, DType::F64),
+    ] {
+        let scales = [1.0, 100.0, 1e4, 1e6, 1e30];
+        let mut v: Vec<f64> = randn(&[n], 7)
+            .and_then(|t| t.to_vec_f64())
+            .map_err(err)?
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x * scales[i % scales.len()])
+            .collect();
+        let specials = [0.0, -0.0, f64::INFINITY, f64::NEG_INFINITY, f64::NAN];
+        for (i, s) in specials.iter().enumerate() {
+            v[i * 97] = *s;
+        }
+        let x = Tensor::from_vec(v, &[n])
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.to(CUDA))
+            .map_err(err)?;
+        let got = compiled.call(std::slice::from_ref(&x)).map_err(err)?;
+        let want = f(std::slice::from_ref(&x)).map_err(err)?;
+        same_outputs(&format!("{n} {dtype}"), &got, &want, 0.0)?;
+    }
+    Ok(())
+}
+
 fn pointwise_chain() -> Outcome {
     differential("pointwise_chain", &[&[33, 65], &[65]], 1e-5, |x| {
         let y = x[0].mul(&x[1])?.add(1.0)?.tanh()?.mul(&x[0].sin()?)?;
@@ -1086,7 +1124,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 33] = [
+    let tests: [(&str, Check); 34] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -1159,6 +1197,10 @@ fn main() {
         ),
         ("plain_sgd_step", plain_sgd_step),
         ("pointwise_chain", pointwise_chain),
+        (
+            "sine_and_cosine_of_one_value_match_eager",
+            sine_and_cosine_of_one_value_match_eager,
+        ),
         ("reductions_every_strategy", reductions_every_strategy),
         (
             "split_reductions_few_long_rows",

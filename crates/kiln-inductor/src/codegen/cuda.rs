@@ -37,6 +37,8 @@ pub(crate) const PRELUDE: &str = r#"#define int64_t long long
 #define kiln_cosf cosf
 #define kiln_sin sin
 #define kiln_cos cos
+#define kiln_sincosf sincosf
+#define kiln_sincos sincos
 template <typename T> struct alignas(4 * sizeof(T)) kiln_v4 { T v[4]; };
 "#;
 
@@ -246,6 +248,7 @@ pub(super) fn finish(
     grid: u32,
     block: u32,
 ) -> CudaKernel {
+    let text = super::cuda_sincos::pair(&text);
     let sig = params
         .iter()
         .map(|(t, n)| format!("{t} {n}"))
