@@ -2,6 +2,7 @@
 //! eagerly here and, when the compiler traces a backward pass, they record prims like any other code.
 
 use crate::dispatch::apply;
+use crate::ops::reduce::{mean_over, sum_over};
 use crate::prim::{BinaryOp, Prim, ReduceOp, UnaryOp};
 use crate::{Error, Result, Tensor};
 
@@ -116,29 +117,12 @@ fn reduce_vjp(
     match op {
         ReduceOp::Sum => Ok(g_full),
         // d/dx_i Σ (x - mean)² = 2 (x_i - mean) (the mean's own gradient, Σ 2 (x - mean) / n,
-        // is zero). The mean is written as `Tensor::mean` writes it, so a graph holding both
-        // (a norm's forward and backward) computes it once (`kiln_compile::cse`).
-        ReduceOp::SumSqDev => {
-            let count: usize = dims.iter().map(|&d| shape[d]).product();
-            let mean = apply(
-                Prim::Reduce {
-                    op: ReduceOp::Sum,
-                    dims: dims.to_vec(),
-                },
-                &[x],
-            )?
-            .div(count as f64)?;
-            g_full.mul(&x.sub(&mean)?)?.mul(2.0)
-        }
+        // is zero). The mean is `mean_over`'s, as a norm's forward writes it, so a graph holding
+        // both (a norm's forward and backward) computes it once (`kiln_compile::cse`).
+        ReduceOp::SumSqDev => g_full.mul(&x.sub(&mean_over(x, dims)?)?)?.mul(2.0),
         ReduceOp::Max | ReduceOp::Min => {
             let mask = x.eq(&out_full)?.to_dtype(g.dtype())?;
-            let count = apply(
-                Prim::Reduce {
-                    op: ReduceOp::Sum,
-                    dims: dims.to_vec(),
-                },
-                &[&mask],
-            )?;
+            let count = sum_over(&mask, dims)?;
             let count = apply(Prim::Expand(shape), &[&count])?;
             g_full.mul(&mask)?.div(&count)
         }
@@ -146,13 +130,7 @@ fn reduce_vjp(
             // d prod / d x_i = prod_{j != i} x_j, exact with zeros: one zero keeps the product of the
             // others at its position, two or more zeros make every gradient 0.
             let is_zero = x.eq(0.0)?;
-            let zeros = apply(
-                Prim::Reduce {
-                    op: ReduceOp::Sum,
-                    dims: dims.to_vec(),
-                },
-                &[&is_zero.to_dtype(x.dtype())?],
-            )?;
+            let zeros = sum_over(&is_zero.to_dtype(x.dtype())?, dims)?;
             let nonzero_x = Tensor::where_(&is_zero, &Tensor::ones_like(x)?, x)?;
             let prod_nz = apply(
                 Prim::Reduce {

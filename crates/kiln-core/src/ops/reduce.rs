@@ -40,7 +40,6 @@ fn drop_dims(x: &Tensor, dims: &[usize], keepdim: bool) -> Result<Tensor> {
 /// what a variance divides by its count. A norm's variance, in one walk where the mean and the
 /// squares around it took two.
 fn sum_sq_dev(x: &Tensor, d: &[usize]) -> Result<Tensor> {
-    let x = &x.to_dtype(x.dtype().to_float())?;
     if d.is_empty() {
         // one value per output (a scalar): no deviation (NaN for an infinite value, as Welford's)
         return x.sub(x)?.square();
@@ -93,14 +92,13 @@ pub fn sum_sq_dev_with(
     dims: &[usize],
     moments: impl FnOnce(&Tensor) -> Result<(Tensor, Tensor)>,
 ) -> Result<Tensor> {
-    let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
     if sq_dev_in_moment_sums(x.shape(), x.dtype(), dims) {
+        let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
         let (s1, s2) = moments(x)?;
         let m2 = s2.sub(&s1.mul(&s1)?.div(count as f64)?)?;
         return m2.clamp(Some(0.0), None)?.to_dtype(x.dtype());
     }
-    let centered = x.sub(&sum_over(x, dims)?.div(count as f64)?)?;
-    sum_over(&centered.square()?, dims)
+    sum_over(&x.sub(&mean_over(x, dims)?)?.square()?, dims)
 }
 
 /// `(Σx, Σx²)` over `dims` (kept) of `x` in f64, as prims: x widened, then squared.
@@ -109,8 +107,16 @@ pub fn moment_sums(x: &Tensor, dims: &[usize]) -> Result<(Tensor, Tensor)> {
     Ok((sum_over(&xd, dims)?, sum_over(&xd.mul(&xd)?, dims)?))
 }
 
+/// The mean over `dims` (normalized, kept) as the sum prim and a division: written one way for
+/// every rule that needs it (squared deviations' two-sums form, their derivative), so a graph
+/// holding several has the same nodes, which `kiln_compile::cse` computes once.
+pub(crate) fn mean_over(x: &Tensor, dims: &[usize]) -> Result<Tensor> {
+    let count: usize = dims.iter().map(|&d| x.shape()[d]).product();
+    sum_over(x, dims)?.div(count as f64)
+}
+
 /// The sum prim over `dims` (normalized, kept).
-fn sum_over(t: &Tensor, dims: &[usize]) -> Result<Tensor> {
+pub(crate) fn sum_over(t: &Tensor, dims: &[usize]) -> Result<Tensor> {
     apply(
         Prim::Reduce {
             op: ReduceOp::Sum,
