@@ -424,22 +424,21 @@ pub(crate) fn prepare_cuda(graph: &Graph, tuned: bool) -> Result<std::borrow::Co
 /// taken from its output (`relu_mask.rs`). `None` when none rewrites anything. Tests that capture graphs call
 /// it to see what the `kiln` backend partitions.
 pub fn prepare_joint(joint: &Graph) -> Result<Option<Graph>> {
+    let on_device = joint.device() != kiln_core::Device::Cpu;
     // a device's reductions take squared deviations as two sums (`two_pass.rs`)
-    let two = match joint.device() {
-        kiln_core::Device::Cpu => None,
-        _ => crate::two_pass::two_pass(joint)?,
+    let two = match on_device {
+        true => crate::two_pass::two_pass(joint)?,
+        false => None,
     };
-    let rewritten = {
-        let joint = two.as_ref().unwrap_or(joint);
-        let picked = crate::one_hot::one_hot(joint);
-        let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(joint)).or(picked);
-        // what lets a training forward's ReLUs join their GEMMs, where `prepare` fuses epilogues
-        match joint.device() {
-            kiln_core::Device::Cpu => nhwc,
-            _ => crate::relu_mask::relu_masks_from_outputs(nhwc.as_ref().unwrap_or(joint)).or(nhwc),
-        }
+    let g = two.as_ref().unwrap_or(joint);
+    let picked = crate::one_hot::one_hot(g);
+    let nhwc = crate::channels_last::channels_last(picked.as_ref().unwrap_or(g)).or(picked);
+    // what lets a training forward's ReLUs join their GEMMs, where `prepare` fuses epilogues
+    let masks = match on_device {
+        true => crate::relu_mask::relu_masks_from_outputs(nhwc.as_ref().unwrap_or(g)).or(nhwc),
+        false => nhwc,
     };
-    Ok(rewritten.or(two))
+    Ok(masks.or(two))
 }
 
 /// How `ctx` asks for CUDA graphs to be compiled. torch.compile's modes: reduce-overhead and

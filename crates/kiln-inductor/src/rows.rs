@@ -136,19 +136,20 @@ pub(crate) fn group_rows<T: Target>(
                 break;
             };
             let reads_run = t.inputs(kernel).iter().any(|i| roots.contains(i));
-            let joins = joins_rows(graph, sched, root, &domain, t.row_reach());
+            let joins = || joins_rows(graph, sched, root, &domain, t.row_reach());
             // on the C target a reduction over the same rows joins though it reads no member
             // (a norm's squared deviations beside its mean): its walk is the mean's
             // (`codegen/c_rows.rs`); a GPU's warp rows keep such a reduction apart
             let sibling = !reads_run
-                && joins
                 && t.row_reach() == RowReach::Any
-                && sched.kinds[root] == Kind::Reduction;
+                && sched.kinds[root] == Kind::Reduction
+                && joins();
             if !reads_run && !sibling && pending.len() < MAX_HOISTED {
                 pending.extend(rest.next());
                 continue;
             }
-            if !(reads_run || sibling) || !joins {
+            // a sibling joins (checked above); a reader joins where its rows are the run's
+            if !(sibling || (reads_run && joins())) {
                 break;
             }
             roots.push(root);
