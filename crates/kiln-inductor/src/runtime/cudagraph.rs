@@ -34,10 +34,15 @@ pub struct CudaGraphed {
     inner: Arc<dyn CompiledGraph>,
     device: Device,
     static_inputs: Vec<bool>,
-    state: Mutex<State>,
+    calls: Mutex<Calls>,
+}
+
+/// What the calls so far have left.
+struct Calls {
+    state: State,
     /// Per input: a call has passed a tensor other than the one recorded there, so a recording
-    /// copies it instead of holding it (read with `state` locked).
-    varies: Mutex<Vec<bool>>,
+    /// copies it instead of holding it.
+    varies: Vec<bool>,
 }
 
 enum State {
@@ -83,8 +88,10 @@ impl CudaGraphed {
             inner,
             device,
             static_inputs: graph.static_inputs.clone(),
-            state: Mutex::new(state),
-            varies: Mutex::new(vec![false; graph.num_inputs]),
+            calls: Mutex::new(Calls {
+                state,
+                varies: vec![false; graph.num_inputs],
+            }),
         }
     }
 
@@ -93,8 +100,7 @@ impl CudaGraphed {
     }
 
     /// Marks as varying each argument that is not the tensor the call `before` passed there.
-    fn note_varying(&self, before: &[WeakTensor], inputs: &[Tensor]) {
-        let mut varies = self.varies.lock().unwrap_or_else(|e| e.into_inner());
+    fn note_varying(varies: &mut [bool], before: &[WeakTensor], inputs: &[Tensor]) {
         for ((w, t), v) in before.iter().zip(inputs).zip(varies.iter_mut()) {
             let same = w
                 .upgrade()
@@ -105,12 +111,7 @@ impl CudaGraphed {
 
     /// Records one run, reading where they lie the static inputs, other recordings' outputs and
     /// the device arguments no call has varied; the rest from buffers of the recording's own.
-    fn record(&self, inputs: &[Tensor]) -> Result<Recording> {
-        let varies = self
-            .varies
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+    fn record(&self, inputs: &[Tensor], varies: &[bool]) -> Result<Recording> {
         let mut mine = Vec::with_capacity(inputs.len());
         let mut in_place = Vec::with_capacity(inputs.len());
         for (i, t) in inputs.iter().enumerate() {
@@ -166,7 +167,7 @@ impl CudaGraphed {
     /// in place is not what was recorded (a parameter replaced, another argument, another tensor
     /// where a recording's output was): the recording is stale, and each argument that differs
     /// is marked as varying.
-    fn load_inputs(&self, rec: &Recording, inputs: &[Tensor]) -> Result<bool> {
+    fn load_inputs(&self, rec: &Recording, inputs: &[Tensor], varies: &mut [bool]) -> Result<bool> {
         let mut stale = false;
         for (i, (t, mine)) in inputs.iter().zip(&rec.inputs).enumerate() {
             let same = match (self.is_static(i, t), rec.in_place[i]) {
@@ -176,12 +177,7 @@ impl CudaGraphed {
             };
             if !same {
                 stale = true;
-                if let Some(v) = self
-                    .varies
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_mut(i)
-                {
+                if let Some(v) = varies.get_mut(i) {
                     *v = true;
                 }
             }
@@ -287,31 +283,31 @@ fn copy_to_device(t: &Tensor, device: Device) -> Result<Tensor> {
 impl CompiledGraph for CudaGraphed {
     fn run(&self, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         no_grad(|| {
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            if let State::Recorded(rec) = &mut *st {
-                if self.load_inputs(rec, inputs)? {
+            let mut calls = self.calls.lock().unwrap_or_else(|e| e.into_inner());
+            let Calls { state, varies } = &mut *calls;
+            if let State::Recorded(rec) = state {
+                if self.load_inputs(rec, inputs, varies)? {
                     return self.replay(rec);
                 }
-                *st = State::Warm(Vec::new()); // stale: record again
+                *state = State::Warm(Vec::new()); // stale: record again
             }
-            let before = match &*st {
+            match state {
                 State::Fresh => {
-                    *st = State::Warm(inputs.iter().map(Tensor::downgrade).collect());
-                    drop(st);
+                    *state = State::Warm(inputs.iter().map(Tensor::downgrade).collect());
+                    drop(calls);
                     return self.inner.run(inputs);
                 }
                 State::Off => {
-                    drop(st);
+                    drop(calls);
                     return self.inner.run(inputs);
                 }
-                State::Warm(before) => before.as_slice(),
-                State::Recorded(_) => &[],
-            };
-            self.note_varying(before, inputs);
-            match self.record(inputs) {
+                State::Warm(before) => Self::note_varying(varies, before, inputs),
+                State::Recorded(_) => {}
+            }
+            match self.record(inputs, varies) {
                 Ok(mut rec) => {
                     let out = self.replay(&mut rec);
-                    *st = State::Recorded(rec);
+                    *state = State::Recorded(rec);
                     out
                 }
                 Err(e) => {
@@ -322,8 +318,8 @@ impl CompiledGraph for CudaGraphed {
                              ({e}); it runs without one"
                         )
                     });
-                    *st = State::Off;
-                    drop(st);
+                    *state = State::Off;
+                    drop(calls);
                     self.inner.run(inputs)
                 }
             }
