@@ -85,7 +85,8 @@ pub struct TuneConfig {
     pub row_block: u32,
     /// Output elements (one per warp) per block of a warp reduction (at most 32).
     pub warp_rows: u32,
-    /// Most blocks per multiprocessor of a grid-stride loop (the grid multiplier).
+    /// Most blocks per multiprocessor of a grid-stride loop (the grid multiplier). A vector
+    /// loop without hoisted per-lane values launches a thread per vector (`lane_grid`).
     pub waves: u32,
 }
 
@@ -103,7 +104,8 @@ impl Default for TuneConfig {
 impl TuneConfig {
     /// The configurations max-autotune tries, the default first: smaller and larger blocks,
     /// fewer and more waves (a short kernel gains from fewer blocks, a long memory-bound one
-    /// from more in flight).
+    /// from more in flight). The waves do not change a vector loop without hoisted per-lane
+    /// values: it launches a thread per vector (`lane_grid`).
     pub fn candidates() -> Vec<TuneConfig> {
         let d = TuneConfig::default();
         vec![
@@ -821,13 +823,22 @@ pub(crate) mod tests {
     }
 
     /// The candidates are valid, distinct, the default first, and each one changes the
-    /// generated launches of the sample (a candidate that changed nothing would be timed for
-    /// nothing).
+    /// generated launches of the sample with a channels-last tensor scaled per channel (whose
+    /// vector loop hoists the scale and so loops in a few waves of blocks: `lane_grid`) — a
+    /// candidate that changed nothing would be timed for nothing.
     #[test]
     fn candidates_are_valid_and_each_changes_the_kernels() {
         let cs = TuneConfig::candidates();
         assert_eq!(cs[0], TuneConfig::default());
-        let g = sample_graph();
+        let mut g = sample_graph();
+        let shape = [64usize, 56, 56, 64];
+        let x = input(&mut g, &shape);
+        let var = input(&mut g, &[1, 1, 1, 64]);
+        let root = unary(&mut g, UnaryOp::Sqrt, var);
+        let rstd = unary(&mut g, UnaryOp::Recip, root);
+        let wide = expand(&mut g, rstd, &shape);
+        let y = binary(&mut g, BinaryOp::Mul, x, wide);
+        g.outputs.push(y);
         let mut seen = Vec::new();
         for c in &cs {
             assert!(c.valid(), "{c:?}");
