@@ -1,9 +1,13 @@
 //! The process-wide cache of compiled graphs, keyed on structure (DESIGN.md invariant 4): a graph
 //! that was compiled once — by any function, any layer — is never compiled again in this process.
+//! Per backend instance: the registry's named backends are one `Arc` each, shared by every
+//! function that names them, while two custom backends are two backends even under one name (as
+//! `torch.compile` caches per backend callable) — one that records the graphs it is given sees
+//! its own.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use kiln_core::{profiler, Result};
 
@@ -12,11 +16,23 @@ use crate::debug;
 use crate::graph::Graph;
 use crate::logs::{self, Channel};
 
-type Key = (String, String, Vec<u8>);
+/// The backend instance's address, the compile options, the graph's structure.
+type Key = (usize, String, Vec<u8>);
 
-fn cache() -> &'static Mutex<HashMap<Key, Arc<dyn CompiledGraph>>> {
-    static C: OnceLock<Mutex<HashMap<Key, Arc<dyn CompiledGraph>>>> = OnceLock::new();
+/// A compiled graph and the backend that compiled it: an entry whose backend was dropped (and
+/// whose address another may now have) is stale.
+struct Entry {
+    backend: Weak<dyn Backend>,
+    compiled: Arc<dyn CompiledGraph>,
+}
+
+fn cache() -> &'static Mutex<HashMap<Key, Entry>> {
+    static C: OnceLock<Mutex<HashMap<Key, Entry>>> = OnceLock::new();
     C.get_or_init(Default::default)
+}
+
+fn address(backend: &Arc<dyn Backend>) -> usize {
+    Arc::as_ptr(backend).cast::<()>() as usize
 }
 
 static EPOCH: AtomicU64 = AtomicU64::new(0);
@@ -51,7 +67,7 @@ pub fn reset() {
 }
 
 pub(crate) fn compile_cached(
-    backend: &dyn Backend,
+    backend: &Arc<dyn Backend>,
     ctx: &BackendContext,
     graph: &Graph,
     name: &str,
@@ -65,10 +81,15 @@ pub(crate) fn compile_cached(
         ctx.fullgraph,
         kiln_core::backends::fingerprint()
     );
-    let key = (backend.name().to_string(), options, graph.structure_key());
-    if let Some(c) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        HITS.fetch_add(1, Ordering::Relaxed);
-        return Ok(c.clone());
+    let key = (address(backend), options, graph.structure_key());
+    if let Some(e) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        if e.backend
+            .upgrade()
+            .is_some_and(|b| Arc::ptr_eq(&b, backend))
+        {
+            HITS.fetch_add(1, Ordering::Relaxed);
+            return Ok(e.compiled.clone());
+        }
     }
     let n = COMPILES.fetch_add(1, Ordering::Relaxed);
     logs::emit(Channel::GraphCode, || {
@@ -83,9 +104,13 @@ pub(crate) fn compile_cached(
         });
         backend.compile(graph, ctx)?
     };
+    let entry = Entry {
+        backend: Arc::downgrade(backend),
+        compiled: compiled.clone(),
+    };
     cache()
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .insert(key, compiled.clone());
+        .insert(key, entry);
     Ok(compiled)
 }

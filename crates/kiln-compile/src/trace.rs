@@ -282,7 +282,7 @@ impl Tracer {
                 format!("graph break in {}: {b}", self.name)
             });
         }
-        let compiled = cache::compile_cached(self.backend.as_ref(), &self.ctx, &graph, &self.name)?;
+        let compiled = cache::compile_cached(&self.backend, &self.ctx, &graph, &self.name)?;
         let inputs: Vec<Tensor> = sources
             .iter()
             .map(|s| s.resolve(&self.args))

@@ -179,6 +179,36 @@ fn a_user_backend_receives_the_graph_by_value_and_by_name() -> Result<()> {
     Ok(())
 }
 
+/// The compiled-graph cache is per backend instance: two user backends of one name each receive
+/// the graph (as `torch.compile` caches per backend callable), while one backend compiles a
+/// structure once however many functions trace it.
+#[test]
+fn two_user_backends_of_one_name_each_receive_the_graph() -> Result<()> {
+    let x = Tensor::randn(&[3, 3], DType::F32)?;
+    let recorders: Vec<Arc<Recording>> = (0..2)
+        .map(|_| {
+            Arc::new(Recording {
+                graphs: Mutex::new(Vec::new()),
+            })
+        })
+        .collect();
+    for rec in recorders.iter().chain(&recorders) {
+        let f = compile_fn(
+            |a: &[Tensor]| Ok(vec![a[0].mul(23456.0)?.tanh()?.neg()?]),
+            CompileOptions::default().custom_backend(rec.clone()),
+        )?;
+        close(
+            &f.call(std::slice::from_ref(&x))?[0],
+            &x.mul(23456.0)?.tanh()?.neg()?,
+            1e-6,
+        );
+    }
+    for rec in &recorders {
+        assert_eq!(rec.graphs.lock().unwrap().len(), 1);
+    }
+    Ok(())
+}
+
 #[test]
 fn parameters_are_inputs_by_reference_and_identical_layers_share_a_compile() -> Result<()> {
     let a = Linear::new(10, 10, true)?;

@@ -228,7 +228,7 @@ impl<'f> CompiledFn<'f> {
         outs: &[Tensor],
     ) -> Result<Entry> {
         let ctx = self.backend_context();
-        let compiled = cache::compile_cached(self.backend.as_ref(), &ctx, &cap.graph, &self.name)?;
+        let compiled = cache::compile_cached(&self.backend, &ctx, &cap.graph, &self.name)?;
         let mut e = build_entry(
             args,
             extra,

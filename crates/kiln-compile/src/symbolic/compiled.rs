@@ -60,7 +60,7 @@ impl PerSizeCompiled {
             values: syms.clone(),
         };
         let c = with_context(size, || {
-            cache::compile_cached(self.backend.as_ref(), &self.ctx, &g, &self.name)
+            cache::compile_cached(&self.backend, &self.ctx, &g, &self.name)
         })?;
         self.per_size
             .lock()
