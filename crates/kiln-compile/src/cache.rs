@@ -108,9 +108,9 @@ pub(crate) fn compile_cached(
         backend: Arc::downgrade(backend),
         compiled: compiled.clone(),
     };
-    cache()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key, entry);
+    let mut cache = cache().lock().unwrap_or_else(|e| e.into_inner());
+    // the entries of backends dropped since (a compile is rare next to a sweep of the map)
+    cache.retain(|_, e| e.backend.strong_count() > 0);
+    cache.insert(key, entry);
     Ok(compiled)
 }

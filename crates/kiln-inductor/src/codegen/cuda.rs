@@ -216,7 +216,8 @@ impl Cuda {
 /// Elements below which a kernel's index arithmetic is 32-bit (`Cuda::narrow_index`). Every
 /// index value and subexpression is bounded by the buffers' and loops' extents (a clamped pad
 /// index, a flat index split by division and modulo) plus the grid-stride step (at most
-/// `sm_count * waves * block` threads, a few million); 2^27 leaves that a factor of 16 below
+/// `sm_count * waves * block` threads, a few million, or in a vector loop of a thread per
+/// vector a quarter of the elements, `lane_grid`); 2^27 leaves that a factor of 12 below
 /// `int`'s range.
 const INT_INDEX_BELOW: usize = 1 << 27;
 
