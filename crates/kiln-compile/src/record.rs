@@ -65,12 +65,11 @@ impl Recorder {
         device: Device,
         requires_grad: bool,
     ) -> Tensor {
-        let me: Arc<dyn Deferred> = self.clone();
-        let t = Tensor::deferred(shape, dtype, device, me);
-        let mut st = self.lock();
-        let id = st.graph.push_input(shape, dtype, device, requires_grad);
-        st.known.insert(t.id(), id);
-        t
+        let id = self
+            .lock()
+            .graph
+            .push_input(shape, dtype, device, requires_grad);
+        self.bind(id)
     }
 
     /// A tensor standing for the value of node `id`, which the graph already has.

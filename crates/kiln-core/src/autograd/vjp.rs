@@ -182,13 +182,7 @@ pub(super) fn vjp(prim: &Prim, ins: &[Tensor], out: &Tensor, g: &Tensor) -> Resu
             if dims.is_empty() {
                 one(g.clone())
             } else {
-                one(apply(
-                    Prim::Reduce {
-                        op: ReduceOp::Sum,
-                        dims,
-                    },
-                    &[g],
-                )?)
+                one(sum_over(g, &dims)?)
             }
         }
         Prim::Slice {

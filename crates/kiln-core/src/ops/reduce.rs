@@ -102,7 +102,7 @@ pub fn sum_sq_dev_with(
 }
 
 /// `(Σx, Σx²)` over `dims` (kept) of `x` in f64, as prims: x widened, then squared.
-pub fn moment_sums(x: &Tensor, dims: &[usize]) -> Result<(Tensor, Tensor)> {
+fn moment_sums(x: &Tensor, dims: &[usize]) -> Result<(Tensor, Tensor)> {
     let xd = x.to_dtype(DType::F64)?;
     Ok((sum_over(&xd, dims)?, sum_over(&xd.mul(&xd)?, dims)?))
 }
