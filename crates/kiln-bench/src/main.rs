@@ -134,6 +134,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // `KILN_CONV=generated`: channels-last TF32 convolutions on kiln's generated kernels
+    // instead of cuDNN (`kiln::cuda::set_generated_conv`; a before/after pair in one build)
+    if std::env::var("KILN_CONV").as_deref() == Ok("generated") {
+        kiln::cuda::set_generated_conv(true);
+    }
     if args.workload == WARM_CHILD {
         return match workloads::regional::warm_child(args.mode, dev) {
             Ok(()) => ExitCode::SUCCESS,

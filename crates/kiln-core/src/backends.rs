@@ -1,8 +1,8 @@
 //! Process-wide switches that change what a device computes, as PyTorch's `torch.backends`
 //! holds them: TF32 for f32 matmuls (`torch.backends.cuda.matmul.allow_tf32`, off by default),
 //! TF32 for cuDNN's convolutions (`torch.backends.cudnn.allow_tf32`, on by default) and cuDNN's
-//! benchmark mode (`torch.backends.cudnn.benchmark`, off). The CUDA runtime reads them at each
-//! call (`kiln_cuda::set_allow_tf32` and friends set them here).
+//! benchmark mode (`torch.backends.cudnn.benchmark`, off), and kiln's own: generated convolutions
+//! in place of cuDNN's (off). The CUDA runtime reads them at each call (`kiln_cuda::set_allow_tf32` and friends set them here).
 //!
 //! A compiled function guards on them as Dynamo's global-state guard does (`fingerprint`, in
 //! `kiln-compile/src/guards.rs`): a graph recorded for replay (reduce-overhead, max-autotune)
@@ -17,6 +17,9 @@ pub enum Switch {
     MatmulTf32,
     CudnnTf32,
     CudnnBenchmark,
+    /// Channels-last TF32 convolutions on kiln's generated kernels instead of cuDNN
+    /// (`kiln_cuda::set_generated_conv`; off by default).
+    GeneratedConv,
 }
 
 impl Switch {
@@ -50,6 +53,7 @@ pub fn describe(fingerprint: u64) -> String {
         Switch::MatmulTf32,
         Switch::CudnnTf32,
         Switch::CudnnBenchmark,
+        Switch::GeneratedConv,
     ]
     .into_iter()
     .filter(|s| fingerprint & s.bit() != 0)

@@ -83,7 +83,7 @@ const MAX_WORKSPACE: usize = 1 << 30;
 const TIMED_REPS: usize = 3;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Kind {
+pub(crate) enum Kind {
     Forward,
     GradInput,
     GradWeight,
@@ -179,6 +179,9 @@ pub(crate) struct Dnn {
     /// convolution and the ops without asking again (a refusal costs heuristics and failed
     /// finalizations, milliseconds).
     unfused: HashSet<PlanKey>,
+    /// max-autotune's choices: whether kiln's generated kernel runs the convolution
+    /// (`conv_choice.rs`).
+    generated: HashMap<PlanKey, bool>,
 }
 
 // SAFETY: used only under the device's mutex; the descriptors are plain host structures
@@ -243,10 +246,6 @@ pub(crate) fn run(
     meta: &OutMeta,
     tuned: bool,
 ) -> Result<Option<Arc<dyn DeviceBuffer>>> {
-    if let Err(msg) = crate::probe::probe_cudnn() {
-        warn_missing(&msg);
-        return Ok(None);
-    }
     let (kind, p, epilogue) = match prim {
         Prim::Conv2d(p) => (Kind::Forward, p, None),
         Prim::Conv2dEpilogue { params, epilogue } => (Kind::Forward, params, Some(*epilogue)),
@@ -280,6 +279,21 @@ pub(crate) fn run(
     }
     let a = contiguous(dev, inputs[0])?;
     let b = contiguous(dev, inputs[1])?;
+    // kiln's generated kernel: where it is switched on, or where max-autotune times it faster
+    let eligible = crate::conv_igemm::eligible(dtype, p, [x, w, y], epilogue.is_some());
+    let aligned = alignment(&[a.ptr(), b.ptr(), out.ptr]) >= 16;
+    let generated =
+        || crate::conv_igemm::launch(dev, kind, p, [x, w, y], a.ptr(), b.ptr(), out.ptr, aligned);
+    if eligible && crate::conv_igemm::generated_conv() {
+        generated()?;
+        return Ok(Some(Arc::new(out)));
+    }
+    // cuDNN from here on: probed at its first use (a process whose convolutions are all
+    // generated never loads it)
+    if let Err(msg) = crate::probe::probe_cudnn() {
+        warn_missing(&msg);
+        return Ok(None);
+    }
     // an epilogue's operands: per-channel vectors, and a residual in the output's memory order
     let extra = inputs[2..]
         .iter()
@@ -407,6 +421,7 @@ pub(crate) fn run(
             Ok(Some(plan)) => {
                 if state.plans.len() >= MAX_PLANS {
                     state.plans.clear();
+                    state.generated.clear();
                 }
                 state.plans.insert(key.clone(), plan);
             }
@@ -425,21 +440,51 @@ pub(crate) fn run(
         }
     }
     let handle = state.handle;
+    let execute = |plan: &Engine| -> Result<()> {
+        let ws = match plan.workspace() {
+            0 => None,
+            bytes => Some(dev.alloc(bytes, DType::U8)?),
+        };
+        let ws_ptr = ws
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |b| b.ptr as *mut c_void);
+        let status = match plan {
+            Engine::Graph(g) => g.execute(handle, &ids, &ptrs, ws_ptr),
+            Engine::Legacy(plan) => execute_legacy(handle, plan, dtype, [pa, pb, po], ws_ptr),
+        };
+        status.map_err(|e| dnn_err(dev, prim.name(), e))
+    };
+    if eligible && key.timed {
+        // max-autotune: cuDNN's plan or kiln's kernel, whichever ran faster (decided once, not
+        // while a CUDA graph records)
+        let chosen = match state.generated.get(&key) {
+            Some(&g) => Some(g),
+            None if recording => None,
+            None => {
+                let Some(plan) = state.plans.get(&key) else {
+                    return Err(dnn_err(dev, "plan", "missing"));
+                };
+                let spec = format!("{:?}", graph_spec(&key));
+                let g = crate::conv_choice::generated_wins(
+                    dev,
+                    &spec,
+                    &mut || execute(plan),
+                    &mut || generated(),
+                )?;
+                state.generated.insert(key.clone(), g);
+                Some(g)
+            }
+        };
+        if chosen == Some(true) {
+            drop(guard);
+            generated()?;
+            return Ok(Some(Arc::new(out)));
+        }
+    }
     let Some(plan) = state.plans.get(&key) else {
         return Err(dnn_err(dev, "plan", "missing"));
     };
-    let ws = match plan.workspace() {
-        0 => None,
-        bytes => Some(dev.alloc(bytes, DType::U8)?),
-    };
-    let ws_ptr = ws
-        .as_ref()
-        .map_or(std::ptr::null_mut(), |b| b.ptr as *mut c_void);
-    let status = match plan {
-        Engine::Graph(g) => g.execute(handle, &ids, &ptrs, ws_ptr),
-        Engine::Legacy(plan) => execute_legacy(handle, plan, dtype, [pa, pb, po], ws_ptr),
-    };
-    status.map_err(|e| dnn_err(dev, prim.name(), e))?;
+    execute(plan)?;
     Ok(Some(Arc::new(out)))
 }
 
@@ -615,6 +660,7 @@ fn new_handle(dev: &CudaDevice) -> Result<Dnn> {
         handle,
         plans: HashMap::new(),
         unfused: HashSet::new(),
+        generated: HashMap::new(),
     })
 }
 

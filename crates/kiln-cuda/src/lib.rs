@@ -14,7 +14,9 @@ mod alloc;
 mod buffer;
 mod capture;
 mod conv;
+mod conv_choice;
 mod conv_graph;
+mod conv_igemm;
 mod conv_plan_cache;
 mod device;
 mod event;
@@ -36,7 +38,9 @@ pub use conv::{
     cudnn_allow_tf32, cudnn_benchmark, cudnn_fused_plans, cudnn_graph_error, cudnn_plan_counts,
     set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
+pub use conv_choice::conv_engine_choices;
 pub use conv_graph::cudnn_plans_timed;
+pub use conv_igemm::{generated_conv, generated_convs, set_generated_conv};
 pub use conv_plan_cache::cudnn_plan_disk_hits;
 pub use event::Event;
 pub use fallback::host_fallbacks;

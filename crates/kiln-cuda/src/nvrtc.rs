@@ -154,14 +154,39 @@ pub(crate) fn checksum(bytes: &[u8]) -> String {
     format!("{:032x}", xxhash_rust::xxh3::xxh3_128(bytes))
 }
 
+/// Builds `src` for `dev` into the disk cache, unless it is there; loads nothing (a thread that
+/// prepares kernels for later makes no CUDA call).
+pub(crate) fn build(dev: &CudaDevice, signature: &str, src: &str) -> Result<()> {
+    if !on_disk(dev, src) {
+        cubin_for(dev, signature, src)?;
+    }
+    Ok(())
+}
+
+/// Whether `src`'s machine code for `dev` is in the disk cache (a build would read it, not run
+/// NVRTC).
+pub(crate) fn on_disk(dev: &CudaDevice, src: &str) -> bool {
+    let (path, _) = cubin_paths(dev, src);
+    path.exists()
+}
+
+/// Where `src`'s machine code for `dev` and its checksum are kept.
+fn cubin_paths(dev: &CudaDevice, src: &str) -> (PathBuf, PathBuf) {
+    let sm = dev.arch.replace("compute_", "sm_");
+    let key = checksum(format!("{src}|{sm}|{}|cubin", nvrtc_version()).as_bytes());
+    let dir = cache_dir();
+    (
+        dir.join(format!("{key}.cubin")),
+        dir.join(format!("{key}.cubin.xxh3")),
+    )
+}
+
 /// The device's machine code for `src`: from the disk cache when a verified entry exists, else
 /// compiled by NVRTC and stored.
 fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     let sm = dev.arch.replace("compute_", "sm_");
-    let key = checksum(format!("{src}|{sm}|{}|cubin", nvrtc_version()).as_bytes());
+    let (path, sum_path) = cubin_paths(dev, src);
     let dir = cache_dir();
-    let path = dir.join(format!("{key}.cubin"));
-    let sum_path = dir.join(format!("{key}.cubin.xxh3"));
     if let (Ok(image), Ok(want)) = (std::fs::read(&path), std::fs::read_to_string(&sum_path)) {
         if checksum(&image) == want.trim() {
             DISK_HITS.fetch_add(1, Ordering::Relaxed);
@@ -179,7 +204,9 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
         let bypassed = fresh && NO_CACHE_OPTION.load(Ordering::Relaxed);
         eprintln!(
             "kiln nvrtc: {} source {} bytes, {:.3} s, {} cubin bytes{}",
-            &key[..12],
+            path.file_stem()
+                .and_then(|s| s.to_str())
+                .map_or("", |s| &s[..12]),
             src.len(),
             took.as_secs_f64(),
             image.len(),

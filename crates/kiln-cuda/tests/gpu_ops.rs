@@ -937,6 +937,10 @@ fn main() {
         ("conv_cudnn_plans_on_disk", gpu::conv::cudnn_plans_on_disk),
         ("conv_cudnn_epilogues", gpu::conv_epilogue::cudnn_epilogues),
         (
+            "conv_generated_channels_last",
+            gpu::conv::generated_channels_last,
+        ),
+        (
             "module_to_cuda_and_back",
             gpu::modules::module_to_cuda_and_back,
         ),

@@ -1124,7 +1124,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 34] = [
+    let tests: [(&str, Check); 35] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -1170,6 +1170,10 @@ fn main() {
         (
             "max_autotune_times_convolution_engines",
             autotune::max_autotune_times_convolution_engines,
+        ),
+        (
+            "max_autotune_chooses_generated_or_cudnn_convolutions",
+            autotune::max_autotune_chooses_generated_or_cudnn_convolutions,
         ),
         (
             "conv_epilogues_in_max_autotune",

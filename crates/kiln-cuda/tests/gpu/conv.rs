@@ -248,3 +248,103 @@ pub fn cudnn_plans_on_disk() -> Outcome {
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
+
+/// With the switch on, channels-last convolutions with TF32 allowed run on kiln's generated
+/// kernels (`conv_igemm.rs`): forward, data and weight gradients against the CPU in f64 within TF32's
+/// precision, through both tile widths (32 and 64 output columns), four-wide and scalar loads
+/// (channels not a multiple of 4, as a stem's RGB input), strides, padding and dilation, k in
+/// channel blocks (channels a multiple of 16) or not, the weight gradient's sum split across
+/// blocks, and operands that are views (copied first). The
+/// split sum is deterministic: a second run gives the same bits. No convolution reaches cuDNN's
+/// plans or the host path.
+pub fn generated_channels_last() -> Outcome {
+    use kiln_core::dispatch::apply;
+    use kiln_core::prim::{ConvParams, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
+    let e = |x: kiln_core::Error| x.to_string();
+    let generated: &[Case] = &[
+        ([2, 8, 9, 9], [32, 8, 3, 3], [1, 1], [1, 1], [1, 1], 1), // 32 columns, four-wide
+        ([2, 16, 6, 7], [40, 16, 3, 3], [2, 2], [1, 1], [1, 1], 1), // 64 columns, stride 2
+        ([4, 12, 17, 13], [24, 12, 1, 1], [1, 1], [0, 0], [1, 1], 1), // 1x1
+        ([2, 3, 40, 40], [16, 3, 7, 7], [2, 2], [3, 3], [1, 1], 1), // a stem: scalar loads
+        ([8, 16, 32, 32], [32, 16, 3, 3], [1, 1], [1, 1], [1, 1], 1), // a long split sum
+        ([2, 8, 11, 10], [8, 8, 3, 3], [1, 1], [2, 2], [2, 2], 1), // dilation
+        ([3, 20, 9, 9], [72, 20, 3, 1], [1, 2], [1, 0], [1, 1], 1), // 72 columns: two tiles
+        ([2, 32, 9, 9], [64, 32, 3, 3], [1, 1], [1, 1], [1, 1], 1), // k in channel blocks
+        ([2, 48, 5, 6], [32, 48, 3, 3], [2, 1], [2, 1], [2, 1], 1), // the same, strided, dilated
+    ];
+    let cases: Vec<&Case> = generated
+        .iter()
+        .chain(CASES.iter().filter(|c| c.5 == 1))
+        .collect();
+    let before = (kiln_cuda::generated_convs(), conv_fallbacks());
+    let plans_before = kiln_cuda::cudnn_plan_counts();
+    let perm = |p: [usize; 4]| p.map(|d| d as isize);
+    kiln_cuda::set_cudnn_allow_tf32(true);
+    kiln_cuda::set_generated_conv(true);
+    let mut ran = 0;
+    let mut check = || -> Outcome {
+        for (i, &c) in cases.iter().enumerate() {
+            let (_, _, stride, padding, dilation, groups) = *c;
+            let params = ConvParams {
+                stride,
+                padding,
+                dilation,
+                groups,
+                channels_last: true,
+            };
+            let mut rng = Rng::new(2700 + i as u64);
+            let x = input(&mut rng, &c.0, -1.0, 1.0, false).map_err(e)?;
+            let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
+            let what = format!("generated channels-last conv2d case {i} {c:?}");
+            // odd cases pass the NHWC views themselves (not contiguous: the runtime copies)
+            let view = i % 2 == 1;
+            let conv = |t: &[Tensor]| -> Result<Tensor> {
+                let nhwc = |t: &Tensor| -> Result<Tensor> {
+                    let v = t.permute(&perm(TO_CHANNELS_LAST))?;
+                    if view {
+                        Ok(v)
+                    } else {
+                        v.contiguous()
+                    }
+                };
+                let y = apply(Prim::Conv2d(params), &[&nhwc(&t[0])?, &nhwc(&t[1])?])?;
+                y.permute(&perm(FROM_CHANNELS_LAST))
+            };
+            // TF32 rounds each operand to 10 mantissa bits (as cuDNN's TF32 check allows)
+            check_grad(&what, &[x.clone(), w.clone()], 5e-3, conv)?;
+            ran += 3;
+            // the same bits again (the weight gradient's split sum has a fixed order)
+            let bits = |x: &Tensor, w: &Tensor| -> Result<(Vec<f32>, Vec<f32>)> {
+                let (x, w) = (x.to(CUDA)?.with_grad()?, w.to(CUDA)?.with_grad()?);
+                let y = conv(&[x.clone(), w.clone()])?;
+                y.sum_all()?.backward()?;
+                let gw = w
+                    .grad()
+                    .ok_or_else(|| kiln_core::Error::arg("test", "no grad"))?;
+                Ok((y.to_vec::<f32>()?, gw.to_vec::<f32>()?))
+            };
+            let (a, b) = (bits(&x, &w).map_err(e)?, bits(&x, &w).map_err(e)?);
+            ran += 6;
+            if a != b {
+                return Err(format!("{what}: a second run gave other bits"));
+            }
+        }
+        Ok(())
+    };
+    let r = check();
+    kiln_cuda::set_cudnn_allow_tf32(false);
+    kiln_cuda::set_generated_conv(false);
+    r?;
+    let after = (kiln_cuda::generated_convs(), conv_fallbacks());
+    if after.0 - before.0 != ran || after.1 != before.1 {
+        return Err(format!(
+            "{} generated convolutions of {ran} run, {} host fallbacks",
+            after.0 - before.0,
+            after.1 - before.1
+        ));
+    }
+    if kiln_cuda::cudnn_plan_counts() != plans_before {
+        return Err("a generated convolution made a cuDNN plan".into());
+    }
+    Ok(())
+}

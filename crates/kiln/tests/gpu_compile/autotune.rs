@@ -291,3 +291,52 @@ pub fn max_autotune_times_convolution_engines() -> Outcome {
     }
     Ok(())
 }
+
+/// With TF32 allowed (PyTorch's default for convolutions), max-autotune also times kiln's
+/// generated kernel against cuDNN's plan for each channels-last convolution of a training step
+/// (five: two forward, two weight gradients, one input gradient) and keeps the faster, equal to
+/// eager within TF32's rounding whichever wins; a later scope over the same cache folder reads
+/// the five choices instead of timing.
+pub fn max_autotune_chooses_generated_or_cudnn_convolutions() -> Outcome {
+    use kiln::cuda::conv_engine_choices;
+    kiln::cuda::set_cudnn_allow_tf32(true);
+    let r = (|| -> Outcome {
+        let m = conv_net().map_err(err)?;
+        let x = randn(&[4, 3, 8, 8], 78)
+            .and_then(|x| x.to(CUDA))
+            .map_err(err)?;
+        let want = conv_step(&m, None, &x).map_err(err)?;
+        with_fresh_cache(|| -> Outcome {
+            kiln::reset();
+            let (decided, _, read) = conv_engine_choices();
+            let got = conv_step(&m, Some(Mode::MaxAutotune), &x).map_err(err)?;
+            // TF32 rounds every operand to 10 mantissa bits, in eager's cuDNN as in either side
+            close_to_largest("max-autotune step, TF32", &got, &want, 5e-3)?;
+            let now = conv_engine_choices();
+            if now.0 - decided != 5 || now.2 != read {
+                return Err(format!(
+                    "{} convolutions decided ({} read from disk), want 5 timed",
+                    now.0 - decided,
+                    now.2 - read
+                ));
+            }
+            kiln::reset();
+            let again = kiln::core::cache::with_root(cache_dir(), || {
+                conv_step(&m, Some(Mode::MaxAutotune), &x)
+            })
+            .map_err(err)?;
+            close_to_largest("max-autotune step, new scope", &again, &want, 5e-3)?;
+            let later = conv_engine_choices();
+            if later.0 - now.0 != 5 || later.2 - now.2 != 5 {
+                return Err(format!(
+                    "a new scope decided {} convolutions, {} from disk; want 5 and 5",
+                    later.0 - now.0,
+                    later.2 - now.2
+                ));
+            }
+            Ok(())
+        })
+    })();
+    kiln::cuda::set_cudnn_allow_tf32(false);
+    r
+}
