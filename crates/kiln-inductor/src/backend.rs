@@ -80,9 +80,9 @@ pub trait Target: Sync {
     /// The same kernel reading `inputs` instead (of the same shapes and dtypes, in argument
     /// order): a repeated block's step (`repeats.rs`).
     fn rebind(&self, k: &Self::Kernel, inputs: Vec<NodeId>) -> Self::Kernel;
-    /// For a kernel that one launch can run beside others (`horizontal.rs`): its block size and
-    /// parameter count. `None` where the target has no such kernels.
-    fn side_by_side(&self, _k: &Self::Kernel) -> Option<(u32, usize)> {
+    /// For a kernel that one launch can run beside others (`horizontal.rs`): what the launch
+    /// must hold for it. `None` where the target has no such kernels.
+    fn side_by_side(&self, _k: &Self::Kernel) -> Option<Side> {
         None
     }
     /// One kernel running `members` side by side, or `None` when they do not fit in one.
@@ -94,6 +94,17 @@ pub trait Target: Sync {
     fn sequential(&self, _seq: &Sequence<'_, Self::Kernel>) -> Option<Self::Kernel> {
         None
     }
+}
+
+/// What a launch of several kernels side by side must hold for one of them
+/// (`Target::side_by_side`): the members of a launch share its block size, and their parameters
+/// and static shared memory add up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Side {
+    pub block: u32,
+    pub params: usize,
+    /// Bytes of `__shared__` arrays the kernel declares (0 on the CPU).
+    pub shared: u32,
 }
 
 /// The C target (`codegen/c.rs`).
@@ -179,7 +190,7 @@ impl Target for C {
             ..k.clone()
         }
     }
-    fn side_by_side(&self, k: &Kernel) -> Option<(u32, usize)> {
+    fn side_by_side(&self, k: &Kernel) -> Option<Side> {
         self.horizontal
             .then(|| crate::codegen::c_horizontal::side_by_side(k))
             .flatten()

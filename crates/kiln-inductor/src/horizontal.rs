@@ -14,7 +14,7 @@
 
 use kiln_compile::graph::{Graph, NodeId};
 
-use crate::backend::{Planned, Target};
+use crate::backend::{Planned, Side, Target};
 use crate::footprint::Footprint;
 use crate::runtime::plan::Alloc;
 
@@ -28,13 +28,19 @@ const LOOKBACK: usize = 64;
 const MAX_MEMBERS: usize = 16;
 /// Most parameters of one launch (4 KiB of pointers: what every CUDA driver accepts).
 const MAX_PARAMS: usize = kiln_core::device::MAX_KERNEL_PARAMS;
+/// Most static shared memory of one launch: its members' `__shared__` arrays are all declared
+/// in it. Over CUDA's 48 KiB the launch's unit fails to compile, and with it every kernel of
+/// the unit: max-autotune's 1024-thread candidates of DenseNet-121's backward joined column
+/// reductions of 4-32 KiB each into 80 KiB, and its whole backward ran on the interpreter.
+const MAX_STATIC_SHARED: u32 = crate::codegen::cuda::STATIC_SHARED_MAX;
 
 /// A step being planned: an extern, or the kernels one launch will run.
 struct Entry<K> {
     step: Step<K>,
     touches: Footprint,
-    /// Block size and parameter count, for kernels that can share a launch.
-    side: Option<(u32, usize)>,
+    /// What the launch holds for its kernels, for kernels that can share one: their block size,
+    /// parameters and static shared memory, summed over its members.
+    side: Option<Side>,
 }
 
 enum Step<K> {
@@ -63,12 +69,13 @@ impl<K> Entry<K> {
     }
 
     fn joins(&self, other: &Entry<K>) -> bool {
-        let (Some((b1, p1)), Some((b2, p2)), Step::Kernels(members)) =
-            (self.side, other.side, &self.step)
-        else {
+        let (Some(a), Some(b), Step::Kernels(members)) = (self.side, other.side, &self.step) else {
             return false;
         };
-        b1 == b2 && p1 + p2 <= MAX_PARAMS && members.len() < MAX_MEMBERS
+        a.block == b.block
+            && a.params + b.params <= MAX_PARAMS
+            && a.shared.saturating_add(b.shared) <= MAX_STATIC_SHARED
+            && members.len() < MAX_MEMBERS
     }
 
     fn absorb(&mut self, other: Entry<K>) {
@@ -78,7 +85,8 @@ impl<K> Entry<K> {
         members.extend(more);
         self.touches.extend(other.touches);
         if let (Some(a), Some(b)) = (&mut self.side, other.side) {
-            a.1 += b.1;
+            a.params += b.params;
+            a.shared = a.shared.saturating_add(b.shared);
         }
     }
 
@@ -182,6 +190,66 @@ mod tests {
         let shapes: [&[usize]; 4] = [&[128, 64], &[10], &[5, 5, 5], &[7]];
         crate::test_graphs::counted_updates(&mut g, kiln_core::Device::Cuda(0), &shapes);
         assert_eq!(launches(&g), vec![4, 4]);
+    }
+
+    /// Kernels join a launch only while their `__shared__` arrays fit in it together: 16
+    /// independent column sums (channels-last batch norm's second pass) at max-autotune's
+    /// 1024-thread candidate declare 4 KiB each, 64 KiB in all, over the 48 KiB a launch may
+    /// declare; they share launches that each stay within it.
+    #[test]
+    fn launches_hold_their_members_static_shared_memory() {
+        use crate::codegen::cuda::{static_shared_bytes, TuneConfig, STATIC_SHARED_MAX};
+        let mut g = Graph::default();
+        // channels of 16 sizes: no two sums are one kernel's siblings
+        for i in 0..16 {
+            let c = 64 + 4 * i;
+            let x = input(&mut g, &[4096, c]);
+            let r = push(
+                &mut g,
+                Op::Prim(Prim::Reduce {
+                    op: ReduceOp::Sum,
+                    dims: vec![0],
+                }),
+                vec![x],
+                &[1, c],
+            );
+            g.outputs.push(r);
+        }
+        let cfg = TuneConfig {
+            block: 1024,
+            waves: 4,
+            ..TuneConfig::default()
+        };
+        let t = Cuda {
+            cfg,
+            ..Cuda::new(132)
+        };
+        let alone = Cuda {
+            horizontal: false,
+            ..t
+        };
+        let each: Vec<u32> = plan_graph(&alone, &g)
+            .iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { kernel, .. } => Some(static_shared_bytes(kernel)),
+                Planned::Extern { .. } => None,
+            })
+            .collect();
+        assert_eq!(each.len(), 16);
+        assert!(each.iter().sum::<u32>() > STATIC_SHARED_MAX, "{each:?}");
+        let launched: Vec<(u32, usize)> = plan_graph(&t, &g)
+            .iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { kernel, outs } => Some((static_shared_bytes(kernel), outs.len())),
+                Planned::Extern { .. } => None,
+            })
+            .collect();
+        assert!(launched.len() > 1 && launched.len() < 16, "{launched:?}");
+        assert_eq!(launched.iter().map(|l| l.1).sum::<usize>(), 16);
+        assert!(
+            launched.iter().all(|l| l.0 <= STATIC_SHARED_MAX),
+            "{launched:?}"
+        );
     }
 
     /// A kernel reading another's value stays after it.

@@ -32,6 +32,7 @@
 use std::fmt::Write;
 
 use super::c::{blocked_loops, Kernel, PARALLEL_THRESHOLD};
+use crate::backend::Side;
 
 /// How a loop nest's outer loops are shared among OpenMP threads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,8 +101,12 @@ impl Member {
 
 /// The block size and parameter count `horizontal.rs` weighs: a C function takes any number
 /// of arguments and has no block size, so every shareable kernel fits beside every other.
-pub(crate) fn side_by_side(k: &Kernel) -> Option<(u32, usize)> {
-    k.member.as_ref().map(|m| (0, m.args.len()))
+pub(crate) fn side_by_side(k: &Kernel) -> Option<Side> {
+    k.member.as_ref().map(|m| Side {
+        block: 0,
+        params: m.args.len(),
+        shared: 0,
+    })
 }
 
 /// One C function running `kernels` (independent, as `horizontal.rs` plans them): its

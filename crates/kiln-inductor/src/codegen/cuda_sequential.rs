@@ -85,6 +85,11 @@ pub(super) fn sequential(t: &Cuda, seq: &Sequence<'_, CudaKernel>) -> Option<Cud
     let mut k = finish(seq.inputs.clone(), params, text, 1, block);
     k.device_fns = device_fns;
     k.shared = shared;
+    // the members' own `__shared__` arrays live beside the staged inputs: within the reserve
+    // the staging left them (and so within CUDA's limit on static shared memory)
+    if super::cuda::static_shared_bytes(&k) > STATIC_SHARED_RESERVE {
+        return None;
+    }
     Some(k)
 }
 
