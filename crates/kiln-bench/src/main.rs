@@ -188,6 +188,7 @@ fn main() -> ExitCode {
     );
     let mut failed = false;
     for w in selected {
+        let interpreted = kiln::inductor::interpreted_graphs();
         let r = match w {
             w if ctx.on_gpu()
                 && !GPU_WORKLOADS.contains(&w)
@@ -211,6 +212,17 @@ fn main() -> ExitCode {
             }
             _ => unreachable!("checked in parse_args"),
         };
+        // compiled rows that timed the interpreter would compare eager kernels with torch.compile
+        let r = r.and_then(
+            |()| match kiln::inductor::interpreted_graphs() - interpreted {
+                0 => Ok(()),
+                n => Err(format!(
+                "{n} compiled graph(s) fell back to the interpreter (their kernels could not be \
+                 generated: see the warning above); its compiled rows time eager kernels"
+            )
+                .into()),
+            },
+        );
         // keep going: one failing workload must not hide the rest
         if let Err(e) = r {
             failed = true;

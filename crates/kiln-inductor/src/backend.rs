@@ -452,6 +452,15 @@ pub fn prepare_joint(joint: &Graph) -> Result<Option<Graph>> {
     Ok(masks.or(two))
 }
 
+static INTERPRETED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Graphs this process compiled onto the interpreter because their kernels could not be
+/// generated (no C compiler; a CUDA unit NVRTC refused): they run, but as eager kernels. A
+/// benchmark of compiled code checks it stays 0 (kiln-bench reports an error otherwise).
+pub fn interpreted_graphs() -> usize {
+    INTERPRETED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// How `ctx` asks for CUDA graphs to be compiled. torch.compile's modes: reduce-overhead and
 /// max-autotune record CUDA graphs; both max-autotune modes time launch shapes of the generated
 /// kernels.
@@ -519,6 +528,7 @@ impl Backend for CpuCodegen {
                             graph.device()
                         )
                     });
+                    INTERPRETED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     Ok(Arc::new(Interpreter::new(graph.clone())))
                 }
                 Err(e) => Err(e),
@@ -550,6 +560,7 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
                  the interpreter instead of generated kernels"
             )
         });
+        INTERPRETED.fetch_add(graphs.len(), std::sync::atomic::Ordering::Relaxed);
         return Ok(graphs
             .iter()
             .map(|&g| Arc::new(Interpreter::new(g.clone())) as Arc<dyn CompiledGraph>)

@@ -37,7 +37,7 @@ use std::sync::{Arc, Once};
 use kiln_compile::aot::AotBackend;
 use kiln_compile::logs::{self, Channel};
 
-pub use backend::{generate, prepare_joint, CpuCodegen, INLINE_SMALL_MATMULS};
+pub use backend::{generate, interpreted_graphs, prepare_joint, CpuCodegen, INLINE_SMALL_MATMULS};
 pub use codegen::cuda_literals::shared_kernels;
 pub use cudagraphs::CudaGraphsBackend;
 pub use runtime::cc::{
