@@ -35,17 +35,20 @@ const WORKLOADS: &[&str] = &[
 
 /// The workloads that run with `--device cuda` so far.
 const GPU_WORKLOADS: &[&str] = &[
-    "sincos", "adam", "resnet18", "regional", "dynamic", "norms", "mlp",
+    "sincos", "adam", "resnet18", "regional", "dynamic", "norms", "mlp", "convs",
 ];
 /// The model workloads, which run on CUDA too (a list of their own, so that GPU_WORKLOADS's line
 /// stays one edit for whoever moves the next workload over).
 const GPU_MODEL_WORKLOADS: &[&str] = &["bert", "train_resnet18", "train_densenet121"];
+/// Workloads with nothing to measure on the CPU (not in `all`).
+const GPU_ONLY_WORKLOADS: &[&str] = &["convs"];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | bert
             | train_resnet18 | train_densenet121 | norms | mlp | all
+            | convs (GPU only: DenseNet-121's convolutions on cuDNN and on kiln's kernels)
   --device  cpu (the default) or cuda / cuda:N (sincos, adam, regional, resnet18, dynamic,
-            norms, mlp, bert, train_*)
+            norms, mlp, bert, train_*, convs)
   --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
             (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
@@ -90,6 +93,7 @@ fn parse_args() -> Result<Args, String> {
         && workload != WARM_CHILD
         && !workload.starts_with(compile_child::PREFIX)
         && !WORKLOADS.contains(&workload.as_str())
+        && !GPU_ONLY_WORKLOADS.contains(&workload.as_str())
     {
         return Err(format!("unknown workload {workload:?}"));
     }
@@ -206,6 +210,7 @@ fn main() -> ExitCode {
             "bert" => workloads::bert::run(&mut ctx),
             "norms" => workloads::norms::run(&mut ctx),
             "mlp" => workloads::mlp::run(&mut ctx),
+            "convs" => workloads::convs::run(&mut ctx),
             "train_resnet18" => workloads::train::run(&mut ctx, workloads::train::Arch::ResNet18),
             "train_densenet121" => {
                 workloads::train::run(&mut ctx, workloads::train::Arch::DenseNet121)

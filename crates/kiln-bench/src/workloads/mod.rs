@@ -3,6 +3,7 @@
 
 pub mod adam;
 pub mod bert;
+pub mod convs;
 pub mod dynamic;
 pub mod mlp;
 pub mod norms;

@@ -1,0 +1,226 @@
+//! DenseNet-121's convolutions one by one (batch 64, 224x224, channels-last f32 with TF32, as its
+//! compiled training step runs them), forward, data gradient and weight gradient, on cuDNN and on
+//! kiln's generated kernels (`kiln::cuda::set_generated_conv`): where the generated kernels stand
+//! against cuDNN's Hopper kernels, shape by shape, and the step's convolution time each would
+//! give (every shape weighted by its count in the step). GPU only.
+//!
+//! Rows: `convs_LABEL` / `KIND_ENGINE` / `call` (us) and `tflops`; `convs_step` / `KIND_ENGINE` /
+//! `weighted_total` (ms). The stem's data gradient is timed but left out of the totals (the
+//! step does not compute it: the images need no gradient).
+
+use kiln::core::dispatch::apply;
+use kiln::core::prim::{ConvParams, Prim};
+use kiln::{DType, Tensor};
+
+use super::BenchResult;
+use crate::harness::Ctx;
+
+/// A convolution of the step: its label, batch, input channels, input size (square), output
+/// channels, kernel size (square), stride, padding, and how many of it the step has.
+struct Shape {
+    label: &'static str,
+    c: usize,
+    h: usize,
+    k: usize,
+    r: usize,
+    stride: usize,
+    pad: usize,
+    count: usize,
+}
+
+const BATCH: usize = 64;
+
+/// The stem, each dense block's 1x1 bottleneck at a middle layer's input width and its 3x3
+/// growth convolution, and two transitions: the layers between share their kinds and sizes.
+const SHAPES: &[Shape] = &[
+    Shape {
+        label: "stem_7x7_s2",
+        c: 3,
+        h: 224,
+        k: 64,
+        r: 7,
+        stride: 2,
+        pad: 3,
+        count: 1,
+    },
+    Shape {
+        label: "1x1_56_c64",
+        c: 64,
+        h: 56,
+        k: 128,
+        r: 1,
+        stride: 1,
+        pad: 0,
+        count: 1,
+    },
+    Shape {
+        label: "1x1_56_c160",
+        c: 160,
+        h: 56,
+        k: 128,
+        r: 1,
+        stride: 1,
+        pad: 0,
+        count: 6,
+    },
+    Shape {
+        label: "3x3_56",
+        c: 128,
+        h: 56,
+        k: 32,
+        r: 3,
+        stride: 1,
+        pad: 1,
+        count: 6,
+    },
+    Shape {
+        label: "1x1_28_c320",
+        c: 320,
+        h: 28,
+        k: 128,
+        r: 1,
+        stride: 1,
+        pad: 0,
+        count: 12,
+    },
+    Shape {
+        label: "3x3_28",
+        c: 128,
+        h: 28,
+        k: 32,
+        r: 3,
+        stride: 1,
+        pad: 1,
+        count: 12,
+    },
+    Shape {
+        label: "1x1_14_c640",
+        c: 640,
+        h: 14,
+        k: 128,
+        r: 1,
+        stride: 1,
+        pad: 0,
+        count: 24,
+    },
+    Shape {
+        label: "3x3_14",
+        c: 128,
+        h: 14,
+        k: 32,
+        r: 3,
+        stride: 1,
+        pad: 1,
+        count: 24,
+    },
+    Shape {
+        label: "1x1_7_c768",
+        c: 768,
+        h: 7,
+        k: 128,
+        r: 1,
+        stride: 1,
+        pad: 0,
+        count: 16,
+    },
+    Shape {
+        label: "3x3_7",
+        c: 128,
+        h: 7,
+        k: 32,
+        r: 3,
+        stride: 1,
+        pad: 1,
+        count: 16,
+    },
+    Shape {
+        label: "trans_56_256_128",
+        c: 256,
+        h: 56,
+        k: 128,
+        r: 1,
+        stride: 1,
+        pad: 0,
+        count: 1,
+    },
+    Shape {
+        label: "trans_14_1024_512",
+        c: 1024,
+        h: 14,
+        k: 512,
+        r: 1,
+        stride: 1,
+        pad: 0,
+        count: 1,
+    },
+];
+
+const KINDS: [&str; 3] = ["forward", "grad_input", "grad_weight"];
+
+pub fn run(ctx: &mut Ctx) -> BenchResult {
+    if !ctx.on_gpu() {
+        return Err("convs runs on a GPU (it compares cuDNN with kiln's generated kernels)".into());
+    }
+    let timer = ctx.timer();
+    let was = kiln::cuda::generated_conv();
+    // [engine][kind] milliseconds over the step
+    let mut totals = [[0.0f64; 3]; 2];
+    let r = kiln::no_grad(|| -> BenchResult {
+        for s in SHAPES {
+            let p = ConvParams {
+                stride: [s.stride; 2],
+                padding: [s.pad; 2],
+                dilation: [1, 1],
+                groups: 1,
+                channels_last: true,
+            };
+            let oh = (s.h + 2 * s.pad - s.r) / s.stride + 1;
+            let (xs, ws) = ([BATCH, s.h, s.h, s.c], [s.k, s.r, s.r, s.c]);
+            let x = Tensor::randn(&xs, DType::F32)?.to(ctx.dev)?;
+            let w = Tensor::randn(&ws, DType::F32)?.to(ctx.dev)?;
+            let dy = Tensor::randn(&[BATCH, oh, oh, s.k], DType::F32)?.to(ctx.dev)?;
+            let flops = 2.0 * (BATCH * oh * oh * s.k * s.r * s.r * s.c) as f64;
+            for (e, engine) in ["cudnn", "generated"].into_iter().enumerate() {
+                kiln::cuda::set_generated_conv(e == 1);
+                for (kind_index, kind) in KINDS.into_iter().enumerate() {
+                    let call = || match kind_index {
+                        0 => apply(Prim::Conv2d(p), &[&x, &w]),
+                        1 => apply(
+                            Prim::Conv2dGradInput {
+                                params: p,
+                                input_shape: xs,
+                            },
+                            &[&dy, &w],
+                        ),
+                        _ => apply(
+                            Prim::Conv2dGradWeight {
+                                params: p,
+                                weight_shape: ws,
+                            },
+                            &[&dy, &x],
+                        ),
+                    };
+                    let t = timer.time(&format!("{} {kind} {engine}", s.label), call)?;
+                    let (w_name, variant) =
+                        (format!("convs_{}", s.label), format!("{kind}_{engine}"));
+                    ctx.emit(&w_name, &variant, "call", t.us(), "us");
+                    ctx.emit(&w_name, &variant, "tflops", flops / t.s() / 1e12, "TFLOP/s");
+                    // the step computes no gradient of the images
+                    if !(s.c == 3 && kind_index == 1) {
+                        totals[e][kind_index] += t.us() * s.count as f64 / 1e3;
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+    kiln::cuda::set_generated_conv(was);
+    r?;
+    for (e, engine) in ["cudnn", "generated"].into_iter().enumerate() {
+        for (k, kind) in KINDS.into_iter().enumerate() {
+            let variant = format!("{kind}_{engine}");
+            ctx.emit("convs_step", &variant, "weighted_total", totals[e][k], "ms");
+        }
+    }
+    Ok(())
+}
