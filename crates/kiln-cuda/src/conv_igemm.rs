@@ -41,7 +41,7 @@ const BK: usize = 16;
 const STAGES: usize = 4;
 /// k tiles a split of the sum takes at least (fewer would spend more on the partial sums).
 const MIN_TILES_PER_SPLIT: usize = 8;
-/// Blocks per multiprocessor a launch should offer before its sum is split.
+/// Blocks per multiprocessor a launch of fewer blocks than multiprocessors splits its sum for.
 const BLOCKS_PER_SM: usize = 4;
 
 static LAUNCHED: AtomicUsize = AtomicUsize::new(0);

@@ -1,10 +1,10 @@
 // Channels-last convolutions as implicit GEMMs on tensor cores (TF32 mma.sync m16n8k8), for
 // `conv_igemm.rs`. One template computes C[m][n] = sum_k A(m, k) B(k, n) where A and B are gathers
-// from the convolution's tensors, never materialized:
+// from the convolution's tensors, never materialized (the operand structs below):
 //
-//   forward      (KIND 0)  m = (n, p, q)  n = out channel  k = (r, s, c)   A from x,  B from w
-//   data grad    (KIND 1)  m = (n, h, w)  n = in channel   k = (r, s, k)   A from dy, B from w
-//   weight grad  (KIND 2)  m = (r, s, c)  n = out channel  k = (n, p, q)   A from x,  B from dy
+//   forward      FwdA, FwdB      m = (n, p, q)  n = out channel  k = (r, s, c)  A: x,  B: w
+//   data grad    DgradA, DgradB  m = (n, h, w)  n = in channel   k = (r, s, k)  A: dy, B: w
+//   weight grad  WgradA, WgradB  m = (r, s, c)  n = out channel  k = (n, p, q)  A: x,  B: dy
 //
 // x is [N, H, W, C], w is [K, R, S, C], y (and dy) [N, P, Q, K], all contiguous. The weight
 // gradient's output dw[k][r][s][c] is C transposed (`transposed` below); its sum over N*P*Q is
@@ -13,11 +13,12 @@
 //
 // Each operand is copied tile by tile (BK = 16 values of k) into shared memory asynchronously
 // (`cp.async`), STAGES tiles in flight: the next tiles' copies run while the tensor cores work on
-// the current one. Values are rounded to TF32 as the fragments are read. An operand whose memory runs along k (x in the forward) is kept k-major in shared
-// memory ([rows][BK + 4]); one whose memory runs along its rows (w in the data gradient) row-major
-// ([BK][rows + 8]): either way its four-wide vector stores and the fragments' reads are free of
-// bank conflicts. VEC = 4 loads four neighbours at once (C and K multiples of 4, operands 16-byte
-// aligned), VEC = 1 one value at a time.
+// the current one. Values are rounded to TF32 as the fragments are read. An operand whose
+// memory runs along k (x in the forward) is kept k-major in shared memory ([rows][BK + 4]); one
+// whose memory runs along its rows (w in the data gradient) row-major ([BK][rows + 8]): either
+// way its four-wide copies and the fragments' reads are free of bank conflicts. VEC = 4 copies
+// four neighbours at once (C and K multiples of 4, operands 16-byte aligned), VEC = 1 one value
+// at a time.
 
 struct ConvGeo {
     int n, h, w, c;   // input, NHWC
