@@ -1,7 +1,8 @@
 //! conv2d forward and both gradients on the GPU (cuDNN) against the CPU in f64: stride, padding,
 //! dilation, groups (depthwise too), batch 1, 1x1 downsampling, non-contiguous operands, half
-//! types, and the TF32 switch.
+//! types, the TF32 switch; and kiln's generated kernels in place of cuDNN (channels-last, TF32).
 
+use kiln_core::prim::ConvParams;
 use kiln_core::{DType, Result, Tensor};
 
 use super::harness::{check_fwd, check_grad, input, Rng, CUDA};
@@ -46,6 +47,22 @@ fn conv_fallbacks() -> u64 {
         .sum()
 }
 
+/// A case's geometry in channels-last form, and its input and filter (NCHW, drawn from `seed`).
+fn channels_last_case(c: &Case, seed: u64) -> Result<(ConvParams, Tensor, Tensor)> {
+    let (_, _, stride, padding, dilation, groups) = *c;
+    let params = ConvParams {
+        stride,
+        padding,
+        dilation,
+        groups,
+        channels_last: true,
+    };
+    let mut rng = Rng::new(seed);
+    let x = input(&mut rng, &c.0, -1.0, 1.0, false)?;
+    let w = input(&mut rng, &c.1, -0.5, 0.5, false)?;
+    Ok((params, x, w))
+}
+
 /// Forward, grad input and grad weight of every case, f32 on cuDNN (FMA math) vs f64 on the CPU,
 /// with no host fallback taken.
 pub fn cudnn_forward_and_backward() -> Outcome {
@@ -84,24 +101,14 @@ pub fn cudnn_forward_and_backward() -> Outcome {
 /// API and the legacy one (benchmark mode), against the CPU in f64, with no host fallback.
 pub fn cudnn_channels_last() -> Outcome {
     use kiln_core::dispatch::apply;
-    use kiln_core::prim::{ConvParams, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
+    use kiln_core::prim::{Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
     let e = |x: kiln_core::Error| x.to_string();
     let before = conv_fallbacks();
     let perm = |p: [usize; 4]| p.map(|d| d as isize);
     for benchmark in [false, true] {
         kiln_cuda::set_cudnn_benchmark(benchmark);
         for (i, c) in CASES.iter().enumerate() {
-            let (_, _, stride, padding, dilation, groups) = *c;
-            let params = ConvParams {
-                stride,
-                padding,
-                dilation,
-                groups,
-                channels_last: true,
-            };
-            let mut rng = Rng::new(2400 + i as u64);
-            let x = input(&mut rng, &c.0, -1.0, 1.0, false).map_err(e)?;
-            let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
+            let (params, x, w) = channels_last_case(c, 2400 + i as u64).map_err(e)?;
             let what = format!("channels-last conv2d case {i} {c:?} (benchmark {benchmark})");
             let r = check_grad(&what, &[x, w], 1e-5, |t| {
                 let nhwc = |t: &Tensor| t.permute(&perm(TO_CHANNELS_LAST))?.contiguous();
@@ -259,7 +266,7 @@ pub fn cudnn_plans_on_disk() -> Outcome {
 /// plans or the host path.
 pub fn generated_channels_last() -> Outcome {
     use kiln_core::dispatch::apply;
-    use kiln_core::prim::{ConvParams, Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
+    use kiln_core::prim::{Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
     let e = |x: kiln_core::Error| x.to_string();
     let generated: &[Case] = &[
         ([2, 8, 9, 9], [32, 8, 3, 3], [1, 1], [1, 1], [1, 1], 1), // 32 columns, four-wide
@@ -284,17 +291,7 @@ pub fn generated_channels_last() -> Outcome {
     let mut ran = 0;
     let mut check = || -> Outcome {
         for (i, &c) in cases.iter().enumerate() {
-            let (_, _, stride, padding, dilation, groups) = *c;
-            let params = ConvParams {
-                stride,
-                padding,
-                dilation,
-                groups,
-                channels_last: true,
-            };
-            let mut rng = Rng::new(2700 + i as u64);
-            let x = input(&mut rng, &c.0, -1.0, 1.0, false).map_err(e)?;
-            let w = input(&mut rng, &c.1, -0.5, 0.5, false).map_err(e)?;
+            let (params, x, w) = channels_last_case(c, 2700 + i as u64).map_err(e)?;
             let what = format!("generated channels-last conv2d case {i} {c:?}");
             // odd cases pass the NHWC views themselves (not contiguous: the runtime copies)
             let view = i % 2 == 1;
