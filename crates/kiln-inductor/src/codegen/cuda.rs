@@ -12,6 +12,7 @@ use std::fmt::Write;
 use kiln_compile::graph::{Graph, NodeId};
 use kiln_core::device::ReduceSplit;
 
+pub use super::cuda_shared::{static_shared_bytes, STATIC_SHARED_MAX};
 use crate::backend::{plan_graph, Planned, Side, Target};
 use crate::codegen::builder::{ty, Builder};
 use crate::codegen::c::{pointwise_body, split_index};
@@ -68,7 +69,7 @@ pub struct CudaKernel {
     /// The parameter list, with names, and the body (which reads its block index and block
     /// count from `kbid` and `knblk`): what a horizontal kernel calls it by.
     pub(super) sig: String,
-    text: String,
+    pub(super) text: String,
     /// The C type of each parameter (inputs, then outputs).
     pub(super) param_types: Vec<String>,
 }
@@ -280,59 +281,6 @@ pub(super) fn finish(
 /// buffer to more than one of them (two members may read it, or one write what another reads).
 pub(super) fn unrestricted(t: &str) -> String {
     t.replace(" *__restrict__", " *")
-}
-
-/// Static shared memory a kernel may declare: CUDA's limit for `__shared__` arrays (more needs
-/// dynamic shared memory and an opt-in). A launch of several kernels side by side holds all
-/// their arrays at once, so `horizontal.rs` joins kernels only while theirs add up to this.
-pub const STATIC_SHARED_MAX: u32 = 48 << 10;
-
-/// Bytes of the `__shared__` arrays `k` declares, in its body and its device functions (a
-/// horizontal kernel's members): `T name[a][b]...` with literal lengths (`cuda_literals.rs`
-/// keeps them literal). An array whose length is not a literal counts as the whole limit.
-pub(crate) fn static_shared_bytes(k: &CudaKernel) -> u32 {
-    std::iter::once(k.text.as_str())
-        .chain(k.device_fns.iter().map(|(_, def)| def.as_str()))
-        .map(declared_shared)
-        .fold(0u32, u32::saturating_add)
-}
-
-fn declared_shared(text: &str) -> u32 {
-    let mut total = 0u32;
-    for (at, _) in text.match_indices("__shared__") {
-        if text[..at].trim_end().ends_with("extern") {
-            continue;
-        }
-        let decl = text[at + "__shared__".len()..]
-            .split(';')
-            .next()
-            .unwrap_or("");
-        let Some(open) = decl.find('[') else {
-            continue;
-        };
-        // the type: every word before the name but an alignment
-        let words: Vec<&str> = decl[..open]
-            .split_whitespace()
-            .filter(|w| !w.starts_with("__align__"))
-            .collect();
-        let ty = words[..words.len().saturating_sub(1)].join(" ");
-        let size: u32 = match ty.as_str() {
-            "float" | "int" | "unsigned" | "unsigned int" | "int32_t" => 4,
-            "u16" | "short" | "unsigned short" => 2,
-            "u8" | "char" | "unsigned char" | "bool" => 1,
-            _ => 8,
-        };
-        let count = decl[open..]
-            .split('[')
-            .skip(1)
-            .map(|d| d.split(']').next().unwrap_or("").trim().parse::<u32>().ok())
-            .try_fold(1u32, |n, d| d.and_then(|d| n.checked_mul(d)));
-        total = total.saturating_add(match count {
-            Some(n) => n.saturating_mul(size),
-            None => STATIC_SHARED_MAX,
-        });
-    }
-    total
 }
 
 /// `k` as a `__device__` function named `prefix` + its hash, with parameters `sig`, told its

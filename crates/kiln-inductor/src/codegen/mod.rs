@@ -28,6 +28,7 @@ mod cuda_reduce;
 mod cuda_residues;
 pub(crate) mod cuda_rows;
 mod cuda_sequential;
+mod cuda_shared;
 mod cuda_sincos;
 mod cuda_sizes;
 mod cuda_tune;
