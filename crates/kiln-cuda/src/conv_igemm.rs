@@ -11,7 +11,7 @@
 //! accelerator) run the step's convolutions about twice as fast as these, so they are off by
 //! default (`set_generated_conv`; BENCHMARKS.md has both sides).
 //!
-//! Which convolutions, with the switch on (`applies`): f32, channels-last (what the compiler's
+//! Which convolutions, with the switch on (`eligible`): f32, channels-last (what the compiler's
 //! layout pass writes: `ConvParams::channels_last`), one group, TF32 allowed
 //! (`set_cudnn_allow_tf32`, as PyTorch's default), no fused epilogue, every operand under 2^31
 //! elements. The rest goes to cuDNN.
@@ -118,8 +118,7 @@ pub(crate) fn eligible(
 
 /// Runs the convolution `kind` (`x`, `w`, `y` in NCHW order, as cuDNN's names them) on the
 /// operands at `a` and `b` (the prim's inputs in its order, contiguous channels-last: x and w,
-/// dy and w, or dy and x) into `out`. `aligned`:
-/// every address is 16-byte aligned.
+/// dy and w, or dy and x) into `out`. `aligned`: every address is 16-byte aligned.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     dev: &Arc<CudaDevice>,
@@ -155,7 +154,7 @@ pub(crate) fn launch(
         Kind::GradInput => (x[0] * x[2] * x[3], x[1], w[0] * w[2] * w[3]),
         Kind::GradWeight => (w[1] * w[2] * w[3], w[0], y[0] * y[2] * y[3]),
     };
-    // a GEMM index's products stay under 2^31: the operands do (`applies`), and so do the
+    // a GEMM index's products stay under 2^31: the operands do (`eligible`), and so do the
     // GEMM's sizes, which are their dims' products
     (g.gm, g.gn, g.gk) = (i(gm), i(gn), i(gk));
     let vec4 = aligned && x[1] % 4 == 0 && w[0] % 4 == 0;
