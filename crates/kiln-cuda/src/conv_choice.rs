@@ -45,7 +45,13 @@ pub(crate) fn generated_wins(
     generated: &mut dyn FnMut() -> Result<()>,
 ) -> Result<bool> {
     let (path, sum_path) = entry(dev, spec);
-    let chosen = match read(&path, &sum_path) {
+    let stored = crate::nvrtc::read_verified(&path, &sum_path);
+    let chosen = match stored.as_deref() {
+        Some(b"generated") => Some(true),
+        Some(b"cudnn") => Some(false),
+        _ => None,
+    };
+    let chosen = match chosen {
         Some(g) => {
             DISK_HITS.fetch_add(1, Ordering::Relaxed);
             g
@@ -83,18 +89,4 @@ fn entry(dev: &CudaDevice, spec: &str) -> (PathBuf, PathBuf) {
     );
     let dir = kiln_core::cache::cache_root().join("conv_choice");
     (dir.join(&key), dir.join(format!("{key}.xxh3")))
-}
-
-/// The stored choice, if its checksum holds and it names one side.
-fn read(path: &PathBuf, sum_path: &PathBuf) -> Option<bool> {
-    let word = std::fs::read(path).ok()?;
-    let want = std::fs::read_to_string(sum_path).ok()?;
-    if crate::nvrtc::checksum(&word) != want.trim() {
-        return None;
-    }
-    match word.as_slice() {
-        b"generated" => Some(true),
-        b"cudnn" => Some(false),
-        _ => None,
-    }
 }

@@ -47,11 +47,7 @@ pub(crate) fn load(
     spec: &Spec,
     (path, sum_path): &(PathBuf, PathBuf),
 ) -> Option<GraphPlan> {
-    let json = std::fs::read(path).ok()?;
-    let want = std::fs::read_to_string(sum_path).ok()?;
-    if crate::nvrtc::checksum(&json) != want.trim() {
-        return None;
-    }
+    let json = crate::nvrtc::read_verified(path, sum_path)?;
     let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR).ok()?;
     plan.set(
         A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE,

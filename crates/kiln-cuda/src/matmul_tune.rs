@@ -411,11 +411,7 @@ impl Gemm<'_> {
     /// descriptors.
     fn read_choice(&self, key: &Key) -> Option<Choice> {
         let (path, sum_path) = entry(self.dev, key);
-        let text = std::fs::read(&path).ok()?;
-        let want = std::fs::read_to_string(&sum_path).ok()?;
-        if crate::nvrtc::checksum(&text) != want.trim() {
-            return None;
-        }
+        let text = crate::nvrtc::read_verified(&path, &sum_path)?;
         let text = std::str::from_utf8(&text).ok()?;
         if text == "default" {
             self.plain?;

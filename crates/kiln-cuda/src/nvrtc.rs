@@ -166,32 +166,30 @@ pub(crate) fn build(dev: &CudaDevice, signature: &str, src: &str) -> Result<()> 
 /// Whether `src`'s machine code for `dev` is in the disk cache (a build would read it, not run
 /// NVRTC).
 pub(crate) fn on_disk(dev: &CudaDevice, src: &str) -> bool {
-    let (path, _) = cubin_paths(dev, src);
+    let (_, path, _) = cubin_entry(dev, src);
     path.exists()
 }
 
-/// Where `src`'s machine code for `dev` and its checksum are kept.
-fn cubin_paths(dev: &CudaDevice, src: &str) -> (PathBuf, PathBuf) {
+/// `src`'s machine code for `dev` in the disk cache: its key, and where it and its checksum are.
+fn cubin_entry(dev: &CudaDevice, src: &str) -> (String, PathBuf, PathBuf) {
     let sm = dev.arch.replace("compute_", "sm_");
     let key = checksum(format!("{src}|{sm}|{}|cubin", nvrtc_version()).as_bytes());
     let dir = cache_dir();
-    (
+    let (path, sum_path) = (
         dir.join(format!("{key}.cubin")),
         dir.join(format!("{key}.cubin.xxh3")),
-    )
+    );
+    (key, path, sum_path)
 }
 
 /// The device's machine code for `src`: from the disk cache when a verified entry exists, else
 /// compiled by NVRTC and stored.
 fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     let sm = dev.arch.replace("compute_", "sm_");
-    let (path, sum_path) = cubin_paths(dev, src);
-    let dir = cache_dir();
-    if let (Ok(image), Ok(want)) = (std::fs::read(&path), std::fs::read_to_string(&sum_path)) {
-        if checksum(&image) == want.trim() {
-            DISK_HITS.fetch_add(1, Ordering::Relaxed);
-            return Ok(image);
-        }
+    let (key, path, sum_path) = cubin_entry(dev, src);
+    if let Some(image) = read_verified(&path, &sum_path) {
+        DISK_HITS.fetch_add(1, Ordering::Relaxed);
+        return Ok(image);
     }
     // inside a fresh-cache scope (a cold-compile measurement) NVRTC's own cache is bypassed too
     let fresh = kiln_core::cache::scope_id() != 0;
@@ -204,9 +202,7 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
         let bypassed = fresh && NO_CACHE_OPTION.load(Ordering::Relaxed);
         eprintln!(
             "kiln nvrtc: {} source {} bytes, {:.3} s, {} cubin bytes{}",
-            path.file_stem()
-                .and_then(|s| s.to_str())
-                .map_or("", |s| &s[..12]),
+            &key[..12],
             src.len(),
             took.as_secs_f64(),
             image.len(),
@@ -219,7 +215,7 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     }
     COMPILES.fetch_add(1, Ordering::Relaxed);
     // a cache that cannot be written only costs a recompile in the next process
-    let _ = store(&dir, &path, &sum_path, &image);
+    let _ = store(&cache_dir(), &path, &sum_path, &image);
     Ok(image)
 }
 
@@ -318,6 +314,16 @@ fn compile_cubin_with(
     out
 }
 
+/// The bytes `store` wrote at `path`, if the checksum beside them (at `sum_path`) holds: every
+/// disk cache of this crate (cubins, cuDNN plans, GEMM and convolution choices) reads through it.
+pub(crate) fn read_verified(path: &Path, sum_path: &Path) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(path).ok()?;
+    let want = std::fs::read_to_string(sum_path).ok()?;
+    (checksum(&bytes) == want.trim()).then_some(bytes)
+}
+
+/// Writes `bytes` at `path` and their checksum at `sum_path`, each through a temporary file and a
+/// rename, so a reader sees a whole entry or none.
 pub(crate) fn store(dir: &Path, path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
