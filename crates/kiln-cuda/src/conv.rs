@@ -280,10 +280,12 @@ pub(crate) fn run(
     let a = contiguous(dev, inputs[0])?;
     let b = contiguous(dev, inputs[1])?;
     // kiln's generated kernel: where it is switched on, or where max-autotune times it faster
-    let eligible = crate::conv_igemm::eligible(dtype, p, [x, w, y], epilogue.is_some());
-    let aligned = alignment(&[a.ptr(), b.ptr(), out.ptr]) >= 16;
-    let generated =
-        || crate::conv_igemm::launch(dev, kind, p, [x, w, y], a.ptr(), b.ptr(), out.ptr, aligned);
+    let eligible = (crate::conv_igemm::generated_conv() || tuned)
+        && crate::conv_igemm::eligible(dtype, p, [x, w, y], epilogue.is_some());
+    let generated = || {
+        let aligned = alignment(&[a.ptr(), b.ptr(), out.ptr]) >= 16;
+        crate::conv_igemm::launch(dev, kind, p, [x, w, y], a.ptr(), b.ptr(), out.ptr, aligned)
+    };
     if eligible && crate::conv_igemm::generated_conv() {
         generated()?;
         return Ok(Some(Arc::new(out)));

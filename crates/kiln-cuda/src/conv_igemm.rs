@@ -248,7 +248,7 @@ fn split(blocks: usize, ktiles: usize, sms: usize) -> (usize, usize) {
 
 /// One kernel of the template: the convolution's kind, four-wide loads or not, the block's
 /// columns (32: 4 x 1 warps, 64: 4 x 2, 128: 2 x 4; 128 rows each).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct Spec {
     kind: Kind,
     vec4: bool,
@@ -325,9 +325,9 @@ impl Spec {
     }
 }
 
-/// A kernel of the template, per cache scope (a cold-compile measurement builds its own), device
-/// and kernel name.
-type Key = (u64, usize, String);
+/// A kernel of the template, per cache scope (a cold-compile measurement builds its own) and
+/// device: looked up at every launch, so no text is built for it.
+type Key = (u64, usize, Spec);
 /// An NVRTC build of one kernel into the disk cache, run once by whichever thread asks first.
 type Build = Arc<OnceLock<std::result::Result<(), String>>>;
 
@@ -337,7 +337,7 @@ static BUILDS: Mutex<Option<HashMap<Key, Build>>> = Mutex::new(None);
 static LOADED: Mutex<Option<HashMap<Key, [usize; 2]>>> = Mutex::new(None);
 
 fn key(dev: &CudaDevice, spec: Spec) -> Key {
-    (kiln_core::cache::scope_id(), dev.ordinal, spec.name())
+    (kiln_core::cache::scope_id(), dev.ordinal, spec)
 }
 
 /// `spec`'s kernel and its module's `conv_split_sum`, loaded once per device and cache scope
