@@ -15,6 +15,7 @@
 use kiln_compile::graph::{Graph, NodeId};
 
 use crate::backend::{Planned, Side, Target};
+use crate::codegen::cuda::STATIC_SHARED_MAX;
 use crate::footprint::Footprint;
 use crate::runtime::plan::Alloc;
 
@@ -28,11 +29,6 @@ const LOOKBACK: usize = 64;
 const MAX_MEMBERS: usize = 16;
 /// Most parameters of one launch (4 KiB of pointers: what every CUDA driver accepts).
 const MAX_PARAMS: usize = kiln_core::device::MAX_KERNEL_PARAMS;
-/// Most static shared memory of one launch: its members' `__shared__` arrays are all declared
-/// in it. Over CUDA's 48 KiB the launch's unit fails to compile, and with it every kernel of
-/// the unit: max-autotune's 1024-thread candidates of DenseNet-121's backward joined column
-/// reductions of 4-32 KiB each into 80 KiB, and its whole backward ran on the interpreter.
-const MAX_STATIC_SHARED: u32 = crate::codegen::cuda::STATIC_SHARED_MAX;
 
 /// A step being planned: an extern, or the kernels one launch will run.
 struct Entry<K> {
@@ -72,9 +68,13 @@ impl<K> Entry<K> {
         let (Some(a), Some(b), Step::Kernels(members)) = (self.side, other.side, &self.step) else {
             return false;
         };
+        // the members' `__shared__` arrays are all declared in the launch: past CUDA's 48 KiB
+        // its unit fails to compile, and with it every kernel of the unit (max-autotune's
+        // 1024-thread candidates of DenseNet-121's backward joined column reductions into 80 KiB,
+        // and its whole backward ran on the interpreter)
         a.block == b.block
             && a.params + b.params <= MAX_PARAMS
-            && a.shared.saturating_add(b.shared) <= MAX_STATIC_SHARED
+            && a.shared.saturating_add(b.shared) <= STATIC_SHARED_MAX
             && members.len() < MAX_MEMBERS
     }
 
@@ -198,7 +198,7 @@ mod tests {
     /// declare; they share launches that each stay within it.
     #[test]
     fn launches_hold_their_members_static_shared_memory() {
-        use crate::codegen::cuda::{static_shared_bytes, TuneConfig, STATIC_SHARED_MAX};
+        use crate::codegen::cuda::{static_shared_bytes, TuneConfig};
         let mut g = Graph::default();
         // channels of 16 sizes: no two sums are one kernel's siblings
         for i in 0..16 {

@@ -448,12 +448,10 @@ impl Target for Cuda {
     /// on. Every member is a grid-stride loop, correct for any block count, and the branch is
     /// uniform over a block, so the members' `__syncthreads` stay sound.
     fn horizontal(&self, members: &[&CudaKernel]) -> Option<CudaKernel> {
+        // (`horizontal.rs` joins only kernels of one block size whose `__shared__` arrays fit
+        // together: `Side`)
         let block = members.first()?.block;
-        let shared: u64 = members
-            .iter()
-            .map(|m| u64::from(static_shared_bytes(m)))
-            .sum();
-        if members.iter().any(|m| m.block != block) || shared > u64::from(STATIC_SHARED_MAX) {
+        if members.iter().any(|m| m.block != block) {
             return None;
         }
         let mut device_fns: Vec<(String, String)> = Vec::new();
