@@ -218,16 +218,15 @@ fn main() -> ExitCode {
             _ => unreachable!("checked in parse_args"),
         };
         // compiled rows that timed the interpreter would compare eager kernels with torch.compile
-        let r = r.and_then(
-            |()| match kiln::inductor::interpreted_graphs() - interpreted {
-                0 => Ok(()),
-                n => Err(format!(
-                "{n} compiled graph(s) fell back to the interpreter (their kernels could not be \
-                 generated: see the warning above); its compiled rows time eager kernels"
+        let fell_back = kiln::inductor::interpreted_graphs() - interpreted;
+        let r = match r {
+            Ok(()) if fell_back > 0 => Err(format!(
+                "{fell_back} compiled graph(s) fell back to the interpreter (their kernels could \
+                 not be generated: see the warning above); its compiled rows time eager kernels"
             )
-                .into()),
-            },
-        );
+            .into()),
+            r => r,
+        };
         // keep going: one failing workload must not hide the rest
         if let Err(e) = r {
             failed = true;

@@ -15,60 +15,36 @@ use kiln::{DType, Tensor};
 use super::BenchResult;
 use crate::harness::Ctx;
 
-/// A convolution of the step: its label, batch, input channels, input size (square), output
-/// channels, kernel size (square), stride, padding, and how many of it the step has.
-struct Shape {
-    label: &'static str,
-    c: usize,
-    h: usize,
-    k: usize,
-    r: usize,
-    stride: usize,
-    pad: usize,
-    count: usize,
-}
+/// A convolution of the step: its label, input channels, input size (square), output channels,
+/// kernel size (square), stride, padding, and how many of it the step has.
+type Shape = (
+    &'static str,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+    usize,
+);
 
 const BATCH: usize = 64;
-
-/// A `Shape` from its fields in order (one line per shape below).
-#[allow(clippy::too_many_arguments)]
-const fn shape(
-    label: &'static str,
-    c: usize,
-    h: usize,
-    k: usize,
-    r: usize,
-    stride: usize,
-    pad: usize,
-    count: usize,
-) -> Shape {
-    Shape {
-        label,
-        c,
-        h,
-        k,
-        r,
-        stride,
-        pad,
-        count,
-    }
-}
 
 /// The stem, each dense block's 1x1 bottleneck at a middle layer's input width and its 3x3
 /// growth convolution, and two transitions: the layers between share their kinds and sizes.
 const SHAPES: &[Shape] = &[
-    shape("stem_7x7_s2", 3, 224, 64, 7, 2, 3, 1),
-    shape("1x1_56_c64", 64, 56, 128, 1, 1, 0, 1),
-    shape("1x1_56_c160", 160, 56, 128, 1, 1, 0, 6),
-    shape("3x3_56", 128, 56, 32, 3, 1, 1, 6),
-    shape("1x1_28_c320", 320, 28, 128, 1, 1, 0, 12),
-    shape("3x3_28", 128, 28, 32, 3, 1, 1, 12),
-    shape("1x1_14_c640", 640, 14, 128, 1, 1, 0, 24),
-    shape("3x3_14", 128, 14, 32, 3, 1, 1, 24),
-    shape("1x1_7_c768", 768, 7, 128, 1, 1, 0, 16),
-    shape("3x3_7", 128, 7, 32, 3, 1, 1, 16),
-    shape("trans_56_256_128", 256, 56, 128, 1, 1, 0, 1),
-    shape("trans_14_1024_512", 1024, 14, 512, 1, 1, 0, 1),
+    ("stem_7x7_s2", 3, 224, 64, 7, 2, 3, 1),
+    ("1x1_56_c64", 64, 56, 128, 1, 1, 0, 1),
+    ("1x1_56_c160", 160, 56, 128, 1, 1, 0, 6),
+    ("3x3_56", 128, 56, 32, 3, 1, 1, 6),
+    ("1x1_28_c320", 320, 28, 128, 1, 1, 0, 12),
+    ("3x3_28", 128, 28, 32, 3, 1, 1, 12),
+    ("1x1_14_c640", 640, 14, 128, 1, 1, 0, 24),
+    ("3x3_14", 128, 14, 32, 3, 1, 1, 24),
+    ("1x1_7_c768", 768, 7, 128, 1, 1, 0, 16),
+    ("3x3_7", 128, 7, 32, 3, 1, 1, 16),
+    ("trans_56_256_128", 256, 56, 128, 1, 1, 0, 1),
+    ("trans_14_1024_512", 1024, 14, 512, 1, 1, 0, 1),
 ];
 
 const KINDS: [&str; 3] = ["forward", "grad_input", "grad_weight"];
@@ -82,20 +58,20 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
     // [engine][kind] milliseconds over the step
     let mut totals = [[0.0f64; 3]; 2];
     let r = kiln::no_grad(|| -> BenchResult {
-        for s in SHAPES {
+        for &(label, c, h, k, r, stride, pad, count) in SHAPES {
             let p = ConvParams {
-                stride: [s.stride; 2],
-                padding: [s.pad; 2],
+                stride: [stride; 2],
+                padding: [pad; 2],
                 dilation: [1, 1],
                 groups: 1,
                 channels_last: true,
             };
-            let oh = (s.h + 2 * s.pad - s.r) / s.stride + 1;
-            let (xs, ws) = ([BATCH, s.h, s.h, s.c], [s.k, s.r, s.r, s.c]);
+            let oh = (h + 2 * pad - r) / stride + 1;
+            let (xs, ws) = ([BATCH, h, h, c], [k, r, r, c]);
             let x = Tensor::randn(&xs, DType::F32)?.to(ctx.dev)?;
             let w = Tensor::randn(&ws, DType::F32)?.to(ctx.dev)?;
-            let dy = Tensor::randn(&[BATCH, oh, oh, s.k], DType::F32)?.to(ctx.dev)?;
-            let flops = 2.0 * (BATCH * oh * oh * s.k * s.r * s.r * s.c) as f64;
+            let dy = Tensor::randn(&[BATCH, oh, oh, k], DType::F32)?.to(ctx.dev)?;
+            let flops = 2.0 * (BATCH * oh * oh * k * r * r * c) as f64;
             for (e, engine) in ["cudnn", "generated"].into_iter().enumerate() {
                 kiln::cuda::set_generated_conv(e == 1);
                 for (kind_index, kind) in KINDS.into_iter().enumerate() {
@@ -116,14 +92,13 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
                             &[&dy, &x],
                         ),
                     };
-                    let t = timer.time(&format!("{} {kind} {engine}", s.label), call)?;
-                    let (w_name, variant) =
-                        (format!("convs_{}", s.label), format!("{kind}_{engine}"));
+                    let t = timer.time(&format!("{label} {kind} {engine}"), call)?;
+                    let (w_name, variant) = (format!("convs_{label}"), format!("{kind}_{engine}"));
                     ctx.emit(&w_name, &variant, "call", t.us(), "us");
                     ctx.emit(&w_name, &variant, "tflops", flops / t.s() / 1e12, "TFLOP/s");
                     // the step computes no gradient of the images
-                    if !(s.c == 3 && kind_index == 1) {
-                        totals[e][kind_index] += t.us() * s.count as f64 / 1e3;
+                    if !(c == 3 && kind_index == 1) {
+                        totals[e][kind_index] += t.us() * count as f64 / 1e3;
                     }
                 }
             }
