@@ -117,8 +117,8 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     fn upload(&self, device: Device, data: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>>;
     /// The elements `layout` addresses in `buf`, in row-major order, as a contiguous host buffer.
     fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage>;
-    /// Runs a (non-view) prim whose operands all live on `device` (none for creation prims) and
-    /// returns a fresh contiguous buffer of `meta`'s shape and dtype. `Prim::infer` has checked the
+    /// Runs a (non-view) prim whose operands all live on `device` (none for creation prims; one
+    /// CPU scalar where `takes_host_scalar` said so) and returns a fresh contiguous buffer of `meta`'s shape and dtype. `Prim::infer` has checked the
     /// operands.
     fn execute(
         &self,
@@ -127,6 +127,15 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         inputs: &[&Tensor],
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>>;
+    /// Whether `execute` takes `operand` of `prim` where it is: a CPU tensor that reads one
+    /// element (a Rust number, a CPU scalar) whose value then rides in the launch's arguments,
+    /// as PyTorch's wrapped numbers do, instead of a device buffer allocated and filled for it.
+    /// Dispatch keeps at most one operand of a call on the host, and only where this says yes;
+    /// every other CPU operand is copied onto the device first (the default: all of them).
+    fn takes_host_scalar(&self, device: Device, prim: &Prim, operand: &Tensor) -> bool {
+        let _ = (device, prim, operand);
+        false
+    }
     /// `execute` as a graph compiled in max-autotune runs it (kiln-inductor's executor calls it
     /// for its GEMMs and convolutions): a runtime may time its implementations of the prim at
     /// the first call of a shape and keep the fastest (kiln-cuda: cuBLAS's and cuBLASLt's GEMM

@@ -119,18 +119,12 @@ fn execute_on_device(
 }
 
 /// Whether `t`, not on `device`, may be copied there for `prim`: a CPU tensor that reads a single
-/// element (possibly expanded) and wants no gradient (the copy would be a new leaf).
+/// element (possibly expanded, to an empty shape too) and wants no gradient (the copy would be a
+/// new leaf).
 fn liftable(prim: &Prim, t: &Tensor, device: Device) -> Result<()> {
-    let l = t.layout();
-    let single = l
-        .shape
-        .iter()
-        .zip(&l.strides)
-        .all(|(&d, &s)| d <= 1 || s == 0);
     match device != Device::Cpu
         && t.device() == Device::Cpu
-        && single
-        && t.numel() > 0
+        && t.reads_one_host_element()
         && !t.requires_grad()
     {
         true => Ok(()),
@@ -139,8 +133,12 @@ fn liftable(prim: &Prim, t: &Tensor, device: Device) -> Result<()> {
 }
 
 /// Copies each single-element CPU operand to `device`, as a one-element buffer viewed with the
-/// operand's shape (zero strides); any other CPU operand is a device mismatch.
+/// operand's shape (zero strides), except the first one the device's runtime takes as a value
+/// (`takes_host_scalar`); any other CPU operand is a device mismatch.
 fn lift_scalars(prim: &Prim, inputs: &[&Tensor], device: Device) -> Result<Vec<Tensor>> {
+    let runtime = runtime_for(prim.name(), device)?;
+    // a kept scalar may be saved for the backward: `binary_vjp` computes with it on the device
+    let mut kept = false;
     inputs
         .iter()
         .map(|t| {
@@ -148,14 +146,18 @@ fn lift_scalars(prim: &Prim, inputs: &[&Tensor], device: Device) -> Result<Vec<T
                 return Ok((*t).clone());
             }
             liftable(prim, t, device)?;
-            let l = t.layout();
             t.ready(prim.name(), std::panic::Location::caller())?;
+            if !kept && runtime.takes_host_scalar(device, prim, t) {
+                kept = true;
+                return Ok((*t).clone());
+            }
+            let l = t.layout();
             let value = {
                 let s = t.storage();
                 crate::with_storage!(&*s, v => crate::storage::StorageElement::wrap(vec![v[l.offset]]))
             };
             let value: CpuStorage = value;
-            let buf = runtime_for(prim.name(), device)?.upload(device, &value)?;
+            let buf = runtime.upload(device, &value)?;
             let one = Layout::contiguous(&vec![1; l.rank()]);
             let grad_free = Tensor::from_device_buffer(buf, one.expand(&l.shape));
             Ok(grad_free)

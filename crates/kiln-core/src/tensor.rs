@@ -293,6 +293,35 @@ impl Tensor {
         self.layout().for_each_offset(|o| out.push(s.get_f64(o)));
         Ok(out)
     }
+    /// Whether this is a CPU tensor whose elements are all one element of its storage (a 0-dim
+    /// tensor, possibly expanded with zero strides, to an empty shape too).
+    pub(crate) fn reads_one_host_element(&self) -> bool {
+        let l = self.layout();
+        let single = l
+            .shape
+            .iter()
+            .zip(&l.strides)
+            .all(|(&d, &s)| d <= 1 || s == 0);
+        single && !self.is_on_device() && l.offset < self.storage().len()
+    }
+    /// The element of a CPU tensor that reads a single one (a 0-dim tensor, possibly expanded
+    /// with zero strides, to an empty shape too), as f64, without copying: how a device runtime reads a scalar operand
+    /// it takes by value (`DeviceRuntime::takes_host_scalar`).
+    pub fn host_scalar_f64(&self) -> Result<f64> {
+        let l = self.layout();
+        if !self.reads_one_host_element() || self.is_deferred() {
+            return Err(Error::shape(
+                "host_scalar",
+                format!(
+                    "a CPU tensor reading one element, got shape {:?} strides {:?} on {}",
+                    l.shape,
+                    l.strides,
+                    self.device()
+                ),
+            ));
+        }
+        Ok(self.storage().get_f64(l.offset))
+    }
     /// The value of a one-element tensor.
     #[track_caller]
     pub fn item<T: StorageElement>(&self) -> Result<T> {

@@ -6,10 +6,8 @@
 #[path = "support/mock_device.rs"]
 mod mock_device;
 
-use std::sync::atomic::Ordering;
-
 use kiln_core::{DType, Device, Tensor};
-use mock_device::{setup, DEV, EXECS};
+use mock_device::{execs_here, host_traffic, setup, DEV};
 
 #[test]
 fn prims_on_device_operands_run_on_the_runtime_and_views_do_not() {
@@ -17,16 +15,12 @@ fn prims_on_device_operands_run_on_the_runtime_and_views_do_not() {
     let x = Tensor::from_vec((0..6).map(|v| v as f32).collect::<Vec<_>>(), &[2, 3]).unwrap();
     let d = x.to(DEV).unwrap();
     assert_eq!(d.device(), DEV);
-    let before = EXECS.load(Ordering::SeqCst);
+    let before = execs_here();
     let v = d.t().unwrap().narrow(0, 1, 2).unwrap();
-    assert_eq!(
-        EXECS.load(Ordering::SeqCst),
-        before,
-        "views reached the runtime"
-    );
+    assert_eq!(execs_here(), before, "views reached the runtime");
     assert!(v.shares_storage(&d));
     let y = v.exp().unwrap().add(&v).unwrap();
-    assert!(EXECS.load(Ordering::SeqCst) > before);
+    assert!(execs_here() > before);
     assert_eq!(y.device(), DEV);
     let want = x.t().unwrap().narrow(0, 1, 2).unwrap();
     let want = want.exp().unwrap().add(&want).unwrap();
@@ -55,6 +49,56 @@ fn scalars_and_like_constructors_follow_the_device() {
     let c = Tensor::ones(&[3], DType::F32).unwrap();
     let err = d.add(&c).unwrap_err().to_string();
     assert!(err.contains("Cuda(0)") && err.contains("Cpu"), "{err}");
+}
+
+/// A Rust number against a device tensor is no device buffer: the runtime takes it by value
+/// (PyTorch's wrapped numbers), one per call; a second scalar operand is uploaded.
+#[test]
+fn rust_numbers_ride_in_the_launch_as_values() {
+    setup();
+    let x = Tensor::from_vec(vec![1.0f32, -2.0, 3.0], &[3]).unwrap();
+    let d = x.to(DEV).unwrap();
+    let (uploads, taken) = host_traffic();
+    let y = d.mul(2.5).unwrap().add(1).unwrap().maximum(0.0).unwrap();
+    assert_eq!(y.device(), DEV);
+    assert_eq!(
+        host_traffic(),
+        (uploads, taken + 3),
+        "uploads, scalars by value"
+    );
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![3.5, 0.0, 8.5]);
+    // both branches of `where` scalars: one by value, the other copied over
+    let (uploads, taken) = host_traffic();
+    let w = Tensor::where_(&d.gt(0.0).unwrap(), 1.0, -1.0).unwrap();
+    assert_eq!(w.to_vec::<f32>().unwrap(), vec![1.0, -1.0, 1.0]);
+    // gt's 0.0, where's first branch: by value; where's second branch: uploaded
+    assert_eq!(host_traffic(), (uploads + 1, taken + 2));
+    // a scalar broadcast to an empty shape, and an integer tensor's number
+    let empty = Tensor::zeros(&[0, 3], DType::F32).unwrap().to(DEV).unwrap();
+    assert_eq!(empty.mul(2.0).unwrap().shape(), &[0, 3]);
+    let i = Tensor::from_vec(vec![7i64, -3], &[2])
+        .unwrap()
+        .to(DEV)
+        .unwrap();
+    assert_eq!(i.mul(3).unwrap().to_vec::<i64>().unwrap(), vec![21, -9]);
+
+    // recorded ops take them by value too, and their backward computes with the saved scalars
+    // (pow's moves its exponent to the device: on the CPU it would be broadcast to full size)
+    let g = d.with_grad().unwrap();
+    let (uploads, taken) = host_traffic();
+    let y = g.mul(2.5).unwrap().maximum(0.0).unwrap();
+    let p = g.pow(Tensor::scalar(2.0f32)).unwrap();
+    assert_eq!(
+        host_traffic(),
+        (uploads, taken + 3),
+        "uploads, scalars by value"
+    );
+    y.add(&p).unwrap().sum_all().unwrap().backward().unwrap();
+    // d/dx (max(2.5x, 0) + x^2) = 2.5 [x > 0] + 2x
+    assert_eq!(
+        g.grad().unwrap().to_vec::<f32>().unwrap(),
+        vec![4.5, -4.0, 8.5]
+    );
 }
 
 #[test]

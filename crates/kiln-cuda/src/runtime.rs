@@ -109,9 +109,21 @@ impl CudaRuntime {
         let dev = CudaDevice::get(ordinal(name, device)?)?;
         let n: usize = meta.shape.iter().product();
         let rank_ok = meta.shape.len() <= MAX_RANK && inputs.iter().all(|t| t.rank() <= MAX_RANK);
+        // a CPU scalar this runtime took by value (`takes_host_scalar`): in the launch's arguments
+        let host = inputs.iter().position(|t| t.device() == Device::Cpu);
+        let by_value = match host {
+            Some(j) => Scalars {
+                value: inputs[j].host_scalar_f64()?,
+                operand: Some((j, inputs[j].dtype())),
+                ..Scalars::default()
+            },
+            None => Scalars::default(),
+        };
         let ops = inputs
             .iter()
-            .map(|t| operand(name, t))
+            .enumerate()
+            .filter(|&(j, _)| Some(j) != host)
+            .map(|(_, t)| operand(name, t))
             .collect::<Result<Vec<_>>>()?;
         let out_layout = Layout::contiguous(&meta.shape);
         let elementwise = |op: ew::Op, scalars: Scalars| -> Result<Arc<dyn DeviceBuffer>> {
@@ -123,8 +135,8 @@ impl CudaRuntime {
         match prim {
             _ if !rank_ok => crate::fallback::run(&dev, prim, inputs),
             Prim::Unary(op) => elementwise(ew::unary(*op, dt(0)), Scalars::default()),
-            Prim::Binary(op) => elementwise(ew::binary(*op, dt(0)), Scalars::default()),
-            Prim::Where => elementwise(ew::where_op(), Scalars::default()),
+            Prim::Binary(op) => elementwise(ew::binary(*op, dt(0)), by_value),
+            Prim::Where => elementwise(ew::where_op(), by_value),
             Prim::Cast(_) | Prim::Contiguous => elementwise(ew::identity(), Scalars::default()),
             Prim::Reshape(_) => {
                 // not viewable: a contiguous copy in the input's own shape, re-laid by dispatch
@@ -252,6 +264,22 @@ impl DeviceRuntime for CudaRuntime {
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>> {
         self.run(device, prim, inputs, meta, false)
+    }
+
+    /// A binary op's or `where`'s scalar operand, while no CUDA graph records on the device (a
+    /// recorded launch would keep this call's value; the copy keeps its buffer's). Values an f64
+    /// holds exactly: every dtype's, but int64's beyond 2^53.
+    fn takes_host_scalar(&self, device: Device, prim: &Prim, operand: &Tensor) -> bool {
+        let exact = match operand.host_scalar_f64() {
+            Ok(v) => operand.dtype() != DType::I64 || v.abs() < (1u64 << 53) as f64,
+            Err(_) => false,
+        };
+        exact
+            && matches!(prim, Prim::Binary(_) | Prim::Where)
+            && operand.rank() <= MAX_RANK
+            && ordinal("cuda", device)
+                .and_then(CudaDevice::get)
+                .is_ok_and(|dev| dev.pool().capturing.is_none())
     }
 
     fn execute_tuned(

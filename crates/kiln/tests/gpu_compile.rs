@@ -1233,7 +1233,9 @@ fn main() {
     // that way for sessions).
     let interpreted = kiln::inductor::interpreted_graphs();
     if interpreted > 0 {
-        eprintln!("{interpreted} compiled graph(s) fell back to the interpreter (stderr names why)");
+        eprintln!(
+            "{interpreted} compiled graph(s) fell back to the interpreter (stderr names why)"
+        );
         std::process::exit(101);
     }
     conclusion.exit();

@@ -117,9 +117,10 @@ impl Tensor {
         };
         let dtype = DType::promote(a.dtype(), b.dtype());
         let c = cond.to_dtype(DType::Bool)?;
+        // cast before broadcasting: a scalar branch stays one element
+        let (a, b) = (a.to_dtype(dtype)?, b.to_dtype(dtype)?);
         let v = align("where", &[&c, &a, &b], None)?;
-        let (a, b) = (v[1].to_dtype(dtype)?, v[2].to_dtype(dtype)?);
-        apply(Prim::Where, &[&v[0], &a, &b])
+        apply(Prim::Where, &[&v[0], &v[1], &v[2]])
     }
     /// `clamp(min, max)`; either bound may be absent. NaN stays NaN.
     ///

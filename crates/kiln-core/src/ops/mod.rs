@@ -17,6 +17,7 @@ pub use creation::{default_draw, manual_seed, set_default_generator_state, Gener
 pub use loss::Reduction;
 pub use shape::ShapeArg;
 
+use crate::storage::CpuStorage;
 use crate::{DType, Result, Tensor};
 
 /// Something that can stand on the right of a binary op: a tensor or a Rust number.
@@ -54,13 +55,26 @@ fn scalar_dtype(float_scalar: bool, like: DType) -> DType {
     }
 }
 
+/// A Rust number as an operand against `like`. Eagerly it is a CPU scalar made without a
+/// dispatch; against a device tensor the runtime takes it by value where it can
+/// (`takes_host_scalar`; else dispatch copies it over): no device buffer and no fill launch per
+/// number, as PyTorch passes its wrapped numbers. While an interceptor records (a trace), it is
+/// a `full` on `like`'s device, so the graph holds the constant where its consumers run.
+fn scalar_operand(value: f64, dtype: DType, like: &Tensor) -> Result<Tensor> {
+    match crate::intercept::current() {
+        Some(_) => Tensor::full_on(&[], value, dtype, like.device()),
+        None => Ok(Tensor::from_storage(
+            CpuStorage::from_f64s(dtype, std::iter::once(value)),
+            &[],
+        )?),
+    }
+}
+
 macro_rules! scalar_operand {
     ($float:expr; $($t:ty),*) => {$(
         impl Operand for $t {
             fn to_operand(self, like: &Tensor) -> Result<Tensor> {
-                // made where `like` lives, so the op needs no host-to-device copy
-                let dtype = scalar_dtype($float, like.dtype());
-                Tensor::full_on(&[], self as f64, dtype, like.device())
+                scalar_operand(self as f64, scalar_dtype($float, like.dtype()), like)
             }
             fn is_scalar(&self) -> bool {
                 true

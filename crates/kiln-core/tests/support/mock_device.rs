@@ -5,7 +5,7 @@
 #![allow(dead_code)] // each test binary uses part of it
 
 use std::any::Any;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 
 use kiln_core::device::{register_runtime, DeviceBuffer, DeviceKernel, DeviceRuntime};
@@ -37,7 +37,23 @@ impl DeviceBuffer for HostBuf {
     }
 }
 
-pub static EXECS: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    /// This thread's uploads, the CPU scalars its calls took by value and its prims executed
+    /// (thread-local: a test counts its own calls while others run beside it).
+    static UPLOADS: Cell<usize> = const { Cell::new(0) };
+    static HOST_SCALARS: Cell<usize> = const { Cell::new(0) };
+    static EXECS_HERE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The prims this thread's calls executed on the mock.
+pub fn execs_here() -> usize {
+    EXECS_HERE.get()
+}
+
+/// (uploads, CPU scalars taken by value) on this thread so far.
+pub fn host_traffic() -> (usize, usize) {
+    (UPLOADS.get(), HOST_SCALARS.get())
+}
 
 struct Mock;
 
@@ -57,6 +73,7 @@ impl DeviceRuntime for Mock {
         "mock"
     }
     fn upload(&self, _: Device, data: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>> {
+        UPLOADS.set(UPLOADS.get() + 1);
         Ok(Arc::new(HostBuf(Mutex::new(data.clone()))))
     }
     fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage> {
@@ -69,10 +86,16 @@ impl DeviceRuntime for Mock {
         inputs: &[&Tensor],
         _: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>> {
-        EXECS.fetch_add(1, Ordering::SeqCst);
+        EXECS_HERE.set(EXECS_HERE.get() + 1);
         let host = inputs
             .iter()
             .map(|t| {
+                if t.device() == Device::Cpu {
+                    // a scalar taken by value (`takes_host_scalar`)
+                    HOST_SCALARS.set(HOST_SCALARS.get() + 1);
+                    t.host_scalar_f64()?;
+                    return Ok((*t).clone());
+                }
                 let buf = t
                     .device_buffer()
                     .ok_or_else(|| Error::unsupported("mock", "host operand"))?;
@@ -81,7 +104,12 @@ impl DeviceRuntime for Mock {
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = host.iter().collect();
         let out = kiln_core::no_grad(|| kiln_core::dispatch::apply(prim.clone(), &refs))?;
-        self.upload(DEV, &kiln_core::cpu::materialize(&out))
+        let out = kiln_core::cpu::materialize(&out);
+        Ok(Arc::new(HostBuf(Mutex::new(out))))
+    }
+    /// As kiln-cuda: a binary op's or `where`'s scalar operand.
+    fn takes_host_scalar(&self, _: Device, prim: &Prim, _: &Tensor) -> bool {
+        matches!(prim, Prim::Binary(_) | Prim::Where)
     }
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {
         let sbuf = src

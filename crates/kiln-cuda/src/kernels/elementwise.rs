@@ -27,6 +27,17 @@ pub(crate) struct Scalars {
     pub value: f64,
     pub seed: u64,
     pub offset: u64,
+    /// An operand given by value: `value`, of this dtype, is operand `.0` of the op (a CPU
+    /// scalar, `takes_host_scalar`); the launch's buffers are the other operands, in order.
+    pub operand: Option<(usize, DType)>,
+}
+
+/// One operand slot of a kernel: a buffer (contiguous or addressed through strides) or the
+/// launch's `value` argument.
+#[derive(Clone, Copy)]
+enum Slot {
+    Buffer { dtype: DType, contig: bool },
+    Value(DType),
 }
 
 pub(crate) fn unary(op: UnaryOp, d: DType) -> Op {
@@ -195,8 +206,9 @@ fn coalesce(shape: &[usize], strided: &[&Layout]) -> (Vec<usize>, Vec<usize>) {
     (merged, keep)
 }
 
-/// Runs `op` over `inputs` (each with the output's shape), writing `out` at `out_layout`'s
-/// positions (a fresh contiguous buffer, or an `assign` destination).
+/// Runs `op` over `inputs` (each with the output's shape; `scalars.operand` places a by-value
+/// operand among them), writing `out` at `out_layout`'s positions (a fresh contiguous buffer, or
+/// an `assign` destination).
 pub(crate) fn launch(
     dev: &Arc<CudaDevice>,
     op: &Op,
@@ -209,14 +221,27 @@ pub(crate) fn launch(
     if n == 0 {
         return Ok(());
     }
-    let contig: Vec<bool> = inputs.iter().map(|(_, l)| l.is_contiguous()).collect();
+    // the op's operands in order: each buffer, with the by-value operand in its place
+    let mut slots: Vec<(Slot, Option<&Layout>, u64)> = inputs
+        .iter()
+        .map(|(b, l)| {
+            let contig = l.is_contiguous();
+            let slot = Slot::Buffer {
+                dtype: b.dtype,
+                contig,
+            };
+            (slot, Some(*l), b.ptr)
+        })
+        .collect();
+    if let Some((j, dtype)) = scalars.operand {
+        slots.insert(j.min(slots.len()), (Slot::Value(dtype), None, 0));
+    }
     let out_contig = out_layout.is_contiguous();
     // the strided operands' geometry with mergeable dims merged: fewer divisions per element
-    let strided: Vec<&Layout> = inputs
+    let strided: Vec<&Layout> = slots
         .iter()
-        .zip(&contig)
-        .filter(|(_, c)| !**c)
-        .map(|((_, l), _)| *l)
+        .filter(|(s, _, _)| matches!(s, Slot::Buffer { contig: false, .. }))
+        .filter_map(|(_, l, _)| *l)
         .chain((!out_contig).then_some(out_layout))
         .collect();
     let (shape, keep) = coalesce(&out_layout.shape, &strided);
@@ -224,14 +249,17 @@ pub(crate) fn launch(
     let small = n < (1 << 31)
         && inputs.iter().all(|(_, l)| max_offset(l) < (1 << 31))
         && max_offset(out_layout) < (1 << 31);
-    let dtypes: Vec<DType> = inputs.iter().map(|(b, _)| b.dtype).collect();
     let mut sig = format!("ew:{}:{}:r{rank}:{}:", op.tag, out.dtype.tag(), small as u8);
-    for (d, c) in dtypes.iter().zip(&contig) {
-        let _ = write!(sig, "{}{},", d.tag(), *c as u8);
+    for (slot, _, _) in &slots {
+        let _ = match slot {
+            Slot::Buffer { dtype, contig } => write!(sig, "{}{},", dtype.tag(), *contig as u8),
+            Slot::Value(dtype) => write!(sig, "{}v,", dtype.tag()),
+        };
     }
     let _ = write!(sig, "o{}", out_contig as u8);
+    let kinds: Vec<Slot> = slots.iter().map(|(s, _, _)| *s).collect();
     let f = crate::nvrtc::kernel(dev, &sig, || {
-        source(op, &dtypes, &contig, out.dtype, out_contig, rank, small)
+        source(op, &kinds, out.dtype, out_contig, rank, small)
     })?;
     let mut geo = Geo {
         n: n as i64,
@@ -240,12 +268,13 @@ pub(crate) fn launch(
     for (d, &s) in shape.iter().enumerate() {
         geo.shape[d] = s as i64;
     }
-    let slots = inputs
+    let layouts = slots
         .iter()
-        .map(|(_, l)| *l)
-        .chain(std::iter::once(out_layout));
-    for (j, l) in slots.enumerate() {
-        let j = if j == inputs.len() { 3 } else { j };
+        .map(|(_, l, _)| *l)
+        .chain(std::iter::once(Some(out_layout)));
+    for (j, l) in layouts.enumerate() {
+        let Some(l) = l else { continue };
+        let j = if j == slots.len() { 3 } else { j };
         geo.off[j] = l.offset as i64;
         // a merged dim's stride is its innermost original dim's
         for (d, &orig) in keep.iter().enumerate() {
@@ -254,11 +283,12 @@ pub(crate) fn launch(
     }
     let mut ptrs: Vec<u64> = Vec::with_capacity(4);
     ptrs.push(out.ptr);
-    ptrs.extend(inputs.iter().map(|(b, _)| b.ptr));
+    ptrs.extend(slots.iter().map(|(_, _, p)| *p));
     let Scalars {
         mut value,
         mut seed,
         mut offset,
+        ..
     } = scalars;
     let mut params: Vec<*mut c_void> = ptrs
         .iter_mut()
@@ -274,8 +304,7 @@ pub(crate) fn launch(
 
 fn source(
     op: &Op,
-    dtypes: &[DType],
-    contig: &[bool],
+    slots: &[Slot],
     out: DType,
     out_contig: bool,
     rank: usize,
@@ -293,23 +322,33 @@ fn source(
         "extern \"C\" __global__ void k({}* __restrict__ out",
         c_type(out)
     );
-    for (j, d) in dtypes.iter().enumerate() {
-        let _ = write!(s, ", const {}* __restrict__ in{j}", c_type(*d));
+    for (j, slot) in slots.iter().enumerate() {
+        let d = match slot {
+            Slot::Buffer { dtype, .. } | Slot::Value(dtype) => *dtype,
+        };
+        // a by-value operand keeps its (null) pointer slot: one parameter list for every kernel
+        let _ = write!(s, ", const {}* __restrict__ in{j}", c_type(d));
     }
     s.push_str(", Geo g, double v, unsigned long long seed, unsigned long long roff) {\n");
     let _ = writeln!(s, "  typedef {idx} idx;");
     s.push_str("  for (unsigned long long i0 = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i0 < (unsigned long long)g.n; i0 += (unsigned long long)gridDim.x * blockDim.x) {\n");
     s.push_str("    idx i = (idx)i0;\n");
     // operand slots addressed by strides: inputs that are not contiguous, and a strided output
-    let mut strided: Vec<usize> = (0..dtypes.len()).filter(|&j| !contig[j]).collect();
+    let mut strided: Vec<usize> = (0..slots.len())
+        .filter(|&j| matches!(slots[j], Slot::Buffer { contig: false, .. }))
+        .collect();
     if !out_contig {
         strided.push(3);
     }
-    for (j, &c) in contig.iter().enumerate() {
-        if c {
-            let _ = writeln!(s, "    idx o{j} = (idx)g.off[{j}] + i;");
-        } else {
-            let _ = writeln!(s, "    idx o{j} = (idx)g.off[{j}];");
+    for (j, slot) in slots.iter().enumerate() {
+        match slot {
+            Slot::Buffer { contig: true, .. } => {
+                let _ = writeln!(s, "    idx o{j} = (idx)g.off[{j}] + i;");
+            }
+            Slot::Buffer { contig: false, .. } => {
+                let _ = writeln!(s, "    idx o{j} = (idx)g.off[{j}];");
+            }
+            Slot::Value(_) => {}
         }
     }
     if out_contig {
@@ -336,13 +375,19 @@ fn source(
         }
         s.push_str("    }\n");
     }
-    for (j, d) in dtypes.iter().enumerate() {
-        let _ = writeln!(
-            s,
-            "    {} x{j} = {};",
-            compute_type(*d),
-            load(*d, &format!("in{j}[o{j}]"))
-        );
+    for (j, slot) in slots.iter().enumerate() {
+        let _ = match slot {
+            Slot::Buffer { dtype, .. } => writeln!(
+                s,
+                "    {} x{j} = {};",
+                compute_type(*dtype),
+                load(*dtype, &format!("in{j}[o{j}]"))
+            ),
+            // the host rounded `v` to the operand's dtype: the conversion is exact
+            Slot::Value(dtype) => {
+                writeln!(s, "    {ct} x{j} = ({ct})v;", ct = compute_type(*dtype))
+            }
+        };
     }
     let _ = writeln!(s, "    out[o3] = {};", store(out, &op.expr));
     s.push_str("  }\n}\n");
