@@ -17,6 +17,7 @@ mod conv;
 mod conv_choice;
 mod conv_graph;
 mod conv_igemm;
+mod conv_legacy;
 mod conv_plan_cache;
 mod device;
 mod event;
