@@ -204,7 +204,7 @@ pub fn read_dtype(r: &mut Reader) -> Option<DType> {
     from_table(&DType::ALL, r)
 }
 
-fn device(w: &mut Writer, d: Device) {
+pub fn device(w: &mut Writer, d: Device) {
     match d {
         Device::Cpu => w.u64(0),
         Device::Cuda(i) => w.u64(1 + i as u64),

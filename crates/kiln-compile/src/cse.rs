@@ -17,12 +17,13 @@ use std::collections::HashMap;
 
 use kiln_core::prim::Prim;
 
+use crate::codec;
 use crate::graph::{Graph, Node, NodeId, Op};
 
 /// `g` with each repeated node replaced by its first occurrence (readers remapped, the repeat
 /// dropped); `None` when nothing repeats.
 pub fn cse(g: &Graph) -> Option<Graph> {
-    let mut first: HashMap<String, NodeId> = HashMap::new();
+    let mut first: HashMap<Vec<u8>, NodeId> = HashMap::new();
     let mut map: Vec<NodeId> = Vec::with_capacity(g.nodes.len());
     let mut out = g.empty_like(g.nodes.len());
     let mut repeats = 0usize;
@@ -35,17 +36,10 @@ pub fn cse(g: &Graph) -> Option<Graph> {
             }));
             continue;
         }
-        // the op's Debug text holds every field (a literal's value printed exactly); the grad
-        // mode keeps elementwise values apart (the module's doc says why)
+        // the op's stored form holds every field (a literal by its bits, a draw's seed); the
+        // grad mode keeps elementwise values apart (the module's doc says why)
         let reduction = matches!(node.op, Op::Prim(Prim::Reduce { .. }));
-        let key = format!(
-            "{:?}|{args:?}|{:?}|{:?}|{:?}|{}",
-            node.op,
-            node.shape,
-            node.dtype,
-            node.device,
-            reduction || node.grad_enabled
-        );
+        let key = node_key(node, &args, reduction || node.grad_enabled);
         match first.get(&key) {
             Some(&earlier) => {
                 repeats += 1;
@@ -67,6 +61,21 @@ pub fn cse(g: &Graph) -> Option<Graph> {
     }
     out.outputs = g.outputs.iter().map(|&o| map[o]).collect();
     Some(out)
+}
+
+/// What makes two prim nodes one value, as bytes: the prim (`codec::prim`, seeds kept), its
+/// remapped operands, shape, dtype, device and the grad-mode flag.
+fn node_key(node: &Node, args: &[NodeId], grad: bool) -> Vec<u8> {
+    let mut w = codec::Writer::default();
+    if let Op::Prim(p) = &node.op {
+        codec::prim(&mut w, p, codec::Seeds::Keep);
+    }
+    w.usizes(args);
+    w.usizes(&node.shape);
+    codec::dtype(&mut w, node.dtype);
+    codec::device(&mut w, node.device);
+    w.bool(grad);
+    w.bytes
 }
 
 #[cfg(test)]
@@ -132,5 +141,47 @@ mod tests {
             .count();
         assert_eq!(sums, 4, "sum over x (once), over dim 0, over y, in f64");
         assert!(cse(&c).is_none(), "nothing repeats any more");
+    }
+
+    /// Literals are told apart by their bits (0.0 and -0.0 are two values) and draws by their
+    /// seeds; equal ones are one node.
+    #[test]
+    fn literals_and_draws_by_their_exact_values() {
+        let full = |value: f64| {
+            Op::Prim(Prim::Full {
+                shape: vec![2],
+                value,
+                dtype: DType::F32,
+            })
+        };
+        let rand = |seed: u64| {
+            Op::Prim(Prim::Rand {
+                shape: vec![2],
+                dtype: DType::F32,
+                dist: kiln_core::prim::RandDist::Uniform,
+                seed,
+                offset: 0,
+            })
+        };
+        let mut g = Graph::default();
+        let ops = [
+            full(1.0),
+            full(1.0),
+            full(0.0),
+            full(-0.0),
+            rand(1),
+            rand(1),
+            rand(2),
+        ];
+        g.outputs = ops
+            .into_iter()
+            .map(|op| g.push(node(op, vec![], &[2])))
+            .collect();
+        let c = cse(&g).expect("repeats");
+        assert_eq!(c.nodes.len(), 5, "1.0 once, 0.0, -0.0, seed 1 once, seed 2");
+        assert_eq!(c.outputs[0], c.outputs[1]);
+        assert_ne!(c.outputs[2], c.outputs[3]);
+        assert_eq!(c.outputs[4], c.outputs[5]);
+        assert_ne!(c.outputs[4], c.outputs[6]);
     }
 }
