@@ -134,27 +134,27 @@ impl CudaRuntime {
         let dt = |i: usize| inputs[i].dtype();
         match prim {
             _ if !rank_ok => crate::fallback::run(&dev, prim, inputs),
-            Prim::Unary(op) => elementwise(ew::unary(*op, dt(0)), Scalars::default()),
-            Prim::Binary(op) => elementwise(ew::binary(*op, dt(0)), by_value),
-            Prim::Where => elementwise(ew::where_op(), by_value),
-            Prim::Cast(_) | Prim::Contiguous => elementwise(ew::identity(), Scalars::default()),
+            Prim::Unary(op) => elementwise(ew::Op::Unary(*op, dt(0)), Scalars::default()),
+            Prim::Binary(op) => elementwise(ew::Op::Binary(*op, dt(0)), by_value),
+            Prim::Where => elementwise(ew::Op::Where, by_value),
+            Prim::Cast(_) | Prim::Contiguous => elementwise(ew::Op::Identity, Scalars::default()),
             Prim::Reshape(_) => {
                 // not viewable: a contiguous copy in the input's own shape, re-laid by dispatch
                 let (b, l) = ops[0];
                 Ok(Arc::new(ew::copy_strided(&dev, b, l)?))
             }
             Prim::Full { value, .. } => elementwise(
-                ew::full(),
+                ew::Op::Full,
                 Scalars {
                     value: *value,
                     ..Scalars::default()
                 },
             ),
-            Prim::Iota { .. } => elementwise(ew::iota(), Scalars::default()),
+            Prim::Iota { .. } => elementwise(ew::Op::Iota, Scalars::default()),
             Prim::Rand {
                 dist, seed, offset, ..
             } => elementwise(
-                ew::rand(*dist),
+                ew::Op::Rand(*dist),
                 Scalars {
                     seed: *seed,
                     offset: *offset,
@@ -308,7 +308,7 @@ impl DeviceRuntime for CudaRuntime {
             let tl = Layout::contiguous(&sl.shape);
             return ew::launch(
                 &dev,
-                &ew::identity(),
+                &ew::Op::Identity,
                 &[(&tmp, &tl)],
                 db,
                 dl,
@@ -317,7 +317,7 @@ impl DeviceRuntime for CudaRuntime {
         }
         ew::launch(
             &dev,
-            &ew::identity(),
+            &ew::Op::Identity,
             &[(sb, sl)],
             db,
             dl,

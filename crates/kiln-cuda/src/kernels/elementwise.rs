@@ -15,10 +15,51 @@ use super::{c_type, compute_type, grid_for, load, math, store, Geo, MAX_RANK, PR
 use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
 
-/// What an elementwise kernel computes: its signature tag and its C expression.
-pub(crate) struct Op {
-    pub tag: String,
-    pub expr: String,
+/// What an elementwise kernel computes. Its C expression is written only when a kernel of its
+/// signature is first built: a launch formats nothing but the signature it looks the kernel up by.
+#[derive(Clone, Copy)]
+pub(crate) enum Op {
+    Unary(UnaryOp, DType),
+    Binary(BinaryOp, DType),
+    Where,
+    /// Copies and casts (the store converts to the output's dtype).
+    Identity,
+    Full,
+    Iota,
+    Rand(RandDist),
+}
+
+impl Op {
+    /// The op's part of a kernel signature (the operands' and output's dtypes are the rest).
+    fn tag(&self, sig: &mut String) {
+        let _ = match self {
+            Op::Unary(op, _) => write!(sig, "u{op:?}"),
+            Op::Binary(op, _) => write!(sig, "b{op:?}"),
+            Op::Where => write!(sig, "where"),
+            Op::Identity => write!(sig, "id"),
+            Op::Full => write!(sig, "full"),
+            Op::Iota => write!(sig, "iota"),
+            Op::Rand(dist) => write!(sig, "rand{dist:?}"),
+        };
+    }
+
+    /// The C expression of the loaded operands `x0, x1, x2` (and the arguments `v`, `i`, ...).
+    fn expr(&self) -> String {
+        match *self {
+            Op::Unary(op, d) => unary_expr(op, d),
+            Op::Binary(op, d) => binary_expr(op, d),
+            Op::Where => "(x0 ? x1 : x2)".into(),
+            Op::Identity => "x0".into(),
+            Op::Full => "v".into(),
+            Op::Iota => "(double)i".into(),
+            // the core's counter-based generator (`cpu/random.rs`), bit for bit: splitmix64 of
+            // (seed, offset + i), so a device draws the same values as the CPU for one (seed, offset)
+            Op::Rand(RandDist::Uniform) => {
+                "(double)(rbits(seed, roff + i) >> 11) * (1.0 / 9007199254740992.0)".into()
+            }
+            Op::Rand(RandDist::Normal) => "rnormal(rbits(seed, roff + i))".into(),
+        }
+    }
 }
 
 /// Scalar arguments every elementwise kernel takes (unused ones are ignored).
@@ -40,11 +81,11 @@ enum Slot {
     Value(DType),
 }
 
-pub(crate) fn unary(op: UnaryOp, d: DType) -> Op {
+fn unary_expr(op: UnaryOp, d: DType) -> String {
     let ct = compute_type(d);
     let float = d.is_float();
     let f = |name: &str| format!("{}(x0)", math(d, name));
-    let expr = match op {
+    match op {
         UnaryOp::Neg if float => "-x0".to_string(),
         UnaryOp::Neg => format!("({ct})(0 - x0)"),
         UnaryOp::Abs if float => f("fabs"),
@@ -65,17 +106,13 @@ pub(crate) fn unary(op: UnaryOp, d: DType) -> Op {
         }
         UnaryOp::Recip => format!("(({ct})1 / x0)"),
         UnaryOp::Not => "(u8)(!x0)".to_string(),
-    };
-    Op {
-        tag: format!("u{op:?}"),
-        expr,
     }
 }
 
-pub(crate) fn binary(op: BinaryOp, d: DType) -> Op {
+fn binary_expr(op: BinaryOp, d: DType) -> String {
     let ct = compute_type(d);
     let float = d.is_float();
-    let expr = match op {
+    match op {
         BinaryOp::Add => format!("({ct})(x0 + x1)"),
         BinaryOp::Sub => format!("({ct})(x0 - x1)"),
         BinaryOp::Mul => format!("({ct})(x0 * x1)"),
@@ -95,52 +132,6 @@ pub(crate) fn binary(op: BinaryOp, d: DType) -> Op {
         BinaryOp::Ge => "(x0 >= x1)".to_string(),
         BinaryOp::And => "(x0 & x1)".to_string(),
         BinaryOp::Or => "(x0 | x1)".to_string(),
-    };
-    Op {
-        tag: format!("b{op:?}"),
-        expr,
-    }
-}
-
-pub(crate) fn where_op() -> Op {
-    Op {
-        tag: "where".into(),
-        expr: "(x0 ? x1 : x2)".into(),
-    }
-}
-
-/// Identity: copies and casts (the store converts to the output's dtype).
-pub(crate) fn identity() -> Op {
-    Op {
-        tag: "id".into(),
-        expr: "x0".into(),
-    }
-}
-
-pub(crate) fn full() -> Op {
-    Op {
-        tag: "full".into(),
-        expr: "v".into(),
-    }
-}
-
-pub(crate) fn iota() -> Op {
-    Op {
-        tag: "iota".into(),
-        expr: "(double)i".into(),
-    }
-}
-
-/// The core's counter-based generator (`cpu/random.rs`), bit for bit: splitmix64 of (seed,
-/// offset + i), so a device draws the same values as the CPU for one (seed, offset).
-pub(crate) fn rand(dist: RandDist) -> Op {
-    let expr = match dist {
-        RandDist::Uniform => "(double)(rbits(seed, roff + i) >> 11) * (1.0 / 9007199254740992.0)",
-        RandDist::Normal => "rnormal(rbits(seed, roff + i))",
-    };
-    Op {
-        tag: format!("rand{dist:?}"),
-        expr: expr.into(),
     }
 }
 
@@ -249,7 +240,10 @@ pub(crate) fn launch(
     let small = n < (1 << 31)
         && inputs.iter().all(|(_, l)| max_offset(l) < (1 << 31))
         && max_offset(out_layout) < (1 << 31);
-    let mut sig = format!("ew:{}:{}:r{rank}:{}:", op.tag, out.dtype.tag(), small as u8);
+    let mut sig = String::with_capacity(48);
+    sig.push_str("ew:");
+    op.tag(&mut sig);
+    let _ = write!(sig, ":{}:r{rank}:{}:", out.dtype.tag(), small as u8);
     for (slot, _, _) in &slots {
         let _ = match slot {
             Slot::Buffer { dtype, contig } => write!(sig, "{}{},", dtype.tag(), *contig as u8),
@@ -257,8 +251,8 @@ pub(crate) fn launch(
         };
     }
     let _ = write!(sig, "o{}", out_contig as u8);
-    let kinds: Vec<Slot> = slots.iter().map(|(s, _, _)| *s).collect();
     let f = crate::nvrtc::kernel(dev, &sig, || {
+        let kinds: Vec<Slot> = slots.iter().map(|(s, _, _)| *s).collect();
         source(op, &kinds, out.dtype, out_contig, rank, small)
     })?;
     let mut geo = Geo {
@@ -389,7 +383,7 @@ fn source(
             }
         };
     }
-    let _ = writeln!(s, "    out[o3] = {};", store(out, &op.expr));
+    let _ = writeln!(s, "    out[o3] = {};", store(out, &op.expr()));
     s.push_str("  }\n}\n");
     s
 }
@@ -404,7 +398,7 @@ pub(crate) fn copy_strided(
     let dst = Layout::contiguous(&layout.shape);
     launch(
         dev,
-        &identity(),
+        &Op::Identity,
         &[(buf, layout)],
         &out,
         &dst,

@@ -59,7 +59,7 @@ pub(crate) fn scatter_add(
     let full = Layout::contiguous(&lx.shape);
     ew::launch(
         dev,
-        &ew::identity(),
+        &ew::Op::Identity,
         &[(x, lx)],
         out,
         &full,

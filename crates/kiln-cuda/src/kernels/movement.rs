@@ -28,14 +28,14 @@ pub(crate) fn pad(
         value,
         ..Scalars::default()
     };
-    ew::launch(dev, &ew::full(), &[], out, &full, scalars)?;
+    ew::launch(dev, &ew::Op::Full, &[], out, &full, scalars)?;
     let mut window = full;
     for (d, &(before, _)) in pads.iter().enumerate() {
         window = window.slice(d, before, before + lx.shape[d], 1);
     }
     ew::launch(
         dev,
-        &ew::identity(),
+        &ew::Op::Identity,
         &[(x, lx)],
         out,
         &window,
@@ -71,7 +71,7 @@ pub(crate) fn cat(
             let window = full.slice(dim, at, at + len, 1);
             ew::launch(
                 dev,
-                &ew::identity(),
+                &ew::Op::Identity,
                 &[(b, l)],
                 out,
                 &window,
