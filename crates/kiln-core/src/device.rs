@@ -118,8 +118,8 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     /// The elements `layout` addresses in `buf`, in row-major order, as a contiguous host buffer.
     fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage>;
     /// Runs a (non-view) prim whose operands all live on `device` (none for creation prims; one
-    /// CPU scalar where `takes_host_scalar` said so) and returns a fresh contiguous buffer of `meta`'s shape and dtype. `Prim::infer` has checked the
-    /// operands.
+    /// CPU scalar where `takes_host_scalar` said so) and returns a fresh contiguous buffer of
+    /// `meta`'s shape and dtype. `Prim::infer` has checked the operands.
     fn execute(
         &self,
         device: Device,

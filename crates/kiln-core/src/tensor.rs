@@ -305,8 +305,8 @@ impl Tensor {
         single && !self.is_on_device() && l.offset < self.storage().len()
     }
     /// The element of a CPU tensor that reads a single one (a 0-dim tensor, possibly expanded
-    /// with zero strides, to an empty shape too), as f64, without copying: how a device runtime reads a scalar operand
-    /// it takes by value (`DeviceRuntime::takes_host_scalar`).
+    /// with zero strides, to an empty shape too), as f64, without copying: how a device runtime
+    /// reads a scalar operand it takes by value (`DeviceRuntime::takes_host_scalar`).
     pub fn host_scalar_f64(&self) -> Result<f64> {
         let l = self.layout();
         if !self.reads_one_host_element() || self.is_deferred() {
