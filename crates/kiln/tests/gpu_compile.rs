@@ -20,9 +20,11 @@ mod cudagraph_training;
 mod graph_cache;
 #[path = "gpu_compile/losses.rs"]
 mod losses;
+#[path = "gpu_compile/optimizers.rs"]
+mod optimizers;
 
 use kiln::inductor::exec_stats;
-use kiln::nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
+use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
 use kiln::nn::{Linear, Module, ReLU, Sequential, Sigmoid};
 use kiln::prelude::*;
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -514,174 +516,6 @@ fn cpu_scalar_follows_its_value() -> Outcome {
     Ok(())
 }
 
-fn params(seed: u64) -> Result<Vec<Tensor>> {
-    manual_seed(seed);
-    [[256usize, 128], [128, 10]]
-        .iter()
-        .map(|s| {
-            let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
-            p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
-            Ok(p)
-        })
-        .collect()
-}
-
-/// A compiled optimizer step on the GPU writes the parameters in place and equals the eager step.
-fn optimizer_steps<O: Optimizer + Send>(make: impl Fn(Vec<Tensor>) -> Result<O>) -> Outcome {
-    let (eager_ps, compiled_ps) = (params(3).map_err(err)?, params(3).map_err(err)?);
-    let mut eager = make(eager_ps.clone()).map_err(err)?;
-    let opt = Mutex::new(make(compiled_ps.clone()).map_err(err)?);
-    let step = kiln::compile_fn(
-        |_: &[Tensor]| {
-            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
-            Ok(vec![])
-        },
-        CompileOptions::default(),
-    )
-    .map_err(err)?;
-    let mut inplace = 0;
-    for k in 0..3 {
-        eager.step().map_err(err)?;
-        let before = exec_stats();
-        step.call(&[]).map_err(err)?;
-        if k > 0 {
-            inplace += exec_stats().inplace_bytes - before.inplace_bytes;
-        }
-        for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
-            same(&format!("step {k} parameter {i}"), c, e, 1e-6)?;
-        }
-    }
-    for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
-        same(&format!("parameter {i}"), c, e, 1e-6)?;
-    }
-    if inplace == 0 {
-        return Err("the compiled step wrote nothing in place".into());
-    }
-    Ok(())
-}
-
-fn adam_step() -> Outcome {
-    optimizer_steps(|ps| Adam::new(ps, AdamConfig::default()))
-}
-
-/// A compiled Adam step over parameters of many shapes runs as a few horizontal launches (each
-/// running every parameter's kernels side by side), not a few launches per parameter, and
-/// equals the eager step. 24 parameters: one launch then takes far more than 64 arguments (a
-/// limit the launcher once had).
-fn adam_many_parameters_few_launches() -> Outcome {
-    let mut shapes: Vec<Vec<usize>> = vec![
-        vec![300, 40],
-        vec![40],
-        vec![40, 40],
-        vec![7],
-        vec![5000],
-        vec![3, 3, 16, 8],
-        vec![1],
-        vec![64, 33],
-    ];
-    shapes.extend((0..16).map(|i| vec![5 + 3 * i, 2 + i % 4]));
-    let make = || params_with_grads(&shapes, 21);
-    let (eager_ps, compiled_ps) = (make().map_err(err)?, make().map_err(err)?);
-    let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
-    let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
-    let step = kiln::compile_fn(
-        |_: &[Tensor]| {
-            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
-            Ok(vec![])
-        },
-        CompileOptions::default(),
-    )
-    .map_err(err)?;
-    for k in 0..3 {
-        eager.step().map_err(err)?;
-        let before = exec_stats().kernel_launches;
-        step.call(&[]).map_err(err)?;
-        let launches = exec_stats().kernel_launches - before;
-        if k > 0 && launches > 4 {
-            return Err(format!(
-                "{launches} kernel launches for a step over {} parameters",
-                shapes.len()
-            ));
-        }
-        for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
-            same(&format!("step {k} parameter {i}"), c, e, 1e-6)?;
-        }
-    }
-    Ok(())
-}
-
-/// An eager foreach Adam on the GPU runs its flat update as one compiled call of at most two
-/// generated launches (`kiln-nn/src/optim/flat_update.rs`) and equals the per-parameter loop,
-/// with amsgrad and without, over parameters of several shapes.
-fn foreach_adam_flat_update() -> Outcome {
-    let shapes: Vec<Vec<usize>> = vec![vec![300, 40], vec![40], vec![7], vec![3, 3, 16, 8]];
-    for amsgrad in [false, true] {
-        let cfg = |foreach| AdamConfig {
-            lr: 0.01,
-            weight_decay: 0.05,
-            amsgrad,
-            foreach,
-            ..AdamConfig::default()
-        };
-        let (looped_ps, foreach_ps) = (
-            params_with_grads(&shapes, 5).map_err(err)?,
-            params_with_grads(&shapes, 5).map_err(err)?,
-        );
-        let mut looped = Adam::new(looped_ps.clone(), cfg(false)).map_err(err)?;
-        let mut foreach = Adam::new(foreach_ps.clone(), cfg(true)).map_err(err)?;
-        for k in 0..3 {
-            looped.step().map_err(err)?;
-            let before = exec_stats();
-            foreach.step().map_err(err)?;
-            let after = exec_stats();
-            let (calls, launches) = (
-                after.calls - before.calls,
-                after.kernel_launches - before.kernel_launches,
-            );
-            if calls != 1 || launches > 2 {
-                return Err(format!(
-                    "amsgrad={amsgrad} step {k}: {calls} compiled calls, {launches} generated \
-                     launches (want 1 call, at most 2 launches)"
-                ));
-            }
-            for (i, (e, c)) in looped_ps.iter().zip(&foreach_ps).enumerate() {
-                same(
-                    &format!("amsgrad={amsgrad} step {k} parameter {i}"),
-                    c,
-                    e,
-                    1e-6,
-                )?;
-            }
-        }
-    }
-    Ok(())
-}
-
-fn plain_sgd_step() -> Outcome {
-    optimizer_steps(|ps| {
-        SGD::new(
-            ps,
-            SGDConfig {
-                lr: 0.1,
-                ..SGDConfig::default()
-            },
-        )
-    })
-}
-
-fn sgd_momentum_step() -> Outcome {
-    optimizer_steps(|ps| {
-        SGD::new(
-            ps,
-            SGDConfig {
-                lr: 0.1,
-                momentum: 0.9,
-                ..SGDConfig::default()
-            },
-        )
-    })
-}
-
 /// Forward and backward of a small MLP compiled on the GPU: loss and gradients equal eager's.
 fn mlp_forward_backward() -> Outcome {
     mlp_with(CompileOptions::default(), 1)
@@ -911,7 +745,10 @@ fn recording_refuses_other_threads_work() -> Outcome {
 /// A reduce-overhead optimizer step: parameters and state updated in place by the replays,
 /// gradients (new values each step) copied in.
 fn reduce_overhead_adam_steps() -> Outcome {
-    let (eager_ps, compiled_ps) = (params(4).map_err(err)?, params(4).map_err(err)?);
+    let (eager_ps, compiled_ps) = (
+        optimizers::params(4).map_err(err)?,
+        optimizers::params(4).map_err(err)?,
+    );
     let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
     let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
     let step = kiln::compile_fn(
@@ -1154,7 +991,10 @@ fn main() {
             "vector_lanes_share_outer_indices",
             vector_lanes_share_outer_indices,
         ),
-        ("foreach_adam_flat_update", foreach_adam_flat_update),
+        (
+            "foreach_adam_flat_update",
+            optimizers::foreach_adam_flat_update,
+        ),
         (
             "max_autotune_tunes_once_and_persists",
             autotune::max_autotune_tunes_once_and_persists,
@@ -1188,7 +1028,7 @@ fn main() {
         ("vector_loads_any_alignment", vector_loads_any_alignment),
         (
             "adam_many_parameters_few_launches",
-            adam_many_parameters_few_launches,
+            optimizers::adam_many_parameters_few_launches,
         ),
         (
             "reduce_overhead_replays_with_new_inputs",
@@ -1199,7 +1039,7 @@ fn main() {
             "reduce_overhead_reads_a_repeated_argument_in_place",
             cudagraph_arguments::reduce_overhead_reads_a_repeated_argument_in_place,
         ),
-        ("plain_sgd_step", plain_sgd_step),
+        ("plain_sgd_step", optimizers::plain_sgd_step),
         ("pointwise_chain", pointwise_chain),
         (
             "sine_and_cosine_of_one_value_match_eager",
@@ -1217,8 +1057,8 @@ fn main() {
         ("softmax_layer_norm_gelu", softmax_layer_norm_gelu),
         ("linear_relu_matmul_extern", linear_relu_matmul_extern),
         ("cpu_scalar_follows_its_value", cpu_scalar_follows_its_value),
-        ("adam_step", adam_step),
-        ("sgd_momentum_step", sgd_momentum_step),
+        ("adam_step", optimizers::adam_step),
+        ("sgd_momentum_step", optimizers::sgd_momentum_step),
         ("mlp_forward_backward", mlp_forward_backward),
     ];
     let trials = tests
