@@ -8,18 +8,11 @@ use kiln::inductor::exec_stats;
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
 use kiln::prelude::*;
 
-use super::{err, params_with_grads, same, Outcome, CUDA};
+use super::{err, params_with_grads, same, Outcome};
 
+/// A two-layer MLP's parameters (256 → 128 → 10 weights), each with a random gradient.
 pub(super) fn params(seed: u64) -> Result<Vec<Tensor>> {
-    manual_seed(seed);
-    [[256usize, 128], [128, 10]]
-        .iter()
-        .map(|s| {
-            let p = Tensor::randn(s, DType::F32)?.to(CUDA)?.with_grad()?;
-            p.set_grad(Some(Tensor::randn(s, DType::F32)?.to(CUDA)?));
-            Ok(p)
-        })
-        .collect()
+    params_with_grads(&[vec![256, 128], vec![128, 10]], seed)
 }
 
 /// A compiled optimizer step on the GPU writes the parameters in place and equals the eager step.
