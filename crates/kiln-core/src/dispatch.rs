@@ -151,16 +151,35 @@ fn lift_scalars(prim: &Prim, inputs: &[&Tensor], device: Device) -> Result<Vec<T
                 kept = true;
                 return Ok((*t).clone());
             }
-            let l = t.layout();
-            let value = {
-                let s = t.storage();
-                crate::with_storage!(&*s, v => crate::storage::StorageElement::wrap(vec![v[l.offset]]))
-            };
-            let value: CpuStorage = value;
-            let buf = runtime.upload(device, &value)?;
-            let one = Layout::contiguous(&vec![1; l.rank()]);
-            let grad_free = Tensor::from_device_buffer(buf, one.expand(&l.shape));
-            Ok(grad_free)
+            upload_element(&*runtime, t, device)
         })
         .collect()
+}
+
+/// `t` on `device`, for a rule that computes with an operand the forward took by value (a CPU
+/// scalar broadcast to the op's shape): its one element copied over and viewed with `t`'s shape
+/// (zero strides), not the whole broadcast shape made and copied. Any other tensor moves as
+/// `Tensor::to` moves it.
+pub(crate) fn on_device(t: &Tensor, device: Device) -> Result<Tensor> {
+    if t.device() == device || !t.reads_one_host_element() || t.requires_grad() {
+        return t.to(device);
+    }
+    upload_element(&*runtime_for("to", device)?, t, device)
+}
+
+/// `t`'s one element (it reads a single one of its host storage) as a one-element buffer on
+/// `device`, viewed with `t`'s shape.
+fn upload_element(
+    runtime: &dyn crate::device::DeviceRuntime,
+    t: &Tensor,
+    device: Device,
+) -> Result<Tensor> {
+    let l = t.layout();
+    let value: CpuStorage = {
+        let s = t.storage();
+        crate::with_storage!(&*s, v => crate::storage::StorageElement::wrap(vec![v[l.offset]]))
+    };
+    let buf = runtime.upload(device, &value)?;
+    let one = Layout::contiguous(&vec![1; l.rank()]);
+    Ok(Tensor::from_device_buffer(buf, one.expand(&l.shape)))
 }

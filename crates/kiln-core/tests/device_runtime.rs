@@ -7,7 +7,7 @@
 mod mock_device;
 
 use kiln_core::{DType, Device, Tensor};
-use mock_device::{execs_here, host_traffic, setup, DEV};
+use mock_device::{execs_here, host_traffic, setup, uploaded_elements, DEV};
 
 #[test]
 fn prims_on_device_operands_run_on_the_runtime_and_views_do_not() {
@@ -98,6 +98,29 @@ fn rust_numbers_ride_in_the_launch_as_values() {
     assert_eq!(
         g.grad().unwrap().to_vec::<f32>().unwrap(),
         vec![4.5, -4.0, 8.5]
+    );
+}
+
+/// pow's backward computes with its exponent on the device: a number the forward took by value
+/// goes over as its one element, not as a tensor of the operand's whole shape.
+#[test]
+fn a_scalar_exponent_crosses_over_as_one_element() {
+    setup();
+    let x = Tensor::from_vec((1..=1000).map(|v| v as f32 / 100.0).collect(), &[1000]).unwrap();
+    let d = x.to(DEV).unwrap().with_grad().unwrap();
+    let y = d.pow(3.0).unwrap().sum_all().unwrap();
+    let before = uploaded_elements();
+    y.backward().unwrap();
+    assert!(
+        uploaded_elements() - before <= 2,
+        "{} elements uploaded by pow's backward",
+        uploaded_elements() - before
+    );
+    let g = d.grad().unwrap().to_vec::<f32>().unwrap();
+    // d/dx x^3 = 3 x^2
+    assert!(
+        (g[999] - 300.0).abs() < 1e-3 && (g[0] - 3e-4).abs() < 1e-8,
+        "{g:?}"
     );
 }
 

@@ -68,7 +68,8 @@ fn unary_vjp(op: UnaryOp, x: &Tensor, out: &Tensor, g: &Tensor) -> Result<Option
 /// One operand may be a CPU scalar broadcast to the op's shape (a Rust number a device took by
 /// value, `DeviceRuntime::takes_host_scalar`): a rule computes with it only in ops that meet the
 /// device's tensors, where it stays one value; an op of its own on it would run on the CPU over
-/// the whole broadcast shape (pow's exponent - 1), so pow moves it to the device first.
+/// the whole broadcast shape (pow's exponent - 1), so pow moves its one element to the device
+/// first (`dispatch::on_device`).
 fn binary_vjp(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, g: &Tensor) -> Result<Grads> {
     let (ga, gb) = match op {
         BinaryOp::Add => (g.clone(), g.clone()),
@@ -76,7 +77,8 @@ fn binary_vjp(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor, g: &Tensor) ->
         BinaryOp::Mul => (g.mul(b)?, g.mul(a)?),
         BinaryOp::Div => (g.div(b)?, g.mul(out)?.div(b)?.neg()?),
         BinaryOp::Pow => {
-            let (a, b) = (&a.to(g.device())?, &b.to(g.device())?);
+            let on_device = |t: &Tensor| crate::dispatch::on_device(t, g.device());
+            let (a, b) = (&on_device(a)?, &on_device(b)?);
             // b * a^(b-1), defined as 0 where b == 0 (0 * 0^-1 would be NaN), as PyTorch
             let ga = Tensor::where_(
                 &b.eq(0.0)?,

@@ -43,6 +43,12 @@ thread_local! {
     static UPLOADS: Cell<usize> = const { Cell::new(0) };
     static HOST_SCALARS: Cell<usize> = const { Cell::new(0) };
     static EXECS_HERE: Cell<usize> = const { Cell::new(0) };
+    static UPLOADED_ELEMENTS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Elements this thread's uploads copied to the mock.
+pub fn uploaded_elements() -> usize {
+    UPLOADED_ELEMENTS.get()
 }
 
 /// The prims this thread's calls executed on the mock.
@@ -74,6 +80,7 @@ impl DeviceRuntime for Mock {
     }
     fn upload(&self, _: Device, data: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>> {
         UPLOADS.set(UPLOADS.get() + 1);
+        UPLOADED_ELEMENTS.set(UPLOADED_ELEMENTS.get() + data.len());
         Ok(Arc::new(HostBuf(Mutex::new(data.clone()))))
     }
     fn download(&self, buf: &Arc<dyn DeviceBuffer>, layout: &Layout) -> Result<CpuStorage> {
