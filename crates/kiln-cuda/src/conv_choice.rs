@@ -64,9 +64,7 @@ pub(crate) fn generated_wins(
             let g = t_generated < t_plan;
             let word: &[u8] = if g { b"generated" } else { b"cudnn" };
             // a folder that cannot be written only costs the next process the timing
-            if let Some(dir) = path.parent() {
-                let _ = crate::nvrtc::store(dir, &path, &sum_path, word);
-            }
+            let _ = crate::nvrtc::store(&path, &sum_path, word);
             g
         }
     };

@@ -70,9 +70,7 @@ pub(crate) fn load(
 /// cannot be written, only costs the next process its heuristics.
 pub(crate) fn store(plan: &GraphPlan, (path, sum_path): &(PathBuf, PathBuf)) {
     if let Some(json) = serialize(plan.descriptor()) {
-        if let Some(dir) = path.parent() {
-            let _ = crate::nvrtc::store(dir, path, sum_path, &json);
-        }
+        let _ = crate::nvrtc::store(path, sum_path, &json);
     }
 }
 

@@ -463,9 +463,7 @@ fn write_choice(dev: &CudaDevice, key: &Key, c: &Choice) {
             words.join(" ")
         }
     };
-    if let Some(dir) = path.parent() {
-        let _ = crate::nvrtc::store(dir, &path, &sum_path, text.as_bytes());
-    }
+    let _ = crate::nvrtc::store(&path, &sum_path, text.as_bytes());
 }
 
 /// Where `key`'s choice is kept, and its checksum: named by the key (the device's model in

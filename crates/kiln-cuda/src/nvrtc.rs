@@ -170,9 +170,14 @@ pub(crate) fn on_disk(dev: &CudaDevice, src: &str) -> bool {
     path.exists()
 }
 
+/// The `sm_XY` NVRTC builds `dev`'s machine code for.
+fn sm(dev: &CudaDevice) -> String {
+    dev.arch.replace("compute_", "sm_")
+}
+
 /// `src`'s machine code for `dev` in the disk cache: its key, and where it and its checksum are.
 fn cubin_entry(dev: &CudaDevice, src: &str) -> (String, PathBuf, PathBuf) {
-    let sm = dev.arch.replace("compute_", "sm_");
+    let sm = sm(dev);
     let key = checksum(format!("{src}|{sm}|{}|cubin", nvrtc_version()).as_bytes());
     let dir = cache_dir();
     let (path, sum_path) = (
@@ -185,7 +190,6 @@ fn cubin_entry(dev: &CudaDevice, src: &str) -> (String, PathBuf, PathBuf) {
 /// The device's machine code for `src`: from the disk cache when a verified entry exists, else
 /// compiled by NVRTC and stored.
 fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
-    let sm = dev.arch.replace("compute_", "sm_");
     let (key, path, sum_path) = cubin_entry(dev, src);
     if let Some(image) = read_verified(&path, &sum_path) {
         DISK_HITS.fetch_add(1, Ordering::Relaxed);
@@ -194,7 +198,7 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     // inside a fresh-cache scope (a cold-compile measurement) NVRTC's own cache is bypassed too
     let fresh = kiln_core::cache::scope_id() != 0;
     let start = Instant::now();
-    let image = compile_cubin(signature, src, &sm, fresh)?;
+    let image = compile_cubin(signature, src, &sm(dev), fresh)?;
     let took = start.elapsed();
     COMPILE_NS.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     if log_builds() {
@@ -215,7 +219,7 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     }
     COMPILES.fetch_add(1, Ordering::Relaxed);
     // a cache that cannot be written only costs a recompile in the next process
-    let _ = store(&cache_dir(), &path, &sum_path, &image);
+    let _ = store(&path, &sum_path, &image);
     Ok(image)
 }
 
@@ -323,9 +327,11 @@ pub(crate) fn read_verified(path: &Path, sum_path: &Path) -> Option<Vec<u8>> {
 }
 
 /// Writes `bytes` at `path` and their checksum at `sum_path`, each through a temporary file and a
-/// rename, so a reader sees a whole entry or none.
-pub(crate) fn store(dir: &Path, path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
+/// rename, so a reader sees a whole entry or none; the folder is made if missing.
+pub(crate) fn store(path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     let tmp_sum = sum_path.with_extension(format!("tmp{}s", std::process::id()));
     std::fs::write(&tmp, bytes)?;
