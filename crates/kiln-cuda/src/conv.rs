@@ -453,7 +453,6 @@ pub(crate) fn run(
     Ok(Some(Arc::new(out)))
 }
 
-/// Runs a legacy-API plan: `pa`, `pb` the prim's operands, `po` its output.
 /// The largest power of two up to 16 that divides every address.
 fn alignment(ptrs: &[u64]) -> usize {
     let mut a = 16u64;

@@ -40,6 +40,7 @@ impl Drop for ConvDesc {
     }
 }
 
+/// One convolution's descriptors, the algorithm chosen for it, and the workspace it needs.
 pub(crate) struct Plan {
     x: TensorDesc,
     w: FilterDesc,
@@ -49,6 +50,7 @@ pub(crate) struct Plan {
     pub(crate) workspace: usize,
 }
 
+/// Runs a legacy-API plan: `pa`, `pb` the prim's operands, `po` its output.
 pub(crate) fn execute(
     handle: dsys::cudnnHandle_t,
     plan: &Plan,
