@@ -151,6 +151,22 @@ fn params_with_grads(shapes: &[Vec<usize>], seed: u64) -> Result<Vec<Tensor>> {
         .collect()
 }
 
+/// `opt`'s step compiled with `opts`: a call takes no arguments, returns nothing, and steps the
+/// optimizer behind the lock.
+fn compiled_step<O: Optimizer + Send>(
+    opt: &Mutex<O>,
+    opts: CompileOptions,
+) -> std::result::Result<kiln::CompiledFn<'_>, String> {
+    kiln::compile_fn(
+        move |_: &[Tensor]| {
+            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
+            Ok(vec![])
+        },
+        opts,
+    )
+    .map_err(err)
+}
+
 fn randn(shape: &[usize], seed: u64) -> Result<Tensor> {
     manual_seed(seed);
     Tensor::randn(shape, DType::F32)
@@ -751,14 +767,7 @@ fn reduce_overhead_adam_steps() -> Outcome {
     );
     let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
     let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
-    let step = kiln::compile_fn(
-        |_: &[Tensor]| {
-            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
-            Ok(vec![])
-        },
-        CompileOptions::default().mode(Mode::ReduceOverhead),
-    )
-    .map_err(err)?;
+    let step = compiled_step(&opt, CompileOptions::default().mode(Mode::ReduceOverhead))?;
     let before = exec_stats().graph_replays;
     for k in 0..5u64 {
         for (e, c) in eager_ps.iter().zip(&compiled_ps) {

@@ -11,7 +11,9 @@ use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
 use kiln::nn::{Conv2d, Conv2dConfig, Flatten, Linear, Module, ReLU, Sequential};
 use kiln::prelude::*;
 
-use super::{cuda_randn, err, params_with_grads, randn, same, same_outputs, Outcome, CUDA};
+use super::{
+    compiled_step, cuda_randn, err, params_with_grads, randn, same, same_outputs, Outcome, CUDA,
+};
 
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
     let h = x[0].mul(&x[1])?.tanh()?.add(&x[0])?;
@@ -54,14 +56,7 @@ fn run_adam(mode: Mode) -> Outcome {
     let (eager_ps, compiled_ps) = (make().map_err(err)?, make().map_err(err)?);
     let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
     let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
-    let step = kiln::compile_fn(
-        |_: &[Tensor]| {
-            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
-            Ok(vec![])
-        },
-        CompileOptions::default().mode(mode),
-    )
-    .map_err(err)?;
+    let step = compiled_step(&opt, CompileOptions::default().mode(mode))?;
     for k in 0..3 {
         eager.step().map_err(err)?;
         step.call(&[]).map_err(err)?;

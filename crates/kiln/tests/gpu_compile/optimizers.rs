@@ -8,7 +8,7 @@ use kiln::inductor::exec_stats;
 use kiln::nn::optim::{Adam, AdamConfig, Optimizer, SGDConfig, SGD};
 use kiln::prelude::*;
 
-use super::{err, params_with_grads, same, Outcome};
+use super::{compiled_step, err, params_with_grads, same, Outcome};
 
 /// A two-layer MLP's parameters (256 → 128 → 10 weights), each with a random gradient.
 pub(super) fn params(seed: u64) -> Result<Vec<Tensor>> {
@@ -22,14 +22,7 @@ pub(super) fn optimizer_steps<O: Optimizer + Send>(
     let (eager_ps, compiled_ps) = (params(3).map_err(err)?, params(3).map_err(err)?);
     let mut eager = make(eager_ps.clone()).map_err(err)?;
     let opt = Mutex::new(make(compiled_ps.clone()).map_err(err)?);
-    let step = kiln::compile_fn(
-        |_: &[Tensor]| {
-            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
-            Ok(vec![])
-        },
-        CompileOptions::default(),
-    )
-    .map_err(err)?;
+    let step = compiled_step(&opt, CompileOptions::default())?;
     let mut inplace = 0;
     for k in 0..3 {
         eager.step().map_err(err)?;
@@ -75,14 +68,7 @@ pub(super) fn adam_many_parameters_few_launches() -> Outcome {
     let (eager_ps, compiled_ps) = (make().map_err(err)?, make().map_err(err)?);
     let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
     let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
-    let step = kiln::compile_fn(
-        |_: &[Tensor]| {
-            opt.lock().unwrap_or_else(|e| e.into_inner()).step()?;
-            Ok(vec![])
-        },
-        CompileOptions::default(),
-    )
-    .map_err(err)?;
+    let step = compiled_step(&opt, CompileOptions::default())?;
     for k in 0..3 {
         eager.step().map_err(err)?;
         let before = exec_stats().kernel_launches;
