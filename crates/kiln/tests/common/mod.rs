@@ -534,8 +534,9 @@ impl Case {
             }
         }
         // On a GPU (not the mock device, whose graphs all run on the interpreter) every graph
-        // must run as generated kernels: one that fell back to the interpreter still gives right answers, so only this count tells (process-wide, so a
-        // fallback fails whichever test looks next; stderr names the graph and why).
+        // must run as generated kernels: one that fell back to the interpreter still gives
+        // right answers, so only this count tells (process-wide, so a fallback fails whichever
+        // test looks next; stderr names the graph and why).
         if std::env::var("KILN_TEST_DEVICE").as_deref() == Ok("cuda") {
             let interpreted = kiln::inductor::interpreted_graphs();
             assert_eq!(interpreted, 0, "{name}: compiled graphs on the interpreter");
