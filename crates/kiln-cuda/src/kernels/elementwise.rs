@@ -53,7 +53,7 @@ impl Op {
             Op::Full => "v".into(),
             Op::Iota => "(double)i".into(),
             // the core's counter-based generator (`cpu/random.rs`), bit for bit: splitmix64 of
-            // (seed, offset + i), so a device draws the same values as the CPU for one (seed, offset)
+            // (seed, offset + i), so a device draws the CPU's values for one (seed, offset)
             Op::Rand(RandDist::Uniform) => {
                 "(double)(rbits(seed, roff + i) >> 11) * (1.0 / 9007199254740992.0)".into()
             }

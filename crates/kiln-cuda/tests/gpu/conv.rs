@@ -257,13 +257,13 @@ pub fn cudnn_plans_on_disk() -> Outcome {
 }
 
 /// With the switch on, channels-last convolutions with TF32 allowed run on kiln's generated
-/// kernels (`conv_igemm.rs`): forward, data and weight gradients against the CPU in f64 within TF32's
-/// precision, through both tile widths (32 and 64 output columns), four-wide and scalar loads
-/// (channels not a multiple of 4, as a stem's RGB input), strides, padding and dilation, k in
-/// channel blocks (channels a multiple of 16) or not, the weight gradient's sum split across
-/// blocks, and operands that are views (copied first). The
-/// split sum is deterministic: a second run gives the same bits. No convolution reaches cuDNN's
-/// plans or the host path.
+/// kernels (`conv_igemm.rs`): forward, data and weight gradients against the CPU in f64 within
+/// TF32's precision, through the tile widths (32, 64 and 128 output columns), four-wide and
+/// scalar loads (channels not a multiple of 4, as a stem's RGB input), strides, padding and
+/// dilation, k in channel blocks (channels a multiple of 16) or not, the weight gradient's sum
+/// split across blocks, and operands that are views (copied first). The split sum is
+/// deterministic: a second run gives the same bits. No convolution reaches cuDNN's plans or the
+/// host path.
 pub fn generated_channels_last() -> Outcome {
     use kiln_core::dispatch::apply;
     use kiln_core::prim::{Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
@@ -275,7 +275,7 @@ pub fn generated_channels_last() -> Outcome {
         ([2, 3, 40, 40], [16, 3, 7, 7], [2, 2], [3, 3], [1, 1], 1), // a stem: scalar loads
         ([8, 16, 32, 32], [32, 16, 3, 3], [1, 1], [1, 1], [1, 1], 1), // a long split sum
         ([2, 8, 11, 10], [8, 8, 3, 3], [1, 1], [2, 2], [2, 2], 1), // dilation
-        ([3, 20, 9, 9], [72, 20, 3, 1], [1, 2], [1, 0], [1, 1], 1), // 72 columns: two tiles
+        ([3, 20, 9, 9], [72, 20, 3, 1], [1, 2], [1, 0], [1, 1], 1), // 72 columns: a 128-wide tile
         ([2, 32, 9, 9], [64, 32, 3, 3], [1, 1], [1, 1], [1, 1], 1), // k in channel blocks
         ([2, 48, 5, 6], [32, 48, 3, 3], [2, 1], [2, 1], [2, 1], 1), // the same, strided, dilated
     ];
