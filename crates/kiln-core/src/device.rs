@@ -149,6 +149,21 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     ) -> Result<Arc<dyn DeviceBuffer>> {
         self.execute(device, prim, inputs, meta)
     }
+    /// Readies `prim` on `device` for operands of `shapes` and `dtypes` without running it:
+    /// loads what its first execution would. `true` when that is all a first execution would
+    /// load (kiln-cuda: a convolution on kiln's generated kernels, whose module it loads), so a
+    /// warm-up need not run it; `false` (the default) when only running it readies it (cuDNN
+    /// loads its engines' kernels at their first launch).
+    fn prepare(
+        &self,
+        device: Device,
+        prim: &Prim,
+        shapes: &[&[usize]],
+        dtypes: &[DType],
+    ) -> Result<bool> {
+        let _ = (device, prim, shapes, dtypes);
+        Ok(false)
+    }
     /// Writes `src`'s elements into the positions `dst` addresses (same device, shape, dtype).
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;
     /// `assign` for each pair, all on `device`'s runtime, shapes and dtypes already matched

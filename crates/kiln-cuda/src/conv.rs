@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, Once};
 use cudarc::cudnn::{result as dnn, sys as dsys};
 use kiln_core::backends::{self, Switch};
 use kiln_core::device::DeviceBuffer;
-use kiln_core::prim::{ConvEpilogue, OutMeta, Prim};
+use kiln_core::prim::{ConvEpilogue, ConvParams, OutMeta, Prim};
 use kiln_core::{DType, Device, Error, Result, Tensor};
 
 use crate::buffer::CudaBuffer;
@@ -198,6 +198,61 @@ fn warn_declined(what: &str) {
     });
 }
 
+/// A convolution prim's kind, geometry, epilogue and x, w, y shapes in NCHW order (cuDNN's
+/// names: x the input, w the filter, y the output of the forward convolution, whatever the
+/// memory order).
+type Geometry<'p> = (Kind, &'p ConvParams, Option<ConvEpilogue>, [[usize; 4]; 3]);
+
+/// `prim`'s `Geometry`, from its operands' `shapes` and its output's; None for other prims or
+/// operands of another rank.
+fn geometry<'p>(prim: &'p Prim, shapes: &[&[usize]], out: &[usize]) -> Option<Geometry<'p>> {
+    let (kind, p, epilogue) = match prim {
+        Prim::Conv2d(p) => (Kind::Forward, p, None),
+        Prim::Conv2dEpilogue { params, epilogue } => (Kind::Forward, params, Some(*epilogue)),
+        Prim::Conv2dGradInput { params, .. } => (Kind::GradInput, params, None),
+        Prim::Conv2dGradWeight { params, .. } => (Kind::GradWeight, params, None),
+        _ => return None,
+    };
+    if shapes.len() < 2 || shapes[..2].iter().any(|s| s.len() != 4) {
+        return None;
+    }
+    let nchw = |s: &[usize]| shape4(&p.nchw(s));
+    let out = nchw(out);
+    let xwy = match kind {
+        Kind::Forward => [nchw(shapes[0]), nchw(shapes[1]), out],
+        Kind::GradInput => [out, nchw(shapes[1]), nchw(shapes[0])],
+        Kind::GradWeight => [nchw(shapes[1]), out, nchw(shapes[0])],
+    };
+    Some((kind, p, epilogue, xwy))
+}
+
+/// Loads the generated kernel the convolution `prim` would run on, without running it (the
+/// runtime's `prepare`): `true` where it runs on kiln's generated kernels (`set_generated_conv`;
+/// max-autotune's choices are made by running), `false` where cuDNN would take it.
+pub(crate) fn prepare(
+    dev: &Arc<CudaDevice>,
+    prim: &Prim,
+    shapes: &[&[usize]],
+    dtypes: &[DType],
+) -> Result<bool> {
+    if !crate::conv_igemm::generated_conv() {
+        return Ok(false);
+    }
+    let meta = prim.infer(shapes, dtypes)?;
+    let Some((kind, p, epilogue, xwy)) = geometry(prim, shapes, &meta.shape) else {
+        return Ok(false);
+    };
+    if xwy.iter().any(|s| s.contains(&0)) {
+        // an empty convolution writes zeros or nothing: no kernel of its own
+        return Ok(true);
+    }
+    if !crate::conv_igemm::eligible(meta.dtype, p, xwy, epilogue.is_some()) {
+        return Ok(false);
+    }
+    crate::conv_igemm::prepare(dev, kind, p, xwy)?;
+    Ok(true)
+}
+
 /// Runs a conv prim through cuDNN. `Ok(None)`: cuDNN cannot take it here (not installed, an
 /// unsupported dtype or size, no algorithm); the caller takes the host path.
 pub(crate) fn run(
@@ -207,32 +262,20 @@ pub(crate) fn run(
     meta: &OutMeta,
     tuned: bool,
 ) -> Result<Option<Arc<dyn DeviceBuffer>>> {
-    let (kind, p, epilogue) = match prim {
-        Prim::Conv2d(p) => (Kind::Forward, p, None),
-        Prim::Conv2dEpilogue { params, epilogue } => (Kind::Forward, params, Some(*epilogue)),
-        Prim::Conv2dGradInput { params, .. } => (Kind::GradInput, params, None),
-        Prim::Conv2dGradWeight { params, .. } => (Kind::GradWeight, params, None),
-        _ => return Ok(None),
+    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
+    let Some((kind, p, epilogue, [x, w, y])) = geometry(prim, &shapes, &meta.shape) else {
+        return Ok(None);
     };
     let dtype = meta.dtype;
-    if data_type(dtype).is_none() || inputs[..2].iter().any(|t| t.rank() != 4) {
+    if data_type(dtype).is_none() {
         return Ok(None);
     }
-    // cuDNN's dims are in NCHW order whatever the memory order
-    let nchw = |s: &[usize]| shape4(&p.nchw(s));
-    let out_shape = nchw(&meta.shape);
-    // cuDNN's names: x the input, w the filter, y the output of the forward convolution
-    let (x, w, y) = match kind {
-        Kind::Forward => (nchw(inputs[0].shape()), nchw(inputs[1].shape()), out_shape),
-        Kind::GradInput => (out_shape, nchw(inputs[1].shape()), nchw(inputs[0].shape())),
-        Kind::GradWeight => (nchw(inputs[1].shape()), out_shape, nchw(inputs[0].shape())),
-    };
     let empty = [x, w, y].iter().any(|s| s.contains(&0));
     if empty && epilogue.is_some() {
         // the epilogue of an empty sum is not zeros: the ops compute it
         return Ok(None);
     }
-    let out = dev.alloc(out_shape.iter().product(), dtype)?;
+    let out = dev.alloc(meta.shape.iter().product(), dtype)?;
     if empty {
         // an empty operand: the output is empty, or an empty sum (zeros)
         zero(dev, &out)?;

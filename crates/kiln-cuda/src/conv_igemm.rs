@@ -7,28 +7,26 @@
 //! of hundreds of megabytes; DenseNet-121's training step spent about 120 ms of its warm start
 //! (a new process, plans on disk) in those first launches, and reading the plans back took 20-40
 //! ms more. These kernels load with kiln's own modules and need no plan: the same warm start
-//! takes about half the time. But cuDNN's Hopper kernels (warpgroup MMA fed by the tensor memory
-//! accelerator) run the step's convolutions about twice as fast as these, so they are off by
-//! default (`set_generated_conv`; BENCHMARKS.md has both sides).
+//! takes about half the time. On compute capability 9.0 the forwards and stride-1 data gradients
+//! go to Hopper's kernel (`conv_wgmma.rs`), within 15% of cuDNN's; the weight gradients stay
+//! here, about 30% slower than cuDNN's, so the switch is off by default (`set_generated_conv`;
+//! DenseNet-121's training step 37.8 ms against 34.8 on cuDNN; BENCHMARKS.md has both sides).
 //!
 //! Which convolutions, with the switch on (`eligible`): f32, channels-last (what the compiler's
 //! layout pass writes: `ConvParams::channels_last`), one group, TF32 allowed
 //! (`set_cudnn_allow_tf32`, as PyTorch's default), no fused epilogue, every operand under 2^31
 //! elements. The rest goes to cuDNN.
 
-use std::collections::hash_map::Entry;
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-
-use cudarc::driver::sys;
+use std::sync::Arc;
 
 use kiln_core::backends::{self, Switch};
 use kiln_core::prim::ConvParams;
-use kiln_core::{DType, Error, Result};
+use kiln_core::{DType, Result};
 
 use crate::conv::Kind;
+use crate::conv_modules::ConvKernel;
 use crate::device::CudaDevice;
 
 /// The template; each module appends the one kernel it instantiates (`Spec::source`).
@@ -89,9 +87,10 @@ struct ConvGeo {
     chunked: i32,
 }
 
-/// The template's hash: what a choice made by timing these kernels was made for.
+/// The templates' hash: what a choice made by timing these kernels was made for.
 pub(crate) fn template_version() -> String {
-    crate::nvrtc::checksum(TEMPLATE.as_bytes())
+    let hopper = crate::conv_wgmma::template_version();
+    crate::nvrtc::checksum(format!("{TEMPLATE}{hopper}").as_bytes())
 }
 
 /// Whether the generated kernels can run a convolution of `dtype` with `p` (`x`, `w`, `y` its
@@ -130,6 +129,11 @@ pub(crate) fn launch(
     out: u64,
     aligned: bool,
 ) -> Result<()> {
+    if crate::conv_wgmma::fits(dev, kind, p, [x, w, y], aligned) {
+        crate::conv_wgmma::launch(dev, kind, p, [x, w, y], a, b, out)?;
+        LAUNCHED.fetch_add(1, Ordering::Relaxed);
+        return Ok(());
+    }
     let i = |v: usize| v as i32;
     let mut g = ConvGeo {
         n: i(x[0]),
@@ -157,12 +161,8 @@ pub(crate) fn launch(
     // a GEMM index's products stay under 2^31: the operands do (`eligible`), and so do the
     // GEMM's sizes, which are their dims' products
     (g.gm, g.gn, g.gk) = (i(gm), i(gn), i(gk));
-    let vec4 = aligned && x[1] % 4 == 0 && w[0] % 4 == 0;
-    let bn = match gn {
-        0..=32 => 32,
-        33..=64 => 64,
-        _ => 128,
-    };
+    let spec = Spec::for_conv(kind, [x, w, y], aligned);
+    let bn = spec.bn;
     let (mt, nt) = (gm.div_ceil(BM), gn.div_ceil(bn));
     let ktiles = gk.div_ceil(BK);
     let (splits, per_split) = split(mt * nt, ktiles, dev.sm_count as usize);
@@ -176,8 +176,7 @@ pub(crate) fn launch(
     };
     g.chunked = i32::from(channels > 0 && channels % BK == 0 && w[2] * w[3] > 1);
 
-    let spec = Spec { kind, vec4, bn };
-    let [conv, split_sum] = functions(dev, spec)?;
+    let [conv, split_sum] = crate::conv_modules::functions(dev, spec)?;
     let threads = spec.threads();
     let total = gm * gn;
     let parts = match splits {
@@ -255,7 +254,37 @@ struct Spec {
     bn: usize,
 }
 
+/// Loads the kernel `launch` would run the convolution `kind` on (operands 16-byte aligned, as
+/// the allocator's are), without running it.
+pub(crate) fn prepare(
+    dev: &Arc<CudaDevice>,
+    kind: Kind,
+    p: &ConvParams,
+    shapes: [[usize; 4]; 3],
+) -> Result<()> {
+    match crate::conv_wgmma::fits(dev, kind, p, shapes, true) {
+        true => crate::conv_wgmma::prepare(dev, kind, p, shapes),
+        false => crate::conv_modules::functions(dev, Spec::for_conv(kind, shapes, true)).map(drop),
+    }
+}
+
 impl Spec {
+    /// The kernel for the convolution `kind` (`x`, `w`, `y` in NCHW order): four-wide loads
+    /// where the channels and addresses allow, the narrowest tile covering the GEMM's columns.
+    fn for_conv(kind: Kind, [x, w, _]: [[usize; 4]; 3], aligned: bool) -> Spec {
+        let gn = match kind {
+            Kind::Forward | Kind::GradWeight => w[0],
+            Kind::GradInput => x[1],
+        };
+        let bn = match gn {
+            0..=32 => 32,
+            33..=64 => 64,
+            _ => 128,
+        };
+        let vec4 = aligned && x[1] % 4 == 0 && w[0] % 4 == 0;
+        Spec { kind, vec4, bn }
+    }
+
     fn all() -> impl Iterator<Item = Spec> {
         [Kind::Forward, Kind::GradInput, Kind::GradWeight]
             .into_iter()
@@ -266,19 +295,6 @@ impl Spec {
                         .map(move |bn| Spec { kind, vec4, bn })
                 })
             })
-    }
-
-    fn name(&self) -> String {
-        let kind = match self.kind {
-            Kind::Forward => "fwd",
-            Kind::GradInput => "dgrad",
-            Kind::GradWeight => "wgrad",
-        };
-        format!(
-            "conv_{kind}_v{}_n{}",
-            if self.vec4 { 4 } else { 1 },
-            self.bn
-        )
     }
 
     fn warps(&self) -> (usize, usize) {
@@ -292,6 +308,32 @@ impl Spec {
     fn threads(&self) -> u32 {
         let (wm, wn) = self.warps();
         (wm * wn * 32) as u32
+    }
+}
+
+impl ConvKernel for Spec {
+    const FAMILY: &'static str = "conv_igemm";
+
+    fn code(&self) -> u32 {
+        let kind = match self.kind {
+            Kind::Forward => 0,
+            Kind::GradInput => 1,
+            Kind::GradWeight => 2,
+        };
+        kind << 16 | u32::from(self.vec4) << 12 | self.bn as u32
+    }
+
+    fn name(&self) -> String {
+        let kind = match self.kind {
+            Kind::Forward => "fwd",
+            Kind::GradInput => "dgrad",
+            Kind::GradWeight => "wgrad",
+        };
+        format!(
+            "conv_{kind}_v{}_n{}",
+            if self.vec4 { 4 } else { 1 },
+            self.bn
+        )
     }
 
     /// Dynamic shared memory of a block: STAGES buffers of each operand's tile (the `.cu`
@@ -323,96 +365,14 @@ impl Spec {
             self.bn
         )
     }
-}
 
-/// A kernel of the template, per cache scope (a cold-compile measurement builds its own) and
-/// device: looked up at every launch, so no text is built for it.
-type Key = (u64, usize, Spec);
-/// An NVRTC build of one kernel into the disk cache, run once by whichever thread asks first.
-type Build = Arc<OnceLock<std::result::Result<(), String>>>;
-
-/// Builds under way or done in this process.
-static BUILDS: Mutex<Option<HashMap<Key, Build>>> = Mutex::new(None);
-/// Kernels loaded: the convolution's function and its module's `conv_split_sum`.
-static LOADED: Mutex<Option<HashMap<Key, [usize; 2]>>> = Mutex::new(None);
-
-fn key(dev: &CudaDevice, spec: Spec) -> Key {
-    (kiln_core::cache::scope_id(), dev.ordinal, spec)
-}
-
-/// `spec`'s kernel and its module's `conv_split_sum`, loaded once per device and cache scope
-/// (a map lookup after the first call).
-fn functions(dev: &Arc<CudaDevice>, spec: Spec) -> Result<[sys::CUfunction; 2]> {
-    let key = key(dev, spec);
-    let loaded = |f: [usize; 2]| f.map(|f| f as sys::CUfunction);
-    if let Some(&f) = LOADED
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get_or_insert_with(HashMap::new)
-        .get(&key)
-    {
-        return Ok(loaded(f));
+    fn helper(&self) -> Option<&'static str> {
+        Some("conv_split_sum")
     }
-    let err = |msg: String| Error::arg("conv2d", format!("generating {}: {msg}", spec.name()));
-    built(dev, spec).map_err(err)?;
-    // from the disk cache, where the build left it
-    let names = [spec.name(), "conv_split_sum".to_string()];
-    let fs = crate::nvrtc::module_kernels(dev, &spec.source(), &names)?;
-    use sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
-    // SAFETY: a loaded function of the bound context (`module_kernels` bound it); the size is
-    // within the opt-in limit of sm_80 and later (at most 80 KiB here)
-    unsafe {
-        cudarc::driver::result::function::set_function_attribute(
-            fs[0],
-            MAX,
-            spec.shared_bytes() as i32,
-        )
-    }
-    .map_err(|e| crate::device::cu_err("cuFuncSetAttribute", dev.ordinal, e))?;
-    let f = [fs[0] as usize, fs[1] as usize];
-    LOADED
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get_or_insert_with(HashMap::new)
-        .insert(key, f);
-    Ok(loaded(f))
-}
 
-/// Waits until `spec`'s kernel is in the disk cache, building it if no thread has. A kernel
-/// that has to be built starts the builds of every other kernel of the template not on disk,
-/// each on a thread of its own: a model's convolutions want several, and built one after
-/// another at their first calls they would add up their times (0.2-1.3 s each). Those threads
-/// only run NVRTC and write files; no CUDA call, which a CUDA graph's capture elsewhere in the
-/// process could refuse.
-fn built(dev: &Arc<CudaDevice>, spec: Spec) -> std::result::Result<(), String> {
-    // the build of `spec`, and whether this call made its slot
-    let slot = |spec: Spec| -> (Build, bool) {
-        let mut builds = BUILDS.lock().unwrap_or_else(|e| e.into_inner());
-        match builds
-            .get_or_insert_with(HashMap::new)
-            .entry(key(dev, spec))
-        {
-            Entry::Occupied(e) => (e.get().clone(), false),
-            Entry::Vacant(e) => (e.insert(Build::default()).clone(), true),
-        }
-    };
-    let build = |dev: &CudaDevice, spec: Spec, b: &Build| {
-        b.get_or_init(|| {
-            crate::nvrtc::build(dev, &spec.name(), &spec.source()).map_err(|e| e.to_string())
-        })
-        .clone()
-    };
-    let (mine, first) = slot(spec);
-    if first && !crate::nvrtc::on_disk(dev, &spec.source()) {
-        for other in Spec::all().filter(|s| *s != spec) {
-            let (b, first) = slot(other);
-            if first && !crate::nvrtc::on_disk(dev, &other.source()) {
-                let dev = dev.clone();
-                std::thread::spawn(move || build(&dev, other, &b));
-            }
-        }
+    fn siblings(_: &CudaDevice) -> Vec<Self> {
+        Spec::all().collect()
     }
-    build(dev, spec, &mine)
 }
 
 #[cfg(test)]

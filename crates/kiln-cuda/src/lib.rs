@@ -18,7 +18,9 @@ mod conv_choice;
 mod conv_graph;
 mod conv_igemm;
 mod conv_legacy;
+mod conv_modules;
 mod conv_plan_cache;
+mod conv_wgmma;
 mod device;
 mod event;
 mod fallback;
@@ -43,6 +45,7 @@ pub use conv_choice::conv_engine_choices;
 pub use conv_graph::cudnn_plans_timed;
 pub use conv_igemm::{generated_conv, generated_convs, set_generated_conv};
 pub use conv_plan_cache::cudnn_plan_disk_hits;
+pub use conv_wgmma::hopper_convs;
 pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
@@ -83,6 +86,20 @@ pub fn device_count() -> usize {
 
 fn dev(device: Device) -> Result<Arc<CudaDevice>> {
     CudaDevice::get(runtime::ordinal("cuda", device)?)
+}
+
+/// `torch.cuda.get_device_capability(device)`: (major, minor).
+pub fn compute_capability(device: Device) -> Result<(u32, u32)> {
+    let d = dev(device)?;
+    let digits = d.arch.trim_start_matches("compute_");
+    let (major, minor) = digits.split_at(digits.len().saturating_sub(1));
+    match (major.parse(), minor.parse()) {
+        (Ok(major), Ok(minor)) => Ok((major, minor)),
+        _ => Err(Error::unsupported(
+            "cuda",
+            format!("unreadable architecture {}", d.arch),
+        )),
+    }
 }
 
 /// `torch.cuda.synchronize(device)`.

@@ -4,7 +4,7 @@
 //! kernel cache's rules: atomic writes (temporary file, then rename), a checksum beside each entry,
 //! a mismatching or unloadable entry rebuilt.
 //!
-//! NVRTC compiles straight to the device's machine code (a CUBIN for `sm_XY`), which is what the
+//! NVRTC compiles straight to the device's machine code (a CUBIN for `sm_XY`, or `sm_XYa`), which is what the
 //! disk cache keeps: loading PTX instead would have the driver assemble it again in every process.
 //! No lock is held while NVRTC runs, so the compiler's translation units build on parallel threads.
 
@@ -170,14 +170,23 @@ pub(crate) fn on_disk(dev: &CudaDevice, src: &str) -> bool {
     path.exists()
 }
 
-/// The `sm_XY` NVRTC builds `dev`'s machine code for.
-fn sm(dev: &CudaDevice) -> String {
-    dev.arch.replace("compute_", "sm_")
+/// A source that begins with this line is built for its device's arch-specific target (`sm_90a`):
+/// it uses instructions of that architecture alone (wgmma), and its machine code runs nowhere
+/// else.
+pub(crate) const ARCH_SPECIFIC: &str = "// kiln: built for the arch-specific target\n";
+
+/// The `sm_XY` (or `sm_XYa`) NVRTC builds `src` for on `dev`.
+fn sm(dev: &CudaDevice, src: &str) -> String {
+    let sm = dev.arch.replace("compute_", "sm_");
+    match src.starts_with(ARCH_SPECIFIC) {
+        true => sm + "a",
+        false => sm,
+    }
 }
 
 /// `src`'s machine code for `dev` in the disk cache: its key, and where it and its checksum are.
 fn cubin_entry(dev: &CudaDevice, src: &str) -> (String, PathBuf, PathBuf) {
-    let sm = sm(dev);
+    let sm = sm(dev, src);
     let key = checksum(format!("{src}|{sm}|{}|cubin", nvrtc_version()).as_bytes());
     let dir = cache_dir();
     let (path, sum_path) = (
@@ -198,7 +207,7 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     // inside a fresh-cache scope (a cold-compile measurement) NVRTC's own cache is bypassed too
     let fresh = kiln_core::cache::scope_id() != 0;
     let start = Instant::now();
-    let image = compile_cubin(signature, src, &sm(dev), fresh)?;
+    let image = compile_cubin(signature, src, &sm(dev, src), fresh)?;
     let took = start.elapsed();
     COMPILE_NS.fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
     if log_builds() {

@@ -282,6 +282,17 @@ impl DeviceRuntime for CudaRuntime {
                 .is_ok_and(|dev| dev.pool().capturing.is_none())
     }
 
+    fn prepare(
+        &self,
+        device: Device,
+        prim: &Prim,
+        shapes: &[&[usize]],
+        dtypes: &[DType],
+    ) -> Result<bool> {
+        let dev = CudaDevice::get(ordinal("cuda", device)?)?;
+        crate::conv::prepare(&dev, prim, shapes, dtypes)
+    }
+
     fn execute_tuned(
         &self,
         device: Device,

@@ -970,7 +970,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 35] = [
+    let tests: [(&str, Check); 36] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -1023,6 +1023,10 @@ fn main() {
         (
             "max_autotune_chooses_generated_or_cudnn_convolutions",
             autotune::max_autotune_chooses_generated_or_cudnn_convolutions,
+        ),
+        (
+            "generated_convolutions_are_loaded_not_run_by_the_warm_up",
+            autotune::generated_convolutions_are_loaded_not_run_by_the_warm_up,
         ),
         (
             "conv_epilogues_in_max_autotune",

@@ -263,7 +263,10 @@ pub fn cudnn_plans_on_disk() -> Outcome {
 /// dilation, k in channel blocks (channels a multiple of 16) or not, the weight gradient's sum
 /// split across blocks, and operands that are views (copied first). The split sum is
 /// deterministic: a second run gives the same bits. No convolution reaches cuDNN's plans or the
-/// host path.
+/// host path. On compute capability 9.0 the forwards and stride-1 data gradients whose summed
+/// channels are a multiple of 4 run on Hopper's kernel (`conv_wgmma.rs`; the stem's forward
+/// stays on mma.sync): a channel block cut short (36 = 32 + 4), an odd number of output
+/// channels, windows walking past the last image, tiles of every width.
 pub fn generated_channels_last() -> Outcome {
     use kiln_core::dispatch::apply;
     use kiln_core::prim::{Prim, FROM_CHANNELS_LAST, TO_CHANNELS_LAST};
@@ -278,12 +281,18 @@ pub fn generated_channels_last() -> Outcome {
         ([3, 20, 9, 9], [72, 20, 3, 1], [1, 2], [1, 0], [1, 1], 1), // 72 columns: a 128-wide tile
         ([2, 32, 9, 9], [64, 32, 3, 3], [1, 1], [1, 1], [1, 1], 1), // k in channel blocks
         ([2, 48, 5, 6], [32, 48, 3, 3], [2, 1], [2, 1], [2, 1], 1), // the same, strided, dilated
+        ([2, 36, 7, 9], [5, 36, 5, 5], [1, 1], [4, 4], [2, 2], 1), // 36 channels, 5 out, 5x5
+        ([3, 64, 5, 5], [136, 64, 1, 1], [1, 1], [0, 0], [1, 1], 1), // 160-wide tile
+        ([2, 96, 6, 6], [200, 96, 3, 3], [1, 1], [1, 1], [1, 1], 1), // two 128-wide tiles
+        ([2, 160, 4, 5], [92, 160, 1, 1], [1, 1], [0, 0], [1, 1], 1), // 96 wide; dx 160
+        ([2, 184, 3, 3], [24, 184, 3, 3], [1, 1], [1, 1], [1, 1], 1), // dx 192 wide
     ];
     let cases: Vec<&Case> = generated
         .iter()
         .chain(CASES.iter().filter(|c| c.5 == 1))
         .collect();
     let before = (kiln_cuda::generated_convs(), conv_fallbacks());
+    let hopper_before = kiln_cuda::hopper_convs();
     let plans_before = kiln_cuda::cudnn_plan_counts();
     let perm = |p: [usize; 4]| p.map(|d| d as isize);
     kiln_cuda::set_cudnn_allow_tf32(true);
@@ -342,6 +351,27 @@ pub fn generated_channels_last() -> Outcome {
     }
     if kiln_cuda::cudnn_plan_counts() != plans_before {
         return Err("a generated convolution made a cuDNN plan".into());
+    }
+    // three forwards and data gradients a case (the gradient check's, then two runs for the
+    // bits); a forward fits with channels a multiple of 4, a data gradient at stride 1 with out
+    // channels a multiple of 4 and padding within the window's reach
+    let hopper = kiln_cuda::hopper_convs() - hopper_before;
+    let fit = |c: &&Case| -> usize {
+        let (x, w, stride, padding, dilation, _) = **c;
+        let forward = x[1] % 4 == 0;
+        let data = stride == [1, 1]
+            && w[0] % 4 == 0
+            && (0..2).all(|i| padding[i] <= dilation[i] * (w[2 + i] - 1));
+        3 * (usize::from(forward) + usize::from(data))
+    };
+    let want = match kiln_cuda::compute_capability(CUDA).map_err(e)? {
+        (9, 0) => cases.iter().map(fit).sum(),
+        _ => 0,
+    };
+    if hopper != want {
+        return Err(format!(
+            "{hopper} forwards ran on Hopper's kernel, want {want}"
+        ));
     }
     Ok(())
 }

@@ -6,6 +6,9 @@
 //! same cuDNN plans (cached in memory and on disk) the compiled graph's extern steps then find,
 //! their kernels already loaded.
 //!
+//! A convolution on kiln's generated kernels (`kiln_cuda::set_generated_conv`) is only readied
+//! (`DeviceRuntime::prepare` loads its module): nothing of it loads at its first launch.
+//!
 //! In max-autotune the convolutions run tuned (`exec::execute_tuned`), as the graph's steps
 //! will: each shape's cuDNN engines are timed here, off the compile's critical path, and the
 //! graph's first call (or its CUDA graph's recording, when nothing can be timed) finds the
@@ -19,6 +22,7 @@
 use std::collections::HashSet;
 
 use kiln_compile::graph::{Graph, Op};
+use kiln_core::device::runtime_for;
 use kiln_core::prim::Prim;
 use kiln_core::{DType, Device, Result, Tensor};
 
@@ -71,6 +75,15 @@ pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
         .into()
     });
     for c in convs {
+        // a convolution on kiln's generated kernels needs its module loaded, not a run (which
+        // would queue a step's worth of convolutions ahead of the graph's first call)
+        let shapes: Vec<&[usize]> = c.operands.iter().map(|(s, _)| s.as_slice()).collect();
+        let dtypes: Vec<DType> = c.operands.iter().map(|&(_, d)| d).collect();
+        if !tuned
+            && runtime_for("conv2d", c.device)?.prepare(c.device, &c.prim, &shapes, &dtypes)?
+        {
+            continue;
+        }
         let operands = c
             .operands
             .iter()

@@ -2,7 +2,8 @@
 //! max-autotune modes equal eager; the first compile times the kernels' launch shapes and
 //! writes its choices under the cache folder, a second compile (after `kiln::reset`) reads them
 //! and times nothing. The same holds for cuBLASLt's GEMM algorithms and for cuDNN's engines of a
-//! training step's convolutions.
+//! training step's convolutions. With kiln's generated convolutions switched on, the compile's
+//! convolution warm-up loads their kernels without running them.
 
 use std::sync::Mutex;
 
@@ -332,6 +333,43 @@ pub fn max_autotune_chooses_generated_or_cudnn_convolutions() -> Outcome {
             Ok(())
         })
     })();
+    kiln::cuda::set_cudnn_allow_tf32(false);
+    r
+}
+
+/// With generated convolutions on (default mode), a compiled training step's convolutions run on
+/// kiln's kernels, equal to eager within TF32's rounding, and the compile's warm-up
+/// (`kiln-inductor/src/runtime/conv_warmup.rs`) only loads their modules: the first step
+/// launches as many generated convolutions as the second (two forwards, two weight gradients,
+/// the second convolution's data gradient), none run ahead of it.
+pub fn generated_convolutions_are_loaded_not_run_by_the_warm_up() -> Outcome {
+    use kiln::cuda::generated_convs;
+    kiln::cuda::set_cudnn_allow_tf32(true);
+    let r = (|| -> Outcome {
+        let m = conv_net().map_err(err)?;
+        let x = randn(&[4, 3, 8, 8], 79)
+            .and_then(|x| x.to(CUDA))
+            .map_err(err)?;
+        let want = conv_step(&m, None, &x).map_err(err)?;
+        kiln::cuda::set_generated_conv(true);
+        with_fresh_cache(|| -> Outcome {
+            kiln::reset();
+            let mut launched = Vec::new();
+            for step in 0..2 {
+                let before = generated_convs();
+                let got = conv_step(&m, Some(Mode::Default), &x).map_err(err)?;
+                launched.push(generated_convs() - before);
+                close_to_largest(&format!("step {step}, generated"), &got, &want, 5e-3)?;
+            }
+            match launched[..] {
+                [5, 5] => Ok(()),
+                _ => Err(format!(
+                    "generated convolutions launched by the two steps: {launched:?}, want [5, 5]"
+                )),
+            }
+        })
+    })();
+    kiln::cuda::set_generated_conv(false);
     kiln::cuda::set_cudnn_allow_tf32(false);
     r
 }

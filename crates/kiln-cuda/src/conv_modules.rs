@@ -1,0 +1,130 @@
+//! The generated convolutions' modules (`conv_igemm.rs`'s mma.sync kernels, `conv_wgmma.rs`'s
+//! Hopper kernels): each kernel is one NVRTC translation unit, built into the disk cache once
+//! (the first build of a family starts its siblings' builds on threads of their own) and loaded
+//! once per device and cache scope, so a launch costs one map lookup.
+
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys;
+
+use kiln_core::{Error, Result};
+
+use crate::device::CudaDevice;
+
+/// One kernel of a family of generated convolutions.
+pub(crate) trait ConvKernel: Copy + PartialEq + Send + 'static {
+    /// The family's name, unique among families.
+    const FAMILY: &'static str;
+    /// What tells this kernel from its siblings, as a number (looked up at every launch, so no
+    /// text is built for it).
+    fn code(&self) -> u32;
+    /// The kernel's entry point.
+    fn name(&self) -> String;
+    /// The module's whole text.
+    fn source(&self) -> String;
+    /// Dynamic shared memory a block takes.
+    fn shared_bytes(&self) -> usize;
+    /// Another entry point of the module the launch needs (`conv_split_sum`), if any.
+    fn helper(&self) -> Option<&'static str>;
+    /// The family's kernels `dev` can run: built together.
+    fn siblings(dev: &CudaDevice) -> Vec<Self>;
+}
+
+/// A kernel per cache scope (a cold-compile measurement builds its own), device, family and code.
+type Key = (u64, usize, &'static str, u32);
+/// An NVRTC build of one kernel into the disk cache, run once by whichever thread asks first.
+type Build = Arc<OnceLock<std::result::Result<(), String>>>;
+
+/// Builds under way or done in this process.
+static BUILDS: Mutex<Option<HashMap<Key, Build>>> = Mutex::new(None);
+/// Kernels loaded: the kernel's function and its helper's (0 without one).
+static LOADED: Mutex<Option<HashMap<Key, [usize; 2]>>> = Mutex::new(None);
+
+fn key<K: ConvKernel>(dev: &CudaDevice, spec: K) -> Key {
+    (
+        kiln_core::cache::scope_id(),
+        dev.ordinal,
+        K::FAMILY,
+        spec.code(),
+    )
+}
+
+/// `spec`'s kernel and its helper (null without one), loaded once per device and cache scope
+/// (a map lookup after the first call).
+pub(crate) fn functions<K: ConvKernel>(
+    dev: &Arc<CudaDevice>,
+    spec: K,
+) -> Result<[sys::CUfunction; 2]> {
+    let key = key(dev, spec);
+    let loaded = |f: [usize; 2]| f.map(|f| f as sys::CUfunction);
+    if let Some(&f) = LOADED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .get(&key)
+    {
+        return Ok(loaded(f));
+    }
+    let err = |msg: String| Error::arg("conv2d", format!("generating {}: {msg}", spec.name()));
+    built(dev, spec).map_err(err)?;
+    // from the disk cache, where the build left it
+    let mut names = vec![spec.name()];
+    names.extend(spec.helper().map(str::to_string));
+    let fs = crate::nvrtc::module_kernels(dev, &spec.source(), &names)?;
+    use sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
+    // SAFETY: a loaded function of the bound context (`module_kernels` bound it); the kernels'
+    // sizes are within the opt-in limit of the devices their families run on
+    unsafe {
+        cudarc::driver::result::function::set_function_attribute(
+            fs[0],
+            MAX,
+            spec.shared_bytes() as i32,
+        )
+    }
+    .map_err(|e| crate::device::cu_err("cuFuncSetAttribute", dev.ordinal, e))?;
+    let f = [fs[0] as usize, fs.get(1).map_or(0, |&f| f as usize)];
+    LOADED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(key, f);
+    Ok(loaded(f))
+}
+
+/// Waits until `spec`'s kernel is in the disk cache, building it if no thread has. A kernel
+/// that has to be built starts the builds of its family's other kernels not on disk, each on a
+/// thread of its own: a model's convolutions want several, and built one after another at their
+/// first calls they would add up their times (0.2-1.3 s each). Those threads only run NVRTC and
+/// write files; no CUDA call, which a CUDA graph's capture elsewhere in the process could refuse.
+fn built<K: ConvKernel>(dev: &Arc<CudaDevice>, spec: K) -> std::result::Result<(), String> {
+    // the build of `spec`, and whether this call made its slot
+    let slot = |spec: K| -> (Build, bool) {
+        let mut builds = BUILDS.lock().unwrap_or_else(|e| e.into_inner());
+        match builds
+            .get_or_insert_with(HashMap::new)
+            .entry(key(dev, spec))
+        {
+            Entry::Occupied(e) => (e.get().clone(), false),
+            Entry::Vacant(e) => (e.insert(Build::default()).clone(), true),
+        }
+    };
+    let build = |dev: &CudaDevice, spec: K, b: &Build| {
+        b.get_or_init(|| {
+            crate::nvrtc::build(dev, &spec.name(), &spec.source()).map_err(|e| e.to_string())
+        })
+        .clone()
+    };
+    let (mine, first) = slot(spec);
+    if first && !crate::nvrtc::on_disk(dev, &spec.source()) {
+        for other in K::siblings(dev).into_iter().filter(|s| *s != spec) {
+            let (b, first) = slot(other);
+            if first && !crate::nvrtc::on_disk(dev, &other.source()) {
+                let dev = dev.clone();
+                std::thread::spawn(move || build(&dev, other, &b));
+            }
+        }
+    }
+    build(dev, spec, &mine)
+}

@@ -1,0 +1,395 @@
+//! Hopper's generated convolution (the template `kernels/conv_wgmma.cu`): the tensor memory
+//! accelerator gathers the input's windows (im2col mode) and the filter into shared memory, the
+//! warpgroup MMA multiplies them there. Where it fits, it runs the forwards and the stride-1 data
+//! gradients that `conv_igemm.rs` would otherwise run on its mma.sync kernel: DenseNet-121's
+//! forwards at batch 64 on an H200 take 4.1 ms a step on it against 8.8 ms (cuDNN 3.6 ms);
+//! BENCHMARKS.md has the table.
+//!
+//! A data gradient at stride 1 is a forward convolution (`as_forward`): of dy, with the filter
+//! flipped in space and its channel axes swapped (a small kernel writes that copy at each call),
+//! padded by the window's reach less the forward's padding.
+//!
+//! What it takes (`fits`): compute capability 9.0 (wgmma is an instruction of sm_90a only), the
+//! summed channels a multiple of 4 (the tensor maps' rows are 16-byte multiples), operands 16-byte
+//! aligned, strides up to 8 and windows whose padding and reach fit the im2col map's corners.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use kiln_core::prim::ConvParams;
+use kiln_core::{DType, Error, Result};
+
+use crate::conv::Kind;
+use crate::conv_modules::ConvKernel;
+use crate::device::{cu_err, CudaDevice};
+
+const TEMPLATE: &str = include_str!("kernels/conv_wgmma.cu");
+
+/// Rows of a block's tile (two consumer warpgroups of 64) and its k step: 32 f32 channels, one
+/// 128-byte swizzled row (the `.cu` file's WG_BM, WG_BK).
+const BM: usize = 128;
+const BK: usize = 32;
+/// Tiles in flight.
+const STAGES: usize = 4;
+/// The producer's warpgroup and the two consumers'.
+const THREADS: u32 = 384;
+/// The tile widths (output channels) there are kernels for: a convolution takes the narrowest
+/// that covers its output channels, or 128 past the widest (its accumulators, half the width a
+/// thread, are what limits it).
+const WIDTHS: [usize; 6] = [32, 64, 96, 128, 160, 192];
+const WIDE: usize = 128;
+
+static LAUNCHED: AtomicUsize = AtomicUsize::new(0);
+
+/// Forward convolutions this process ran on Hopper's generated kernel (a part of
+/// `generated_convs`).
+pub fn hopper_convs() -> usize {
+    LAUNCHED.load(Ordering::Relaxed)
+}
+
+/// The template's hash (a part of what a timed choice between kernels was made for).
+pub(crate) fn template_version() -> String {
+    crate::nvrtc::checksum(TEMPLATE.as_bytes())
+}
+
+/// Whether the Hopper kernel can run the convolution `kind` of `p` (`x`, `w`, `y` in NCHW order)
+/// on `dev`; `aligned`: every operand's address is 16-byte aligned.
+pub(crate) fn fits(
+    dev: &CudaDevice,
+    kind: Kind,
+    p: &ConvParams,
+    shapes: [[usize; 4]; 3],
+    aligned: bool,
+) -> bool {
+    // the im2col map's window corners are 8-bit for a 4-d tensor, its walk's strides at most 8
+    let corner = |pad: usize, reach: usize| pad <= 127 && reach <= pad + 128;
+    dev.arch == "compute_90"
+        && aligned
+        && as_forward(kind, p, shapes).is_some_and(|(q, [x, w, _])| {
+            x[1] % 4 == 0
+                && (0..2).all(|i| {
+                    q.stride[i] <= 8 && corner(q.padding[i], (w[2 + i] - 1) * q.dilation[i])
+                })
+        })
+}
+
+/// The forward convolution that computes `kind` (its geometry and its x, w, y shapes in NCHW
+/// order): the forward itself, or for a data gradient at stride 1 the forward of dy with the
+/// flipped filter (C out of K), padded by the window's reach less the forward's padding, which
+/// gives back x's size. None for the rest.
+fn as_forward(
+    kind: Kind,
+    p: &ConvParams,
+    [x, w, y]: [[usize; 4]; 3],
+) -> Option<(ConvParams, [[usize; 4]; 3])> {
+    match kind {
+        Kind::Forward => Some((*p, [x, w, y])),
+        Kind::GradInput if p.stride == [1, 1] => {
+            let mut q = *p;
+            for i in 0..2 {
+                q.padding[i] = ((w[2 + i] - 1) * p.dilation[i]).checked_sub(p.padding[i])?;
+            }
+            Some((q, [y, [w[1], w[0], w[2], w[3]], x]))
+        }
+        _ => None,
+    }
+}
+
+/// The launch's sizes, by value (`WgmmaGeo` in the `.cu` file).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct WgmmaGeo {
+    p: i32,
+    q: i32,
+    sh: i32,
+    sw: i32,
+    ph: i32,
+    pw: i32,
+    dh: i32,
+    dw: i32,
+    s: i32,
+    m: i32,
+    n: i32,
+    cblocks: i32,
+    ktiles: i32,
+}
+
+/// Runs the convolution `kind` of `p` (`x`, `w`, `y` in NCHW order, as `fits` passed them) on the
+/// operands at `a` and `b` (the prim's inputs in its order, contiguous channels-last: x and w,
+/// or dy and w) into `out`.
+pub(crate) fn launch(
+    dev: &Arc<CudaDevice>,
+    kind: Kind,
+    p: &ConvParams,
+    shapes: [[usize; 4]; 3],
+    a: u64,
+    b: u64,
+    out: u64,
+) -> Result<()> {
+    let Some((p, [x, w, y])) = as_forward(kind, p, shapes) else {
+        return Err(Error::arg(
+            "conv2d",
+            format!(
+                "Hopper's kernel has no {kind:?} of {shapes:?} at stride {:?}",
+                p.stride
+            ),
+        ));
+    };
+    let i = |v: usize| v as i32;
+    let spec = Spec::for_filter(w);
+    let [conv, flip] = crate::conv_modules::functions(dev, spec)?;
+    // the data gradient's filter, flipped; dropped once the convolution is queued (the pool
+    // orders its reuse on the stream)
+    let flipped = match kind {
+        Kind::GradInput => Some(flip_filter(dev, flip, shapes[1], b)?),
+        _ => None,
+    };
+    let filter = flipped.as_ref().map_or(b, |f| f.ptr);
+    let mut xmap = im2col_map(dev, &p, x, w, a)?;
+    let mut wmap = filter_map(dev, w, filter, spec.bn)?;
+    let m = y[0] * y[2] * y[3];
+    let cblocks = x[1].div_ceil(BK);
+    let mut g = WgmmaGeo {
+        p: i(y[2]),
+        q: i(y[3]),
+        sh: i(p.stride[0]),
+        sw: i(p.stride[1]),
+        ph: i(p.padding[0]),
+        pw: i(p.padding[1]),
+        dh: i(p.dilation[0]),
+        dw: i(p.dilation[1]),
+        s: i(w[3]),
+        m: i(m),
+        n: i(w[0]),
+        cblocks: i(cblocks),
+        ktiles: i(cblocks * w[2] * w[3]),
+    };
+    let mut dst = out;
+    let mut params: [*mut c_void; 4] = [
+        (&mut xmap as *mut sys::CUtensorMap).cast(),
+        (&mut wmap as *mut sys::CUtensorMap).cast(),
+        (&mut dst as *mut u64).cast(),
+        (&mut g as *mut WgmmaGeo).cast(),
+    ];
+    let grid = [m.div_ceil(BM) as u32, w[0].div_ceil(spec.bn) as u32, 1];
+    dev.launch_grid(conv, grid, THREADS, spec.shared_bytes() as u32, &mut params)?;
+    drop(flipped);
+    LAUNCHED.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The filter `w` (KRSC at `wp`; its shape in NCHW order) flipped in space with its channel
+/// axes swapped (CRSK), by the module's `conv_flip_filter`.
+fn flip_filter(
+    dev: &Arc<CudaDevice>,
+    f: sys::CUfunction,
+    w: [usize; 4],
+    wp: u64,
+) -> Result<crate::buffer::CudaBuffer> {
+    let total = w.iter().product::<usize>();
+    let flipped = dev.alloc(total, DType::F32)?;
+    let (mut src, mut dst) = (wp, flipped.ptr);
+    let [mut k, mut c, mut r, mut s] = w.map(|d| d as i32);
+    let mut params: [*mut c_void; 6] = [
+        (&mut src as *mut u64).cast(),
+        (&mut dst as *mut u64).cast(),
+        (&mut k as *mut i32).cast(),
+        (&mut r as *mut i32).cast(),
+        (&mut s as *mut i32).cast(),
+        (&mut c as *mut i32).cast(),
+    ];
+    let blocks = total.div_ceil(256).min(4096) as u32;
+    dev.launch(f, blocks, 256, 0, &mut params)?;
+    Ok(flipped)
+}
+
+/// The input as the im2col map walks it: dims (C, W, H, N) innermost first; each copy takes BK
+/// channels of BM output pixels' window corners, which step by the stride through the box from
+/// (-padding) to (padding - reach) on each side, so one walk covers P x Q pixels per image.
+fn im2col_map(
+    dev: &CudaDevice,
+    p: &ConvParams,
+    x: [usize; 4],
+    w: [usize; 4],
+    xp: u64,
+) -> Result<sys::CUtensorMap> {
+    let [n, c, h, wd] = x.map(|d| d as u64);
+    let dims = [c, wd, h, n];
+    let strides = [c * 4, wd * c * 4, h * wd * c * 4];
+    let reach = |i: usize| ((w[2 + i] - 1) * p.dilation[i]) as i32;
+    let (ph, pw) = (p.padding[0] as i32, p.padding[1] as i32);
+    let lower = [-pw, -ph];
+    let upper = [pw - reach(1), ph - reach(0)];
+    let steps = [1, p.stride[1] as u32, p.stride[0] as u32, 1];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    use sys::*;
+    // SAFETY: every array has the rank's length (4, 3 strides, 2 corners); the map is 64-byte
+    // aligned (cudarc's type); the address is the caller's live buffer
+    let r = unsafe {
+        cuTensorMapEncodeIm2col(
+            &mut map,
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            4,
+            xp as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            lower.as_ptr(),
+            upper.as_ptr(),
+            BK as u32,
+            BM as u32,
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    r.result()
+        .map_err(|e| cu_err("cuTensorMapEncodeIm2col", dev.ordinal, e))?;
+    Ok(map)
+}
+
+/// Loads the kernel `launch` would run the convolution on, without running it.
+pub(crate) fn prepare(
+    dev: &Arc<CudaDevice>,
+    kind: Kind,
+    p: &ConvParams,
+    shapes: [[usize; 4]; 3],
+) -> Result<()> {
+    if let Some((_, [_, w, _])) = as_forward(kind, p, shapes) {
+        crate::conv_modules::functions(dev, Spec::for_filter(w))?;
+    }
+    Ok(())
+}
+
+/// The filter (KRSC) as boxes of BK channels of `bn` output channels at one tap: dims (C, S, R,
+/// K) innermost first.
+fn filter_map(dev: &CudaDevice, w: [usize; 4], wp: u64, bn: usize) -> Result<sys::CUtensorMap> {
+    let [k, c, r, s] = w.map(|d| d as u64);
+    let dims = [c, s, r, k];
+    let strides = [c * 4, s * c * 4, r * s * c * 4];
+    let boxes = [BK as u32, 1, 1, bn as u32];
+    let steps = [1u32; 4];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    use sys::*;
+    // SAFETY: as `im2col_map`'s
+    let r = unsafe {
+        cuTensorMapEncodeTiled(
+            &mut map,
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            4,
+            wp as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    r.result()
+        .map_err(|e| cu_err("cuTensorMapEncodeTiled", dev.ordinal, e))?;
+    Ok(map)
+}
+
+/// One kernel of the template: its tile's width in output channels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Spec {
+    bn: usize,
+}
+
+impl Spec {
+    /// The kernel for a forward with filter `w` (NCHW order): the narrowest width that covers
+    /// its output channels, else `WIDE`.
+    fn for_filter(w: [usize; 4]) -> Spec {
+        Spec {
+            bn: WIDTHS.into_iter().find(|&bn| w[0] <= bn).unwrap_or(WIDE),
+        }
+    }
+}
+
+impl ConvKernel for Spec {
+    const FAMILY: &'static str = "conv_wgmma";
+
+    fn code(&self) -> u32 {
+        self.bn as u32
+    }
+
+    fn name(&self) -> String {
+        format!("conv_wgmma_n{}", self.bn)
+    }
+
+    /// STAGES tiles of each operand, room to align them to 1024 bytes, and two barriers a stage.
+    fn shared_bytes(&self) -> usize {
+        STAGES * (BM + self.bn) * BK * 4 + 1024 + 2 * STAGES * 8
+    }
+
+    fn source(&self) -> String {
+        format!(
+            "{}{TEMPLATE}\n{}\nCONV_WGMMA_KERNEL({}, {}, {STAGES})\n",
+            crate::nvrtc::ARCH_SPECIFIC,
+            wgmma_tile(self.bn),
+            self.name(),
+            self.bn
+        )
+    }
+
+    fn helper(&self) -> Option<&'static str> {
+        Some("conv_flip_filter")
+    }
+
+    fn siblings(_: &CudaDevice) -> Vec<Self> {
+        WIDTHS.map(|bn| Spec { bn }).to_vec()
+    }
+}
+
+/// The MMA of a k step of 8 for a tile `bn` wide: its accumulators (bn / 2 a thread) are listed
+/// in the instruction, so each width has its own text.
+fn wgmma_tile(bn: usize) -> String {
+    let regs = bn / 2;
+    let list = (0..regs)
+        .map(|i| format!("%{i}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let outs = (0..regs)
+        .map(|i| format!("\"+f\"(d[{i}])"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "template <> __device__ __forceinline__ void wgmma_tile<{bn}>(float* d, unsigned long long a, \
+         unsigned long long b) {{\n  asm volatile(\"{{\\n.reg .pred acc;\\nsetp.ne.b32 acc, %{}, 0;\\n\"\n    \
+         \"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32 {{{list}}}, %{regs}, %{}, acc, 1, 1;\\n}}\\n\"\n    \
+         : {outs}\n    : \"l\"(a), \"l\"(b), \"r\"(1));\n}}\n",
+        regs + 2,
+        regs + 1
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each width's MMA lists its accumulators once, in order, and the operands after them; the
+    /// kernels' shared memory fits a Hopper multiprocessor (227 KiB).
+    #[test]
+    fn each_width_lists_its_accumulators() {
+        for spec in WIDTHS.map(|bn| Spec { bn }) {
+            let text = wgmma_tile(spec.bn);
+            let regs = spec.bn / 2;
+            assert!(text.contains(&format!("m64n{}k8", spec.bn)));
+            assert!(text.contains(&format!("\"+f\"(d[{}])", regs - 1)));
+            assert!(!text.contains(&format!("d[{regs}]")));
+            assert!(text.contains(&format!("%{}, %{}, acc", regs, regs + 1)));
+            assert!(text.contains(&format!("setp.ne.b32 acc, %{}, 0", regs + 2)));
+            assert!(spec.shared_bytes() <= 227 << 10, "{spec:?}");
+            let src = spec.source();
+            assert!(src.starts_with(crate::nvrtc::ARCH_SPECIFIC));
+            assert!(src.contains(&format!("CONV_WGMMA_KERNEL({}, ", spec.name())));
+        }
+    }
+}
