@@ -181,6 +181,19 @@ pub(crate) fn launch(
     Ok(())
 }
 
+/// Loads the kernel `launch` would run the convolution on, without running it.
+pub(crate) fn prepare(
+    dev: &Arc<CudaDevice>,
+    kind: Kind,
+    p: &ConvParams,
+    shapes: [[usize; 4]; 3],
+) -> Result<()> {
+    if let Some((_, [_, w, _])) = as_forward(kind, p, shapes) {
+        crate::conv_modules::functions(dev, Spec::for_filter(w))?;
+    }
+    Ok(())
+}
+
 /// The filter `w` (KRSC at `wp`; its shape in NCHW order) flipped in space with its channel
 /// axes swapped (CRSK), by the module's `conv_flip_filter`.
 fn flip_filter(
@@ -250,19 +263,6 @@ fn im2col_map(
     r.result()
         .map_err(|e| cu_err("cuTensorMapEncodeIm2col", dev.ordinal, e))?;
     Ok(map)
-}
-
-/// Loads the kernel `launch` would run the convolution on, without running it.
-pub(crate) fn prepare(
-    dev: &Arc<CudaDevice>,
-    kind: Kind,
-    p: &ConvParams,
-    shapes: [[usize; 4]; 3],
-) -> Result<()> {
-    if let Some((_, [_, w, _])) = as_forward(kind, p, shapes) {
-        crate::conv_modules::functions(dev, Spec::for_filter(w))?;
-    }
-    Ok(())
 }
 
 /// The filter (KRSC) as boxes of BK channels of `bn` output channels at one tap: dims (C, S, R,
@@ -373,6 +373,64 @@ fn wgmma_tile(bn: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn params(stride: usize, padding: [usize; 2], dilation: [usize; 2]) -> ConvParams {
+        ConvParams {
+            stride: [stride; 2],
+            padding,
+            dilation,
+            groups: 1,
+            channels_last: true,
+        }
+    }
+
+    /// The size of a convolution's output along one axis; None where the window does not fit.
+    fn out(size: usize, pad: usize, reach: usize, stride: usize) -> Option<usize> {
+        Some((size + 2 * pad).checked_sub(reach + 1)? / stride + 1)
+    }
+
+    /// A forward is itself; a stride-1 data gradient is the forward of dy (K channels) with a
+    /// C x K filter whose padding gives back x's size on both axes, for every kernel size,
+    /// dilation and padding up to the window's reach; a strided one, or one padded past the
+    /// reach, is not one.
+    #[test]
+    fn a_data_gradient_at_stride_1_is_a_forward_of_the_output_gradient() {
+        let x = [2, 12, 9, 7];
+        for (r, s) in [(1, 1), (3, 3), (5, 3), (1, 7)] {
+            for dil in [[1, 1], [2, 1], [1, 3]] {
+                let reach = [(r - 1) * dil[0], (s - 1) * dil[1]];
+                for ph in 0..=reach[0] {
+                    for pw in 0..=reach[1] {
+                        let p = params(1, [ph, pw], dil);
+                        let (h, w) = (x[2], x[3]);
+                        let (Some(oh), Some(ow)) =
+                            (out(h, ph, reach[0], 1), out(w, pw, reach[1], 1))
+                        else {
+                            continue;
+                        };
+                        let y = [2, 20, oh, ow];
+                        let shapes = [x, [20, 12, r, s], y];
+                        let (f, [fx, fw, fy]) = as_forward(Kind::Forward, &p, shapes).unwrap();
+                        assert_eq!((f, [fx, fw, fy]), (p, shapes));
+                        let (q, [dx, dw, dy]) = as_forward(Kind::GradInput, &p, shapes).unwrap();
+                        assert_eq!((dx, dw, dy), (y, [12, 20, r, s], x));
+                        assert_eq!((q.stride, q.dilation), ([1, 1], dil));
+                        // the forward's output is x again
+                        let back = [0, 1].map(|i| out(dx[2 + i], q.padding[i], reach[i], 1));
+                        assert_eq!(back, [Some(h), Some(w)], "{p:?} {r}x{s}");
+                    }
+                }
+                if reach[0] > 0 {
+                    let p = params(1, [reach[0] + 1, 0], dil);
+                    assert!(as_forward(Kind::GradInput, &p, [x, [20, 12, r, s], x]).is_none());
+                }
+            }
+        }
+        let strided = params(2, [1, 1], [1, 1]);
+        let shapes = [x, [20, 12, 3, 3], [2, 20, 5, 4]];
+        assert!(as_forward(Kind::GradInput, &strided, shapes).is_none());
+        assert!(as_forward(Kind::GradWeight, &params(1, [1, 1], [1, 1]), shapes).is_none());
+    }
 
     /// Each width's MMA lists its accumulators once, in order, and the operands after them; the
     /// kernels' shared memory fits a Hopper multiprocessor (227 KiB).
