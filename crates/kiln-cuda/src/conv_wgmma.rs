@@ -2,8 +2,9 @@
 //! accelerator gathers the input's windows (im2col mode) and the filter into shared memory, the
 //! warpgroup MMA multiplies them there. Where it fits, it runs the forwards and the stride-1 data
 //! gradients that `conv_igemm.rs` would otherwise run on its mma.sync kernel: DenseNet-121's
-//! forwards at batch 64 on an H200 take 4.1 ms a step on it against 8.8 ms (cuDNN 3.6 ms);
-//! BENCHMARKS.md has the table.
+//! forwards at batch 64 on an H200 take 4.1 ms a step on it against 8.8 ms (cuDNN 3.8), its data
+//! gradients 3.4 ms against 8.8 (cuDNN 3.2); BENCHMARKS.md has the table. The grid is
+//! persistent: as many blocks as the device holds, each taking output tiles in turn.
 //!
 //! A data gradient at stride 1 is a forward convolution (`as_forward`): of dy, with the filter
 //! flipped in space and its channel axes swapped (a small kernel writes that copy at each call),
@@ -13,9 +14,10 @@
 //! summed channels a multiple of 4 (the tensor maps' rows are 16-byte multiples), operands 16-byte
 //! aligned, strides up to 8 and windows whose padding and reach fit the im2col map's corners.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 
@@ -174,11 +176,55 @@ pub(crate) fn launch(
         (&mut dst as *mut u64).cast(),
         (&mut g as *mut WgmmaGeo).cast(),
     ];
-    let grid = [m.div_ceil(BM) as u32, w[0].div_ceil(spec.bn) as u32, 1];
+    // persistent: as many blocks as the device holds at once, each taking output tiles in turn
+    let tiles = m.div_ceil(BM) * w[0].div_ceil(spec.bn);
+    let blocks = tiles.min(dev.sm_count as usize * resident_blocks(dev, conv, spec)?);
+    let grid = [blocks as u32, 1, 1];
     dev.launch_grid(conv, grid, THREADS, spec.shared_bytes() as u32, &mut params)?;
     drop(flipped);
     LAUNCHED.fetch_add(1, Ordering::Relaxed);
     Ok(())
+}
+
+/// How many blocks of `f` (`spec`'s kernel) a multiprocessor holds at once (by its registers
+/// and shared memory), asked of the driver once per function.
+fn resident_blocks(dev: &CudaDevice, f: sys::CUfunction, spec: Spec) -> Result<usize> {
+    static RESIDENT: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
+    let known = |table: &mut Option<HashMap<usize, usize>>| {
+        table
+            .get_or_insert_with(HashMap::new)
+            .get(&(f as usize))
+            .copied()
+    };
+    if let Some(n) = known(&mut RESIDENT.lock().unwrap_or_else(|e| e.into_inner())) {
+        return Ok(n);
+    }
+    dev.bind()?;
+    let mut n = 0;
+    // SAFETY: `f` is a loaded function of the bound context; an out-parameter
+    unsafe {
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            &mut n,
+            f,
+            THREADS as i32,
+            spec.shared_bytes(),
+        )
+    }
+    .result()
+    .map_err(|e| {
+        cu_err(
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            dev.ordinal,
+            e,
+        )
+    })?;
+    let n = n.max(1) as usize;
+    RESIDENT
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(f as usize, n);
+    Ok(n)
 }
 
 /// Loads the kernel `launch` would run the convolution on, without running it.

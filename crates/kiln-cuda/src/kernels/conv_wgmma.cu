@@ -12,9 +12,11 @@
 //   128-byte rows (32 channels), the layout the MMA reads;
 // - the warpgroup MMA (`wgmma.mma_async`, m64nBNk8, TF32 read from the f32 bits) multiplies them
 //   straight from shared memory, into accumulators in registers.
-// One warp of the block's first warpgroup produces (issues the copies, STAGES tiles ahead); the
+// One thread of the block's first warpgroup produces (issues the copies, STAGES tiles ahead); the
 // other two warpgroups consume, 64 rows of the 128-row tile each. Each stage has two barriers:
-// `full` (the copies' bytes arrived) and `empty` (both consumers finished reading it).
+// `full` (the copies' bytes arrived) and `empty` (both consumers finished reading it). The grid
+// is persistent (as many blocks as fit on the device at once, each taking output tiles in turn),
+// so a block's copies for its next tile run while it writes the last one out.
 //
 // The data gradient at stride 1 is this forward too: dx is the convolution of dy with the filter
 // flipped in space and its channels swapped (`conv_flip_filter`), padded by the window's reach
@@ -122,7 +124,10 @@ __device__ __forceinline__ void conv_wgmma(const TensorMap* xmap, const TensorMa
     unsigned long long* full = (unsigned long long*)(base + STAGES * (A_BYTES + B_BYTES));
     unsigned long long* empty = full + STAGES;
     const int group = threadIdx.x / 128, t = threadIdx.x % 128;
-    const int m0 = blockIdx.x * WG_BM, n0 = blockIdx.y * BN;
+    // output tiles, the out-channel tiles of one row tile next to each other (they read the same
+    // windows); a block takes every gridDim.x-th
+    const int col_tiles = (g.n + BN - 1) / BN;
+    const int tiles = (g.m + WG_BM - 1) / WG_BM * col_tiles;
     if (threadIdx.x == 0) {
         for (int i = 0; i < STAGES; ++i) {
             barrier_init(&full[i], 1);
@@ -133,60 +138,74 @@ __device__ __forceinline__ void conv_wgmma(const TensorMap* xmap, const TensorMa
     __syncthreads();
     if (group == 0) {
         if (t != 0) return;
-        // the first output pixel's window corner; the walk goes on from there, image to image
-        const int q0 = m0 % g.q, p0 = (m0 / g.q) % g.p, img = m0 / (g.q * g.p);
-        const int w0 = q0 * g.sw - g.pw, h0 = p0 * g.sh - g.ph;
-        for (int kt = 0; kt < g.ktiles; ++kt) {
-            const int st = kt % STAGES, round = kt / STAGES;
-            if (round > 0) barrier_wait(&empty[st], (round - 1) & 1);
-            const int cb = kt % g.cblocks, tap = kt / g.cblocks;
-            const int r = tap / g.s, s = tap % g.s;
-            barrier_expect(&full[st], A_BYTES + B_BYTES);
-            copy_im2col(sa + st * (A_BYTES / 4), xmap, &full[st], cb * WG_BK, w0, h0, img,
-                        (unsigned short)(s * g.dw), (unsigned short)(r * g.dh));
-            copy_box(sb + st * (B_BYTES / 4), wmap, &full[st], cb * WG_BK, s, r, n0);
+        // `it` counts the block's k tiles over all its output tiles: the stages and their
+        // barriers' phases run on from one output tile to the next, so the copies of the next
+        // one start while the consumers still write this one out
+        int it = 0;
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const int m0 = tile / col_tiles * WG_BM, n0 = tile % col_tiles * BN;
+            // the first output pixel's window corner; the walk goes on from there, image to
+            // image
+            const int q0 = m0 % g.q, p0 = (m0 / g.q) % g.p, img = m0 / (g.q * g.p);
+            const int w0 = q0 * g.sw - g.pw, h0 = p0 * g.sh - g.ph;
+            for (int kt = 0; kt < g.ktiles; ++kt, ++it) {
+                const int st = it % STAGES, round = it / STAGES;
+                if (round > 0) barrier_wait(&empty[st], (round - 1) & 1);
+                const int cb = kt % g.cblocks, tap = kt / g.cblocks;
+                const int r = tap / g.s, s = tap % g.s;
+                barrier_expect(&full[st], A_BYTES + B_BYTES);
+                copy_im2col(sa + st * (A_BYTES / 4), xmap, &full[st], cb * WG_BK, w0, h0, img,
+                            (unsigned short)(s * g.dw), (unsigned short)(r * g.dh));
+                copy_box(sb + st * (B_BYTES / 4), wmap, &full[st], cb * WG_BK, s, r, n0);
+            }
         }
         return;
     }
-    float d[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
     const int half = group - 1;
-    for (int kt = 0; kt < g.ktiles; ++kt) {
-        const int st = kt % STAGES;
-        barrier_wait(&full[st], (kt / STAGES) & 1);
-        const float* a = sa + st * (A_BYTES / 4) + half * 64 * WG_BK;
-        const float* b = sb + st * (B_BYTES / 4);
-        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-#pragma unroll
-        for (int kk = 0; kk < WG_BK / 8; ++kk)
-            wgmma_tile<BN>(d, operand(a + kk * 8), operand(b + kk * 8));
-        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        // one tile's MMAs stay in flight while the previous tile's stage goes back to the
-        // producer
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-        if (kt > 0 && t == 0) barrier_arrive(&empty[(kt - 1) % STAGES]);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     // the accumulators' layout: warp w has rows 16w..16w+15, lane l rows l/4 and l/4 + 8 and
     // columns 8j + 2(l % 4) + {0, 1}, in registers 4j + 2 * (second row) + {0, 1}
     const int warp = t / 32, lane = t % 32;
-    const int row = m0 + half * 64 + warp * 16 + lane / 4;
     const bool pairs = g.n % 2 == 0;
+    int it = 0;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const int m0 = tile / col_tiles * WG_BM, n0 = tile % col_tiles * BN;
+        float d[BN / 2];
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int col = n0 + 8 * j + 2 * (lane % 4);
+        for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+        for (int kt = 0; kt < g.ktiles; ++kt, ++it) {
+            const int st = it % STAGES;
+            barrier_wait(&full[st], (it / STAGES) & 1);
+            const float* a = sa + st * (A_BYTES / 4) + half * 64 * WG_BK;
+            const float* b = sb + st * (B_BYTES / 4);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int m = row + 8 * h;
-            if (m >= g.m) continue;
-            float* o = y + (size_t)m * g.n + col;
-            const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
-            if (pairs && col + 1 < g.n) {
-                *(float2*)o = make_float2(v0, v1);
-            } else {
-                if (col < g.n) o[0] = v0;
-                if (col + 1 < g.n) o[1] = v1;
+            for (int kk = 0; kk < WG_BK / 8; ++kk)
+                wgmma_tile<BN>(d, operand(a + kk * 8), operand(b + kk * 8));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+            // one k tile's MMAs stay in flight while the previous one's stage goes back to the
+            // producer
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+            if (kt > 0 && t == 0) barrier_arrive(&empty[(it - 1) % STAGES]);
+        }
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        // the output tile's last stage
+        if (t == 0) barrier_arrive(&empty[(it - 1) % STAGES]);
+        const int row = m0 + half * 64 + warp * 16 + lane / 4;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int col = n0 + 8 * j + 2 * (lane % 4);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int m = row + 8 * h;
+                if (m >= g.m) continue;
+                float* o = y + (size_t)m * g.n + col;
+                const float v0 = d[4 * j + 2 * h], v1 = d[4 * j + 2 * h + 1];
+                if (pairs && col + 1 < g.n) {
+                    *(float2*)o = make_float2(v0, v1);
+                } else {
+                    if (col < g.n) o[0] = v0;
+                    if (col + 1 < g.n) o[1] = v1;
+                }
             }
         }
     }
