@@ -46,8 +46,8 @@ const WIDE: usize = 128;
 
 static LAUNCHED: AtomicUsize = AtomicUsize::new(0);
 
-/// Forward convolutions this process ran on Hopper's generated kernel (a part of
-/// `generated_convs`).
+/// Forward convolutions and data gradients this process ran on Hopper's generated kernel (a
+/// part of `generated_convs`).
 pub fn hopper_convs() -> usize {
     LAUNCHED.load(Ordering::Relaxed)
 }
@@ -66,8 +66,9 @@ pub(crate) fn fits(
     shapes: [[usize; 4]; 3],
     aligned: bool,
 ) -> bool {
-    // the im2col map's window corners are 8-bit for a 4-d tensor, its walk's strides at most 8
-    let corner = |pad: usize, reach: usize| pad <= 127 && reach <= pad + 128;
+    // the im2col map's window corners (-pad, pad - reach) are 8-bit for a 4-d tensor, and the
+    // taps' offsets (up to the reach) are kept as small; its walk's strides are at most 8
+    let corner = |pad: usize, reach: usize| pad <= 127 && reach <= 127;
     dev.arch == "compute_90"
         && aligned
         && as_forward(kind, p, shapes).is_some_and(|(q, [x, w, _])| {
