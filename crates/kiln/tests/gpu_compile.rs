@@ -22,9 +22,13 @@ mod graph_cache;
 mod losses;
 #[path = "gpu_compile/optimizers.rs"]
 mod optimizers;
+#[path = "gpu_compile/reduce_overhead.rs"]
+mod reduce_overhead;
+#[path = "gpu_compile/reductions.rs"]
+mod reductions;
 
 use kiln::inductor::exec_stats;
-use kiln::nn::optim::{Adam, AdamConfig, Optimizer};
+use kiln::nn::optim::Optimizer;
 use kiln::nn::{Linear, Module, ReLU, Sequential, Sigmoid};
 use kiln::prelude::*;
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -343,103 +347,6 @@ fn vector_lanes_share_outer_indices() -> Outcome {
     Ok(())
 }
 
-fn reductions_every_strategy() -> Outcome {
-    // short rows (a thread each), medium (a warp each), long (a block each), all dims
-    differential(
-        "reductions_every_strategy",
-        &[&[1000, 7], &[300, 200], &[3, 20000]],
-        1e-5,
-        |x| {
-            Ok(vec![
-                x[0].exp()?.sum(&[1], false)?,
-                x[1].mul(&x[1])?.mean(&[1], true)?,
-                x[2].abs()?.max(&[1], false)?,
-                x[1].sum(&[0], false)?,
-                x[2].sum_all()?,
-            ])
-        },
-    )
-}
-
-/// Outer reductions with too few rows for a thread each (`cuda_reduce.rs`'s columns: a block
-/// per four rows, warps over the reduced elements): a per-channel sum and max of [3000, 64],
-/// a sum and a sum of squares side by side (sibling accumulators), and a channels-last
-/// per-channel sum large enough to be split first (its second pass is such a reduction; of
-/// positive terms, as in `split_reductions_few_long_rows`: the first pass's partials are f32,
-/// so a sum that cancels to a small value differs from eager's float64 sum in the sixth digit),
-/// each equal to eager and to float64; rows not a multiple of four (66) leave lanes idle.
-fn column_reductions() -> Outcome {
-    differential(
-        "column_reductions",
-        &[&[3000, 64], &[16, 28, 28, 128], &[1500, 66]],
-        1e-5,
-        |x| {
-            Ok(vec![
-                x[0].sum(&[0], false)?,
-                x[0].max(&[0], false)?,
-                x[0].mul(&x[0])?.sum(&[0], false)?,
-                x[1].abs()?.sum(&[0, 1, 2], false)?,
-                x[2].abs()?.sum(&[0], true)?,
-            ])
-        },
-    )
-}
-
-/// Few long rows are split (`split_reduction.rs`): batch norm's per-channel statistics of a
-/// [64, 3, 40, 40] activation (three rows of 102400) and a full sum of 2^18, each a chunked first
-/// pass over partials and a short second pass, equal to eager (sums of positive terms: the f32
-/// partials move only the last bits) and to float64.
-fn split_reductions_few_long_rows() -> Outcome {
-    differential(
-        "split_reductions",
-        &[&[64, 3, 40, 40], &[1 << 18]],
-        1e-5,
-        |x| {
-            let mean = x[0].mean(&[0, 2, 3], true)?;
-            let centered = x[0].sub(&mean)?;
-            Ok(vec![
-                x[0].exp()?.sum(&[0, 2, 3], false)?,
-                centered.square()?.mean(&[0, 2, 3], false)?,
-                x[0].abs()?.max(&[0, 2, 3], false)?,
-                x[1].exp()?.sum_all()?,
-            ])
-        },
-    )
-}
-
-/// Sibling reductions (`sibling_reductions.rs`): several reductions over the same dims of the
-/// same operands in one kernel, an accumulator each (sums and a max), in every strategy: a
-/// thread, a warp and a block per output element, and an outer reduction split into chunks
-/// (channels-last batch norm's backward sums over N, H, W of a [32, 32, 32, 64] gradient and
-/// activation). Terms are positive, so the split's f32 partials move only the last bits.
-fn sibling_reductions_every_strategy() -> Outcome {
-    differential(
-        "sibling_reductions",
-        &[
-            &[1000, 7],
-            &[300, 200],
-            &[3, 20000],
-            &[32, 32, 32, 64],
-            &[32, 32, 32, 64],
-        ],
-        1e-5,
-        |x| {
-            let mut out = Vec::new();
-            for t in &x[..3] {
-                out.push(t.exp()?.sum(&[1], false)?);
-                out.push(t.square()?.sum(&[1], false)?);
-                out.push(t.abs()?.max(&[1], false)?);
-            }
-            let (act, grad) = (&x[3], x[4].exp()?);
-            let dims = [0, 1, 2];
-            out.push(grad.sum(&dims, false)?);
-            out.push(grad.mul(&act.square()?)?.sum(&dims, false)?);
-            out.push(act.abs()?.max(&dims, false)?);
-            Ok(out)
-        },
-    )
-}
-
 fn softmax_layer_norm_gelu() -> Outcome {
     differential(
         "softmax_layer_norm_gelu",
@@ -676,121 +583,6 @@ fn tiny_mlp_one_launch() -> Outcome {
     Ok(())
 }
 
-/// reduce-overhead: the calls after the first two replay a recorded CUDA graph, with each call's
-/// new argument values, and equal eager.
-fn reduce_overhead_replays_with_new_inputs() -> Outcome {
-    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> {
-        let y = a[0].sin()?.add(&a[0].cos()?)?;
-        Ok(vec![y.clone(), y.sum(&[1], false)?.mul(&a[1])?])
-    };
-    let compiled =
-        kiln::compile_fn(f, CompileOptions::default().mode(Mode::ReduceOverhead)).map_err(err)?;
-    let before = exec_stats().graph_replays;
-    for call in 0..5u64 {
-        let x = randn(&[64, 300], call)
-            .map_err(err)?
-            .to(CUDA)
-            .map_err(err)?;
-        let s = Tensor::scalar(call as f32 + 0.5); // a CPU scalar, copied in on every replay
-        let got = compiled.call(&[x.clone(), s.clone()]).map_err(err)?;
-        let want = f(&[x, s]).map_err(err)?;
-        same_outputs(&format!("call {call}"), &got, &want, 1e-6)?;
-    }
-    let replays = exec_stats().graph_replays - before;
-    if replays != 4 {
-        return Err(format!("{replays} graph replays in 5 calls, expected 4"));
-    }
-    Ok(())
-}
-
-/// Matmuls through cuBLAS (small ones not generated) recorded in a CUDA graph, over operands
-/// read in place transposed or not: the recording call (call 0) and the replays after it agree
-/// with eager. Not to the bit: while a graph records cuBLAS may pick another kernel than it runs
-/// eagerly (seen: an ulp apart in f32 where both operands are transposed).
-fn reduce_overhead_matmuls_match_eager() -> Outcome {
-    let f = |a: &[Tensor]| -> Result<Vec<Tensor>> {
-        Ok(vec![
-            a[0].t()?.matmul(&a[1])?,
-            a[2].matmul(&a[3].t()?)?.relu()?,
-            a[4].t()?.matmul(&a[5].t()?)?,
-        ])
-    };
-    let opts = CompileOptions::default()
-        .mode(Mode::ReduceOverhead)
-        .option(kiln::inductor::INLINE_SMALL_MATMULS, "false");
-    let compiled = kiln::compile_fn(f, opts).map_err(err)?;
-    for call in 0..3u64 {
-        let shapes: [&[usize]; 6] = [&[4, 5], &[4, 3], &[3, 4], &[5, 4], &[4, 3], &[5, 4]];
-        let args = cuda_randn(&shapes, 10 * call, DType::F32).map_err(err)?;
-        let got = compiled.call(&args).map_err(err)?;
-        let want = f(&args).map_err(err)?;
-        same_outputs(&format!("call {call}"), &got, &want, 1e-6)?;
-    }
-    Ok(())
-}
-
-/// While one thread records a CUDA graph from the device's stream, another thread's work on
-/// the device is refused with an error that says why (it would join the recording); once the
-/// recording ends it runs.
-fn recording_refuses_other_threads_work() -> Outcome {
-    let rt = kiln::core::device::runtime_for("test", CUDA).map_err(err)?;
-    let x = Tensor::ones(&[1000], DType::F32)
-        .map_err(err)?
-        .to(CUDA)
-        .map_err(err)?;
-    rt.begin_capture(CUDA).map_err(err)?;
-    let other = std::thread::scope(|s| s.spawn(|| x.add(&x).map(|_| ())).join());
-    let recorded = rt.end_capture(CUDA);
-    let refused = match other {
-        Ok(Err(e)) => e.to_string(),
-        Ok(Ok(())) => return Err("another thread's add ran during a recording".into()),
-        Err(_) => return Err("another thread's add panicked during a recording".into()),
-    };
-    recorded.map_err(err)?;
-    if !refused.contains("recording a CUDA graph") {
-        return Err(format!("unexpected error: {refused}"));
-    }
-    let after =
-        std::thread::scope(|s| s.spawn(|| x.add(&x)?.sum(&[], false)?.item::<f32>()).join());
-    match after {
-        Ok(Ok(2000.0)) => Ok(()),
-        other => Err(format!("after the recording: {other:?}")),
-    }
-}
-
-/// A reduce-overhead optimizer step: parameters and state updated in place by the replays,
-/// gradients (new values each step) copied in.
-fn reduce_overhead_adam_steps() -> Outcome {
-    let (eager_ps, compiled_ps) = (
-        optimizers::params(4).map_err(err)?,
-        optimizers::params(4).map_err(err)?,
-    );
-    let mut eager = Adam::new(eager_ps.clone(), AdamConfig::default()).map_err(err)?;
-    let opt = Mutex::new(Adam::new(compiled_ps.clone(), AdamConfig::default()).map_err(err)?);
-    let step = compiled_step(&opt, CompileOptions::default().mode(Mode::ReduceOverhead))?;
-    let before = exec_stats().graph_replays;
-    for k in 0..5u64 {
-        for (e, c) in eager_ps.iter().zip(&compiled_ps) {
-            let g = randn(e.shape(), 50 + k)
-                .map_err(err)?
-                .to(CUDA)
-                .map_err(err)?;
-            let (ge, gc) = (e.grad().ok_or("no grad")?, c.grad().ok_or("no grad")?);
-            ge.assign(&g).map_err(err)?;
-            gc.assign(&g).map_err(err)?;
-        }
-        eager.step().map_err(err)?;
-        step.call(&[]).map_err(err)?;
-        for (i, (e, c)) in eager_ps.iter().zip(&compiled_ps).enumerate() {
-            same(&format!("step {k} parameter {i}"), c, e, 1e-6)?;
-        }
-    }
-    if exec_stats().graph_replays == before {
-        return Err("no step replayed a recorded graph".into());
-    }
-    Ok(())
-}
-
 /// `codegen/cuda_literals.rs` on the device, sharing forced on (`KILN_SHARE_KERNELS_FROM=0`):
 /// three stages of a pointwise chain, a layer norm (a block per row, 256 threads at each size)
 /// and a row sum of squares, each stage at another size and reading the one before (so no launch holds two
@@ -977,11 +769,11 @@ fn main() {
         ),
         (
             "reduce_overhead_matmuls_match_eager",
-            reduce_overhead_matmuls_match_eager,
+            reduce_overhead::reduce_overhead_matmuls_match_eager,
         ),
         (
             "recording_refuses_other_threads_work",
-            recording_refuses_other_threads_work,
+            reduce_overhead::recording_refuses_other_threads_work,
         ),
         (
             "plans_read_back_from_disk",
@@ -995,7 +787,7 @@ fn main() {
             "literal_sharing_matches_eager",
             literal_sharing_matches_eager,
         ),
-        ("column_reductions", column_reductions),
+        ("column_reductions", reductions::column_reductions),
         (
             "vector_lanes_share_outer_indices",
             vector_lanes_share_outer_indices,
@@ -1045,9 +837,12 @@ fn main() {
         ),
         (
             "reduce_overhead_replays_with_new_inputs",
-            reduce_overhead_replays_with_new_inputs,
+            reduce_overhead::reduce_overhead_replays_with_new_inputs,
         ),
-        ("reduce_overhead_adam_steps", reduce_overhead_adam_steps),
+        (
+            "reduce_overhead_adam_steps",
+            reduce_overhead::reduce_overhead_adam_steps,
+        ),
         (
             "reduce_overhead_reads_a_repeated_argument_in_place",
             cudagraph_arguments::reduce_overhead_reads_a_repeated_argument_in_place,
@@ -1058,14 +853,17 @@ fn main() {
             "sine_and_cosine_of_one_value_match_eager",
             sine_and_cosine_of_one_value_match_eager,
         ),
-        ("reductions_every_strategy", reductions_every_strategy),
+        (
+            "reductions_every_strategy",
+            reductions::reductions_every_strategy,
+        ),
         (
             "split_reductions_few_long_rows",
-            split_reductions_few_long_rows,
+            reductions::split_reductions_few_long_rows,
         ),
         (
             "sibling_reductions_every_strategy",
-            sibling_reductions_every_strategy,
+            reductions::sibling_reductions_every_strategy,
         ),
         ("softmax_layer_norm_gelu", softmax_layer_norm_gelu),
         ("linear_relu_matmul_extern", linear_relu_matmul_extern),
