@@ -235,7 +235,7 @@ pub(crate) fn prepare(
     shapes: &[&[usize]],
     dtypes: &[DType],
 ) -> Result<bool> {
-    if !crate::conv_igemm::generated_conv() {
+    if !crate::conv_generated::generated_conv() {
         return Ok(false);
     }
     let meta = prim.infer(shapes, dtypes)?;
@@ -246,10 +246,10 @@ pub(crate) fn prepare(
         // an empty convolution writes zeros or nothing: no kernel of its own
         return Ok(true);
     }
-    if !crate::conv_igemm::eligible(meta.dtype, p, xwy, epilogue.is_some()) {
+    if !crate::conv_generated::eligible(meta.dtype, p, xwy, epilogue.is_some()) {
         return Ok(false);
     }
-    crate::conv_igemm::prepare(dev, kind, p, xwy)?;
+    crate::conv_generated::prepare(dev, kind, p, xwy)?;
     Ok(true)
 }
 
@@ -284,13 +284,13 @@ pub(crate) fn run(
     let a = contiguous(dev, inputs[0])?;
     let b = contiguous(dev, inputs[1])?;
     // kiln's generated kernel: where it is switched on, or where max-autotune times it faster
-    let eligible = (crate::conv_igemm::generated_conv() || tuned)
-        && crate::conv_igemm::eligible(dtype, p, [x, w, y], epilogue.is_some());
+    let eligible = (crate::conv_generated::generated_conv() || tuned)
+        && crate::conv_generated::eligible(dtype, p, [x, w, y], epilogue.is_some());
     let generated = || {
         let aligned = alignment(&[a.ptr(), b.ptr(), out.ptr]) >= 16;
-        crate::conv_igemm::launch(dev, kind, p, [x, w, y], a.ptr(), b.ptr(), out.ptr, aligned)
+        crate::conv_generated::launch(dev, kind, p, [x, w, y], a.ptr(), b.ptr(), out.ptr, aligned)
     };
-    if eligible && crate::conv_igemm::generated_conv() {
+    if eligible && crate::conv_generated::generated_conv() {
         generated()?;
         return Ok(Some(Arc::new(out)));
     }

@@ -1,5 +1,5 @@
 //! max-autotune's choice, per convolution, between cuDNN's plan and kiln's generated kernel
-//! (`conv_igemm.rs`): both timed on the call's own operands with a cold L2 (`event::time_cold`),
+//! (`conv_generated.rs`): both timed on the call's own operands with a cold L2 (`event::time_cold`),
 //! the faster kept for the process and on disk, so the next process does not time again.
 //!
 //! Where the generated kernels win is narrow but real: weight gradients of small feature maps
@@ -81,7 +81,7 @@ fn entry(dev: &CudaDevice, spec: &str) -> (PathBuf, PathBuf) {
             "{spec}|{} {}|{}",
             dev.name,
             dev.arch,
-            crate::conv_igemm::template_version()
+            crate::conv_generated::template_version()
         )
         .as_bytes(),
     );

@@ -15,6 +15,7 @@ mod buffer;
 mod capture;
 mod conv;
 mod conv_choice;
+mod conv_generated;
 mod conv_graph;
 mod conv_igemm;
 mod conv_legacy;
@@ -42,8 +43,8 @@ pub use conv::{
     set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
 pub use conv_choice::conv_engine_choices;
+pub use conv_generated::{generated_conv, generated_convs, set_generated_conv};
 pub use conv_graph::cudnn_plans_timed;
-pub use conv_igemm::{generated_conv, generated_convs, set_generated_conv};
 pub use conv_plan_cache::cudnn_plan_disk_hits;
 pub use conv_wgmma::hopper_convs;
 pub use event::Event;

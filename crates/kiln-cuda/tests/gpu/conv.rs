@@ -257,7 +257,7 @@ pub fn cudnn_plans_on_disk() -> Outcome {
 }
 
 /// With the switch on, channels-last convolutions with TF32 allowed run on kiln's generated
-/// kernels (`conv_igemm.rs`): forward, data and weight gradients against the CPU in f64 within
+/// kernels (`conv_generated.rs`): forward, data and weight gradients against the CPU in f64 within
 /// TF32's precision, through the tile widths (32, 64 and 128 output columns), four-wide and
 /// scalar loads (channels not a multiple of 4, as a stem's RGB input), strides, padding and
 /// dilation, k in channel blocks (channels a multiple of 16) or not, the weight gradient's sum
