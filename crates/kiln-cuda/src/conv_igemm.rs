@@ -116,7 +116,8 @@ pub(crate) fn launch(
     };
     g.chunked = i32::from(channels > 0 && channels % BK == 0 && w[2] * w[3] > 1);
 
-    let [conv, split_sum] = crate::conv_modules::functions(dev, spec)?;
+    let loaded = crate::conv_modules::functions(dev, spec)?;
+    let (conv, split_sum) = (loaded.kernel, loaded.helper);
     let threads = spec.threads();
     let total = gm * gn;
     let parts = match splits {
@@ -235,11 +236,6 @@ impl Spec {
             _ => (2, 4),
         }
     }
-
-    fn threads(&self) -> u32 {
-        let (wm, wn) = self.warps();
-        (wm * wn * 32) as u32
-    }
 }
 
 impl ConvKernel for Spec {
@@ -295,6 +291,11 @@ impl ConvKernel for Spec {
             if self.vec4 { 4 } else { 1 },
             self.bn
         )
+    }
+
+    fn threads(&self) -> u32 {
+        let (wm, wn) = self.warps();
+        (wm * wn * 32) as u32
     }
 
     fn helper(&self) -> Option<&'static str> {

@@ -26,6 +26,8 @@ pub(crate) trait ConvKernel: Copy + PartialEq + Send + 'static {
     fn source(&self) -> String;
     /// Dynamic shared memory a block takes.
     fn shared_bytes(&self) -> usize;
+    /// Threads a block has.
+    fn threads(&self) -> u32;
     /// Another entry point of the module the launch needs (`conv_split_sum`), if any.
     fn helper(&self) -> Option<&'static str>;
     /// The family's kernels `dev` can run: built together.
@@ -39,8 +41,23 @@ type Build = Arc<OnceLock<std::result::Result<(), String>>>;
 
 /// Builds under way or done in this process.
 static BUILDS: Mutex<Option<HashMap<Key, Build>>> = Mutex::new(None);
-/// Kernels loaded: the kernel's function and its helper's (0 without one).
-static LOADED: Mutex<Option<HashMap<Key, [usize; 2]>>> = Mutex::new(None);
+/// Kernels loaded.
+static LOADED: Mutex<Option<HashMap<Key, Loaded>>> = Mutex::new(None);
+
+/// A kernel loaded on a device.
+#[derive(Clone, Copy)]
+pub(crate) struct Loaded {
+    pub(crate) kernel: sys::CUfunction,
+    /// The module's helper (`ConvKernel::helper`), null without one.
+    pub(crate) helper: sys::CUfunction,
+    /// Blocks of the kernel one multiprocessor holds at once, by its registers and shared
+    /// memory (a persistent grid's size per multiprocessor).
+    pub(crate) resident: usize,
+}
+
+// SAFETY: CUDA functions are handles valid on any thread of the process while their module
+// stays loaded (modules stay loaded for the process)
+unsafe impl Send for Loaded {}
 
 fn key<K: ConvKernel>(dev: &CudaDevice, spec: K) -> Key {
     (
@@ -51,21 +68,16 @@ fn key<K: ConvKernel>(dev: &CudaDevice, spec: K) -> Key {
     )
 }
 
-/// `spec`'s kernel and its helper (null without one), loaded once per device and cache scope
-/// (a map lookup after the first call).
-pub(crate) fn functions<K: ConvKernel>(
-    dev: &Arc<CudaDevice>,
-    spec: K,
-) -> Result<[sys::CUfunction; 2]> {
+/// `spec`'s kernel, loaded once per device and cache scope (a map lookup after the first call).
+pub(crate) fn functions<K: ConvKernel>(dev: &Arc<CudaDevice>, spec: K) -> Result<Loaded> {
     let key = key(dev, spec);
-    let loaded = |f: [usize; 2]| f.map(|f| f as sys::CUfunction);
-    if let Some(&f) = LOADED
+    if let Some(&loaded) = LOADED
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get_or_insert_with(HashMap::new)
         .get(&key)
     {
-        return Ok(loaded(f));
+        return Ok(loaded);
     }
     let err = |msg: String| Error::arg("conv2d", format!("generating {}: {msg}", spec.name()));
     built(dev, spec).map_err(err)?;
@@ -73,6 +85,7 @@ pub(crate) fn functions<K: ConvKernel>(
     let mut names = vec![spec.name()];
     names.extend(spec.helper().map(str::to_string));
     let fs = crate::nvrtc::module_kernels(dev, &spec.source(), &names)?;
+    let cu = |what: &'static str| move |e| crate::device::cu_err(what, dev.ordinal, e);
     use sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX;
     // SAFETY: a loaded function of the bound context (`module_kernels` bound it); the kernels'
     // sizes are within the opt-in limit of the devices their families run on
@@ -83,14 +96,30 @@ pub(crate) fn functions<K: ConvKernel>(
             spec.shared_bytes() as i32,
         )
     }
-    .map_err(|e| crate::device::cu_err("cuFuncSetAttribute", dev.ordinal, e))?;
-    let f = [fs[0] as usize, fs.get(1).map_or(0, |&f| f as usize)];
+    .map_err(cu("cuFuncSetAttribute"))?;
+    let mut resident = 0;
+    // SAFETY: as above; an out-parameter
+    unsafe {
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            &mut resident,
+            fs[0],
+            spec.threads() as i32,
+            spec.shared_bytes(),
+        )
+    }
+    .result()
+    .map_err(cu("cuOccupancyMaxActiveBlocksPerMultiprocessor"))?;
+    let loaded = Loaded {
+        kernel: fs[0],
+        helper: fs.get(1).copied().unwrap_or(std::ptr::null_mut()),
+        resident: resident.max(1) as usize,
+    };
     LOADED
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get_or_insert_with(HashMap::new)
-        .insert(key, f);
-    Ok(loaded(f))
+        .insert(key, loaded);
+    Ok(loaded)
 }
 
 /// Waits until `spec`'s kernel is in the disk cache, building it if no thread has. A kernel

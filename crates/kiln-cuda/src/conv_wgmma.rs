@@ -14,10 +14,9 @@
 //! summed channels a multiple of 4 (the tensor maps' rows are 16-byte multiples), operands 16-byte
 //! aligned, strides up to 8 and windows whose padding and reach fit the im2col map's corners.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::sys;
 
@@ -143,11 +142,11 @@ pub(crate) fn launch(
     };
     let i = |v: usize| v as i32;
     let spec = Spec::for_filter(w);
-    let [conv, flip] = crate::conv_modules::functions(dev, spec)?;
+    let loaded = crate::conv_modules::functions(dev, spec)?;
     // the data gradient's filter, flipped; dropped once the convolution is queued (the pool
     // orders its reuse on the stream)
     let flipped = match kind {
-        Kind::GradInput => Some(flip_filter(dev, flip, shapes[1], b)?),
+        Kind::GradInput => Some(flip_filter(dev, loaded.helper, shapes[1], b)?),
         _ => None,
     };
     let filter = flipped.as_ref().map_or(b, |f| f.ptr);
@@ -179,53 +178,18 @@ pub(crate) fn launch(
     ];
     // persistent: as many blocks as the device holds at once, each taking output tiles in turn
     let tiles = m.div_ceil(BM) * w[0].div_ceil(spec.bn);
-    let blocks = tiles.min(dev.sm_count as usize * resident_blocks(dev, conv, spec)?);
+    let blocks = tiles.min(dev.sm_count as usize * loaded.resident);
     let grid = [blocks as u32, 1, 1];
-    dev.launch_grid(conv, grid, THREADS, spec.shared_bytes() as u32, &mut params)?;
+    dev.launch_grid(
+        loaded.kernel,
+        grid,
+        THREADS,
+        spec.shared_bytes() as u32,
+        &mut params,
+    )?;
     drop(flipped);
     LAUNCHED.fetch_add(1, Ordering::Relaxed);
     Ok(())
-}
-
-/// How many blocks of `f` (`spec`'s kernel) a multiprocessor holds at once (by its registers
-/// and shared memory), asked of the driver once per function.
-fn resident_blocks(dev: &CudaDevice, f: sys::CUfunction, spec: Spec) -> Result<usize> {
-    static RESIDENT: Mutex<Option<HashMap<usize, usize>>> = Mutex::new(None);
-    let known = |table: &mut Option<HashMap<usize, usize>>| {
-        table
-            .get_or_insert_with(HashMap::new)
-            .get(&(f as usize))
-            .copied()
-    };
-    if let Some(n) = known(&mut RESIDENT.lock().unwrap_or_else(|e| e.into_inner())) {
-        return Ok(n);
-    }
-    dev.bind()?;
-    let mut n = 0;
-    // SAFETY: `f` is a loaded function of the bound context; an out-parameter
-    unsafe {
-        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
-            &mut n,
-            f,
-            THREADS as i32,
-            spec.shared_bytes(),
-        )
-    }
-    .result()
-    .map_err(|e| {
-        cu_err(
-            "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-            dev.ordinal,
-            e,
-        )
-    })?;
-    let n = n.max(1) as usize;
-    RESIDENT
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get_or_insert_with(HashMap::new)
-        .insert(f as usize, n);
-    Ok(n)
 }
 
 /// Loads the kernel `launch` would run the convolution on, without running it.
@@ -374,6 +338,10 @@ impl ConvKernel for Spec {
     /// STAGES tiles of each operand, room to align them to 1024 bytes, and two barriers a stage.
     fn shared_bytes(&self) -> usize {
         STAGES * (BM + self.bn) * BK * 4 + 1024 + 2 * STAGES * 8
+    }
+
+    fn threads(&self) -> u32 {
+        THREADS
     }
 
     fn source(&self) -> String {
