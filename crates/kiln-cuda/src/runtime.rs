@@ -270,13 +270,15 @@ impl DeviceRuntime for CudaRuntime {
     /// recorded launch would keep this call's value; the copy keeps its buffer's). Values an f64
     /// holds exactly: every dtype's, but int64's beyond 2^53.
     fn takes_host_scalar(&self, device: Device, prim: &Prim, operand: &Tensor) -> bool {
+        if !matches!(prim, Prim::Binary(_) | Prim::Where) || operand.rank() > MAX_RANK {
+            return false;
+        }
         let exact = match operand.host_scalar_f64() {
             Ok(v) => operand.dtype() != DType::I64 || v.abs() < (1u64 << 53) as f64,
             Err(_) => false,
         };
+        // last: the device's allocator lock
         exact
-            && matches!(prim, Prim::Binary(_) | Prim::Where)
-            && operand.rank() <= MAX_RANK
             && ordinal("cuda", device)
                 .and_then(CudaDevice::get)
                 .is_ok_and(|dev| dev.pool().capturing.is_none())
