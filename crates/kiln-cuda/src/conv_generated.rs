@@ -93,8 +93,8 @@ pub(crate) fn launch(
     aligned: bool,
 ) -> Result<()> {
     match crate::conv_wgmma::fits(dev, kind, p, shapes, aligned) {
-        true => crate::conv_wgmma::launch(dev, kind, p, shapes, a, b, out)?,
-        false => crate::conv_igemm::launch(dev, kind, p, shapes, a, b, out, aligned)?,
+        Some(fwd) => crate::conv_wgmma::launch(dev, kind, fwd, a, b, out)?,
+        None => crate::conv_igemm::launch(dev, kind, p, shapes, a, b, out, aligned)?,
     }
     LAUNCHED.fetch_add(1, Ordering::Relaxed);
     Ok(())
@@ -109,7 +109,7 @@ pub(crate) fn prepare(
     shapes: [[usize; 4]; 3],
 ) -> Result<()> {
     match crate::conv_wgmma::fits(dev, kind, p, shapes, true) {
-        true => crate::conv_wgmma::prepare(dev, kind, p, shapes),
-        false => crate::conv_igemm::prepare(dev, kind, shapes),
+        Some(fwd) => crate::conv_wgmma::prepare(dev, fwd),
+        None => crate::conv_igemm::prepare(dev, kind, shapes),
     }
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use kiln_core::prim::ConvParams;
-use kiln_core::{DType, Error, Result};
+use kiln_core::{DType, Result};
 
 use crate::conv::Kind;
 use crate::conv_modules::ConvKernel;
@@ -56,37 +56,37 @@ pub(crate) fn template_version() -> String {
     crate::nvrtc::checksum(TEMPLATE.as_bytes())
 }
 
-/// Whether the Hopper kernel can run the convolution `kind` of `p` (`x`, `w`, `y` in NCHW order)
-/// on `dev`; `aligned`: every operand's address is 16-byte aligned.
+/// The forward `launch` runs for the convolution `kind` of `p` (`x`, `w`, `y` in NCHW order)
+/// where the Hopper kernel can run it on `dev` (`as_forward`); `aligned`: every operand's address
+/// is 16-byte aligned. None where it cannot.
 pub(crate) fn fits(
     dev: &CudaDevice,
     kind: Kind,
     p: &ConvParams,
     shapes: [[usize; 4]; 3],
     aligned: bool,
-) -> bool {
+) -> Option<Forward> {
     // the im2col map's window corners (-pad, pad - reach) are 8-bit for a 4-d tensor, and the
     // taps' offsets (up to the reach) are kept as small; its walk's strides are at most 8
     let corner = |pad: usize, reach: usize| pad <= 127 && reach <= 127;
-    dev.arch == "compute_90"
-        && aligned
-        && as_forward(kind, p, shapes).is_some_and(|(q, [x, w, _])| {
-            x[1] % 4 == 0
-                && (0..2).all(|i| {
-                    q.stride[i] <= 8 && corner(q.padding[i], (w[2 + i] - 1) * q.dilation[i])
-                })
-        })
+    if dev.arch != "compute_90" || !aligned {
+        return None;
+    }
+    as_forward(kind, p, shapes).filter(|(q, [x, w, _])| {
+        x[1] % 4 == 0
+            && (0..2)
+                .all(|i| q.stride[i] <= 8 && corner(q.padding[i], (w[2 + i] - 1) * q.dilation[i]))
+    })
 }
+
+/// A forward convolution's geometry and its x, w, y shapes in NCHW order.
+pub(crate) type Forward = (ConvParams, [[usize; 4]; 3]);
 
 /// The forward convolution that computes `kind` (its geometry and its x, w, y shapes in NCHW
 /// order): the forward itself, or for a data gradient at stride 1 the forward of dy with the
 /// flipped filter (C out of K), padded by the window's reach less the forward's padding, which
 /// gives back x's size. None for the rest.
-fn as_forward(
-    kind: Kind,
-    p: &ConvParams,
-    [x, w, y]: [[usize; 4]; 3],
-) -> Option<(ConvParams, [[usize; 4]; 3])> {
+fn as_forward(kind: Kind, p: &ConvParams, [x, w, y]: [[usize; 4]; 3]) -> Option<Forward> {
     match kind {
         Kind::Forward => Some((*p, [x, w, y])),
         Kind::GradInput if p.stride == [1, 1] => {
@@ -119,34 +119,30 @@ struct WgmmaGeo {
     ktiles: i32,
 }
 
-/// Runs the convolution `kind` of `p` (`x`, `w`, `y` in NCHW order, as `fits` passed them) on the
-/// operands at `a` and `b` (the prim's inputs in its order, contiguous channels-last: x and w,
-/// or dy and w) into `out`.
+/// Runs the convolution `kind` as the forward `fits` gave for it (`fwd`) on the operands at `a`
+/// and `b` (the prim's inputs in its order, contiguous channels-last: x and w, or dy and w) into
+/// `out`.
 pub(crate) fn launch(
     dev: &Arc<CudaDevice>,
     kind: Kind,
-    p: &ConvParams,
-    shapes: [[usize; 4]; 3],
+    (p, [x, w, y]): Forward,
     a: u64,
     b: u64,
     out: u64,
 ) -> Result<()> {
-    let Some((p, [x, w, y])) = as_forward(kind, p, shapes) else {
-        return Err(Error::arg(
-            "conv2d",
-            format!(
-                "Hopper's kernel has no {kind:?} of {shapes:?} at stride {:?}",
-                p.stride
-            ),
-        ));
-    };
     let i = |v: usize| v as i32;
     let spec = Spec::for_filter(w);
     let loaded = crate::conv_modules::functions(dev, spec)?;
     // the data gradient's filter, flipped; dropped once the convolution is queued (the pool
     // orders its reuse on the stream)
     let flipped = match kind {
-        Kind::GradInput => Some(flip_filter(dev, loaded.helper, shapes[1], b)?),
+        // the prim's filter: K x C, where the forward's is C x K
+        Kind::GradInput => Some(flip_filter(
+            dev,
+            loaded.helper,
+            [w[1], w[0], w[2], w[3]],
+            b,
+        )?),
         _ => None,
     };
     let filter = flipped.as_ref().map_or(b, |f| f.ptr);
@@ -192,17 +188,9 @@ pub(crate) fn launch(
     Ok(())
 }
 
-/// Loads the kernel `launch` would run the convolution on, without running it.
-pub(crate) fn prepare(
-    dev: &Arc<CudaDevice>,
-    kind: Kind,
-    p: &ConvParams,
-    shapes: [[usize; 4]; 3],
-) -> Result<()> {
-    if let Some((_, [_, w, _])) = as_forward(kind, p, shapes) {
-        crate::conv_modules::functions(dev, Spec::for_filter(w))?;
-    }
-    Ok(())
+/// Loads the kernel `launch` would run the forward `fwd` on, without running it.
+pub(crate) fn prepare(dev: &Arc<CudaDevice>, (_, [_, w, _]): Forward) -> Result<()> {
+    crate::conv_modules::functions(dev, Spec::for_filter(w)).map(drop)
 }
 
 /// The filter `w` (KRSC at `wp`; its shape in NCHW order) flipped in space with its channel
