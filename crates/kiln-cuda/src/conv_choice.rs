@@ -1,6 +1,7 @@
 //! max-autotune's choice, per convolution, between cuDNN's plan and kiln's generated kernel
-//! (`conv_generated.rs`): both timed on the call's own operands with a cold L2 (`event::time_cold`),
-//! the faster kept for the process and on disk, so the next process does not time again.
+//! (`conv_generated.rs`): both timed on the call's own operands with a cold L2
+//! (`event::time_cold`), the faster kept for the process and on disk, so the next process does
+//! not time again.
 //!
 //! Where the generated kernels win is narrow but real: weight gradients of small feature maps
 //! (DenseNet-121's 3x3 convolutions at 7x7 and 14x14: a third and two thirds of cuDNN's time),

@@ -363,14 +363,18 @@ fn wgmma_tile(bn: usize) -> String {
         .map(|i| format!("\"+f\"(d[{i}])"))
         .collect::<Vec<_>>()
         .join(", ");
-    format!(
-        "template <> __device__ __forceinline__ void wgmma_tile<{bn}>(float* d, unsigned long long a, \
-         unsigned long long b) {{\n  asm volatile(\"{{\\n.reg .pred acc;\\nsetp.ne.b32 acc, %{}, 0;\\n\"\n    \
-         \"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32 {{{list}}}, %{regs}, %{}, acc, 1, 1;\\n}}\\n\"\n    \
-         : {outs}\n    : \"l\"(a), \"l\"(b), \"r\"(1));\n}}\n",
-        regs + 2,
-        regs + 1
-    )
+    // the asm's operands: the accumulators, then a, b and the constant 1 scale-d is set from
+    let (a, b, one) = (regs, regs + 1, regs + 2);
+    let head = format!(
+        "template <> __device__ __forceinline__ void wgmma_tile<{bn}>(float* d, \
+         unsigned long long a, unsigned long long b) {{\n"
+    );
+    let ptx = format!(
+        "  asm volatile(\"{{\\n.reg .pred acc;\\nsetp.ne.b32 acc, %{one}, 0;\\n\"\n    \
+         \"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32 {{{list}}}, %{a}, %{b}, acc, \
+         1, 1;\\n}}\\n\"\n"
+    );
+    format!("{head}{ptx}    : {outs}\n    : \"l\"(a), \"l\"(b), \"r\"(1));\n}}\n")
 }
 
 #[cfg(test)]

@@ -4,8 +4,9 @@
 //! kernel cache's rules: atomic writes (temporary file, then rename), a checksum beside each entry,
 //! a mismatching or unloadable entry rebuilt.
 //!
-//! NVRTC compiles straight to the device's machine code (a CUBIN for `sm_XY`, or `sm_XYa`), which is what the
-//! disk cache keeps: loading PTX instead would have the driver assemble it again in every process.
+//! NVRTC compiles straight to the device's machine code (a CUBIN for `sm_XY`, or `sm_XYa`), which
+//! is what the disk cache keeps: loading PTX instead would have the driver assemble it again in
+//! every process.
 //! No lock is held while NVRTC runs, so the compiler's translation units build on parallel threads.
 
 use std::ffi::CString;
