@@ -116,7 +116,7 @@ pub(crate) fn launch(
     };
     g.chunked = i32::from(channels > 0 && channels % BK == 0 && w[2] * w[3] > 1);
 
-    let loaded = crate::conv_modules::functions(dev, spec)?;
+    let loaded = crate::conv_modules::load(dev, spec)?;
     let (conv, split_sum) = (loaded.kernel, loaded.helper);
     let threads = spec.threads();
     let total = gm * gn;
@@ -197,7 +197,7 @@ struct Spec {
 /// Loads the kernel `launch` would run the convolution `kind` on (operands 16-byte aligned, as
 /// the allocator's are), without running it.
 pub(crate) fn prepare(dev: &Arc<CudaDevice>, kind: Kind, shapes: [[usize; 4]; 3]) -> Result<()> {
-    crate::conv_modules::functions(dev, Spec::for_conv(kind, shapes, true)).map(drop)
+    crate::conv_modules::load(dev, Spec::for_conv(kind, shapes, true)).map(drop)
 }
 
 impl Spec {

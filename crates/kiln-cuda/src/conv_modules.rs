@@ -69,7 +69,7 @@ fn key<K: ConvKernel>(dev: &CudaDevice, spec: K) -> Key {
 }
 
 /// `spec`'s kernel, loaded once per device and cache scope (a map lookup after the first call).
-pub(crate) fn functions<K: ConvKernel>(dev: &Arc<CudaDevice>, spec: K) -> Result<Loaded> {
+pub(crate) fn load<K: ConvKernel>(dev: &Arc<CudaDevice>, spec: K) -> Result<Loaded> {
     let key = key(dev, spec);
     if let Some(&loaded) = LOADED
         .lock()

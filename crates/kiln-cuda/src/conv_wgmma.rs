@@ -132,7 +132,7 @@ pub(crate) fn launch(
 ) -> Result<()> {
     let i = |v: usize| v as i32;
     let spec = Spec::for_filter(w);
-    let loaded = crate::conv_modules::functions(dev, spec)?;
+    let loaded = crate::conv_modules::load(dev, spec)?;
     // the data gradient's filter, flipped; dropped once the convolution is queued (the pool
     // orders its reuse on the stream)
     let flipped = match kind {
@@ -190,7 +190,7 @@ pub(crate) fn launch(
 
 /// Loads the kernel `launch` would run the forward `fwd` on, without running it.
 pub(crate) fn prepare(dev: &Arc<CudaDevice>, (_, [_, w, _]): Forward) -> Result<()> {
-    crate::conv_modules::functions(dev, Spec::for_filter(w)).map(drop)
+    crate::conv_modules::load(dev, Spec::for_filter(w)).map(drop)
 }
 
 /// The filter `w` (KRSC at `wp`; its shape in NCHW order) flipped in space with its channel
