@@ -2,8 +2,9 @@
 //! by NVRTC and kept on disk like every generated kernel): channels-last f32 convolutions with
 //! TF32 allowed, forward and both gradients, as implicit GEMMs on tensor cores (`mma.sync`
 //! m16n8k8 fed by `cp.async`). The generated convolutions' front (`conv_generated.rs`) sends here
-//! what Hopper's kernel (`conv_wgmma.rs`) does not take: every weight gradient, and on devices
-//! before compute capability 9.0 everything.
+//! what Hopper's kernels (`conv_wgmma.rs`, `conv_wgmma_wgrad.rs`) do not take (channels not a
+//! multiple of 4, strided data gradients), and on devices before compute capability 9.0
+//! everything.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use kiln_core::prim::ConvParams;
 use kiln_core::{DType, Result};
 
 use crate::conv::Kind;
-use crate::conv_modules::ConvKernel;
+use crate::conv_modules::{ConvKernel, SPLIT_SUM};
 use crate::device::CudaDevice;
 
 /// The template; each module appends the one kernel it instantiates (`Spec::source`).
@@ -57,7 +58,7 @@ struct ConvGeo {
 
 /// The template's hash (a part of what a timed choice between kernels was made for).
 pub(crate) fn template_version() -> String {
-    crate::nvrtc::checksum(TEMPLATE.as_bytes())
+    crate::nvrtc::checksum(format!("{TEMPLATE}{SPLIT_SUM}").as_bytes())
 }
 
 /// Runs the convolution `kind` (`x`, `w`, `y` in NCHW order, as cuDNN's names them) on the
@@ -144,24 +145,7 @@ pub(crate) fn launch(
         &mut params,
     )?;
     if let Some(parts) = parts {
-        let (mut src, mut dst) = (parts.ptr, out);
-        let (mut total, mut splits) = (i(total), i(splits));
-        let mut params: [*mut c_void; 4] = [
-            (&mut src as *mut u64).cast(),
-            (&mut dst as *mut u64).cast(),
-            (&mut total as *mut i32).cast(),
-            (&mut splits as *mut i32).cast(),
-        ];
-        dev.launch(
-            split_sum,
-            (gm * gn).div_ceil(256) as u32,
-            256,
-            0,
-            &mut params,
-        )?;
-        // the partial sums' buffer goes back to the pool after the sum is queued (the pool
-        // orders its reuse on the stream)
-        drop(parts);
+        crate::conv_modules::sum_splits(dev, split_sum, &parts, out, total, splits)?;
     }
     Ok(())
 }
@@ -286,7 +270,7 @@ impl ConvKernel for Spec {
         };
         let (wm, wn) = self.warps();
         format!(
-            "{TEMPLATE}\nCONV_KERNEL({}, {a}, {b}, {}, {BM}, {}, {wm}, {wn}, {transposed})\n",
+            "{TEMPLATE}\n{SPLIT_SUM}\nCONV_KERNEL({}, {a}, {b}, {}, {BM}, {}, {wm}, {wn}, {transposed})\n",
             self.name(),
             if self.vec4 { 4 } else { 1 },
             self.bn

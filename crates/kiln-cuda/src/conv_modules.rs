@@ -5,13 +5,41 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
 use kiln_core::{Error, Result};
 
+use crate::buffer::CudaBuffer;
 use crate::device::CudaDevice;
+
+/// A weight gradient's partial sums added in a fixed order (`conv_split_sum`), appended to the
+/// modules of both families' weight gradients.
+pub(crate) const SPLIT_SUM: &str = include_str!("kernels/conv_split_sum.cu");
+
+/// Adds the `splits` partial sums of `total` values each in `parts` into `out`, in the splits'
+/// order, by `conv_split_sum` (`split_sum`, loaded from a weight gradient's module). The buffer
+/// can go back to the pool once this returns: the pool orders its reuse on the stream.
+pub(crate) fn sum_splits(
+    dev: &CudaDevice,
+    split_sum: sys::CUfunction,
+    parts: &CudaBuffer,
+    out: u64,
+    total: usize,
+    splits: usize,
+) -> Result<()> {
+    let (mut src, mut dst) = (parts.ptr, out);
+    let (mut total_i, mut splits) = (total as i32, splits as i32);
+    let mut params: [*mut c_void; 4] = [
+        (&mut src as *mut u64).cast(),
+        (&mut dst as *mut u64).cast(),
+        (&mut total_i as *mut i32).cast(),
+        (&mut splits as *mut i32).cast(),
+    ];
+    dev.launch(split_sum, total.div_ceil(256) as u32, 256, 0, &mut params)
+}
 
 /// One kernel of a family of generated convolutions.
 pub(crate) trait ConvKernel: Copy + PartialEq + Send + 'static {

@@ -25,9 +25,12 @@ use kiln_core::{DType, Result};
 
 use crate::conv::Kind;
 use crate::conv_modules::ConvKernel;
-use crate::device::{cu_err, CudaDevice};
+use crate::device::CudaDevice;
 
 const TEMPLATE: &str = include_str!("kernels/conv_wgmma.cu");
+/// Hopper's building blocks (tensor maps, TMA copies, barriers, the MMA's operand descriptor),
+/// the start of every Hopper module's text.
+pub(crate) const HOPPER_TMA: &str = include_str!("kernels/hopper_tma.cu");
 
 /// Rows of a block's tile (two consumer warpgroups of 64) and its k step: 32 f32 channels, one
 /// 128-byte swizzled row (the `.cu` file's WG_BM, WG_BK).
@@ -45,15 +48,20 @@ const WIDE: usize = 128;
 
 static LAUNCHED: AtomicUsize = AtomicUsize::new(0);
 
-/// Forward convolutions and data gradients this process ran on Hopper's generated kernel (a
-/// part of `generated_convs`).
+/// Convolutions this process ran on Hopper's generated kernels: forwards and data gradients
+/// here, weight gradients in `conv_wgmma_wgrad.rs` (a part of `generated_convs`).
 pub fn hopper_convs() -> usize {
     LAUNCHED.load(Ordering::Relaxed)
 }
 
+/// Counts a launch of one of Hopper's kernels in `hopper_convs`.
+pub(crate) fn count_launch() {
+    LAUNCHED.fetch_add(1, Ordering::Relaxed);
+}
+
 /// The template's hash (a part of what a timed choice between kernels was made for).
 pub(crate) fn template_version() -> String {
-    crate::nvrtc::checksum(TEMPLATE.as_bytes())
+    crate::nvrtc::checksum(format!("{HOPPER_TMA}{TEMPLATE}").as_bytes())
 }
 
 /// The forward `launch` runs for the convolution `kind` of `p` (`x`, `w`, `y` in NCHW order)
@@ -66,17 +74,11 @@ pub(crate) fn fits(
     shapes: [[usize; 4]; 3],
     aligned: bool,
 ) -> Option<Forward> {
-    // the im2col map's window corners (-pad, pad - reach) are 8-bit for a 4-d tensor, and the
-    // taps' offsets (up to the reach) are kept as small; its walk's strides are at most 8
-    let corner = |pad: usize, reach: usize| pad <= 127 && reach <= 127;
     if dev.arch != "compute_90" || !aligned {
         return None;
     }
-    as_forward(kind, p, shapes).filter(|(q, [x, w, _])| {
-        x[1] % 4 == 0
-            && (0..2)
-                .all(|i| q.stride[i] <= 8 && corner(q.padding[i], (w[2 + i] - 1) * q.dilation[i]))
-    })
+    as_forward(kind, p, shapes)
+        .filter(|(q, [x, w, _])| x[1] % 4 == 0 && crate::tensor_maps::im2col_fits(q, *w))
 }
 
 /// A forward convolution's geometry and its x, w, y shapes in NCHW order.
@@ -146,8 +148,11 @@ pub(crate) fn launch(
         _ => None,
     };
     let filter = flipped.as_ref().map_or(b, |f| f.ptr);
-    let mut xmap = im2col_map(dev, &p, x, w, a)?;
-    let mut wmap = filter_map(dev, w, filter, spec.bn)?;
+    let mut xmap = crate::tensor_maps::im2col(dev, &p, x, w, a, BM)?;
+    // the filter (KRSC) in boxes of BK channels of `bn` output channels at one tap
+    let [k, c, r, s] = w.map(|d| d as u64);
+    let boxes = [BK as u32, 1, 1, spec.bn as u32];
+    let mut wmap = crate::tensor_maps::tiled(dev, filter, [c, s, r, k], boxes)?;
     let m = y[0] * y[2] * y[3];
     let cblocks = x[1].div_ceil(BK);
     let mut g = WgmmaGeo {
@@ -184,7 +189,7 @@ pub(crate) fn launch(
         &mut params,
     )?;
     drop(flipped);
-    LAUNCHED.fetch_add(1, Ordering::Relaxed);
+    count_launch();
     Ok(())
 }
 
@@ -216,84 +221,6 @@ fn flip_filter(
     let blocks = total.div_ceil(256).min(4096) as u32;
     dev.launch(f, blocks, 256, 0, &mut params)?;
     Ok(flipped)
-}
-
-/// The input as the im2col map walks it: dims (C, W, H, N) innermost first; each copy takes BK
-/// channels of BM output pixels' window corners, which step by the stride through the box from
-/// (-padding) to (padding - reach) on each side, so one walk covers P x Q pixels per image.
-fn im2col_map(
-    dev: &CudaDevice,
-    p: &ConvParams,
-    x: [usize; 4],
-    w: [usize; 4],
-    xp: u64,
-) -> Result<sys::CUtensorMap> {
-    let [n, c, h, wd] = x.map(|d| d as u64);
-    let dims = [c, wd, h, n];
-    let strides = [c * 4, wd * c * 4, h * wd * c * 4];
-    let reach = |i: usize| ((w[2 + i] - 1) * p.dilation[i]) as i32;
-    let (ph, pw) = (p.padding[0] as i32, p.padding[1] as i32);
-    let lower = [-pw, -ph];
-    let upper = [pw - reach(1), ph - reach(0)];
-    let steps = [1, p.stride[1] as u32, p.stride[0] as u32, 1];
-    let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    use sys::*;
-    // SAFETY: every array has the rank's length (4, 3 strides, 2 corners); the map is 64-byte
-    // aligned (cudarc's type); the address is the caller's live buffer
-    let r = unsafe {
-        cuTensorMapEncodeIm2col(
-            &mut map,
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-            4,
-            xp as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            lower.as_ptr(),
-            upper.as_ptr(),
-            BK as u32,
-            BM as u32,
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    r.result()
-        .map_err(|e| cu_err("cuTensorMapEncodeIm2col", dev.ordinal, e))?;
-    Ok(map)
-}
-
-/// The filter (KRSC) as boxes of BK channels of `bn` output channels at one tap: dims (C, S, R,
-/// K) innermost first.
-fn filter_map(dev: &CudaDevice, w: [usize; 4], wp: u64, bn: usize) -> Result<sys::CUtensorMap> {
-    let [k, c, r, s] = w.map(|d| d as u64);
-    let dims = [c, s, r, k];
-    let strides = [c * 4, s * c * 4, r * s * c * 4];
-    let boxes = [BK as u32, 1, 1, bn as u32];
-    let steps = [1u32; 4];
-    let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    use sys::*;
-    // SAFETY: as `im2col_map`'s
-    let r = unsafe {
-        cuTensorMapEncodeTiled(
-            &mut map,
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-            4,
-            wp as *mut c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            steps.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    r.result()
-        .map_err(|e| cu_err("cuTensorMapEncodeTiled", dev.ordinal, e))?;
-    Ok(map)
 }
 
 /// One kernel of the template: its tile's width in output channels.
@@ -334,9 +261,9 @@ impl ConvKernel for Spec {
 
     fn source(&self) -> String {
         format!(
-            "{}{TEMPLATE}\n{}\nCONV_WGMMA_KERNEL({}, {}, {STAGES})\n",
+            "{}{HOPPER_TMA}{TEMPLATE}\n{}\nCONV_WGMMA_KERNEL({}, {}, {STAGES})\n",
             crate::nvrtc::ARCH_SPECIFIC,
-            wgmma_tile(self.bn),
+            wgmma_tile(self.bn, OperandA::Shared),
             self.name(),
             self.bn
         )
@@ -351,30 +278,62 @@ impl ConvKernel for Spec {
     }
 }
 
-/// The MMA of a k step of 8 for a tile `bn` wide: its accumulators (bn / 2 a thread) are listed
-/// in the instruction, so each width has its own text.
-fn wgmma_tile(bn: usize) -> String {
+/// Where the MMA's A operand comes from: shared memory (a descriptor, as B's) or registers (four
+/// TF32 values a thread, `conv_wgmma_wgrad.cu`'s transposed operand).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OperandA {
+    Shared,
+    Registers,
+}
+
+/// The MMA of a k step of 8 for a tile `bn` wide (`wgmma_tile<bn>`, or `wgmma_tile_ra<bn>` with A
+/// from registers): its accumulators (bn / 2 a thread) are listed in the instruction, so each
+/// width has its own text.
+pub(crate) fn wgmma_tile(bn: usize, a_from: OperandA) -> String {
     let regs = bn / 2;
-    let list = (0..regs)
-        .map(|i| format!("%{i}"))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let numbered = |range: std::ops::Range<usize>| {
+        range
+            .map(|i| format!("%{i}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let list = numbered(0..regs);
     let outs = (0..regs)
         .map(|i| format!("\"+f\"(d[{i}])"))
         .collect::<Vec<_>>()
         .join(", ");
-    // the asm's operands: the accumulators, then a, b and the constant 1 scale-d is set from
-    let (a, b, one) = (regs, regs + 1, regs + 2);
+    // the asm's operands: the accumulators, then a (one or four), b and the constant 1 scale-d
+    // is set from
+    let (name, a_param, a_text, a_ins, a_count) = match a_from {
+        OperandA::Shared => (
+            "wgmma_tile",
+            "unsigned long long a",
+            format!("%{regs}"),
+            "\"l\"(a)".to_string(),
+            1,
+        ),
+        OperandA::Registers => (
+            "wgmma_tile_ra",
+            "const unsigned* a",
+            format!("{{{}}}", numbered(regs..regs + 4)),
+            (0..4)
+                .map(|i| format!("\"r\"(a[{i}])"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            4,
+        ),
+    };
+    let (b, one) = (regs + a_count, regs + a_count + 1);
     let head = format!(
-        "template <> __device__ __forceinline__ void wgmma_tile<{bn}>(float* d, \
-         unsigned long long a, unsigned long long b) {{\n"
+        "template <> __device__ __forceinline__ void {name}<{bn}>(float* d, {a_param}, \
+         unsigned long long b) {{\n"
     );
     let ptx = format!(
         "  asm volatile(\"{{\\n.reg .pred acc;\\nsetp.ne.b32 acc, %{one}, 0;\\n\"\n    \
-         \"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32 {{{list}}}, %{a}, %{b}, acc, \
-         1, 1;\\n}}\\n\"\n"
+         \"wgmma.mma_async.sync.aligned.m64n{bn}k8.f32.tf32.tf32 {{{list}}}, {a_text}, %{b}, \
+         acc, 1, 1;\\n}}\\n\"\n"
     );
-    format!("{head}{ptx}    : {outs}\n    : \"l\"(a), \"l\"(b), \"r\"(1));\n}}\n")
+    format!("{head}{ptx}    : {outs}\n    : {a_ins}, \"l\"(b), \"r\"(1));\n}}\n")
 }
 
 #[cfg(test)]
@@ -444,7 +403,7 @@ mod tests {
     #[test]
     fn each_width_lists_its_accumulators() {
         for spec in WIDTHS.map(|bn| Spec { bn }) {
-            let text = wgmma_tile(spec.bn);
+            let text = wgmma_tile(spec.bn, OperandA::Shared);
             let regs = spec.bn / 2;
             assert!(text.contains(&format!("m64n{}k8", spec.bn)));
             assert!(text.contains(&format!("\"+f\"(d[{}])", regs - 1)));

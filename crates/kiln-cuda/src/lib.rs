@@ -22,6 +22,7 @@ mod conv_legacy;
 mod conv_modules;
 mod conv_plan_cache;
 mod conv_wgmma;
+mod conv_wgmma_wgrad;
 mod device;
 mod event;
 mod fallback;
@@ -34,6 +35,7 @@ mod matmul_tune;
 mod nvrtc;
 mod probe;
 mod runtime;
+mod tensor_maps;
 
 use std::sync::Arc;
 

@@ -400,13 +400,3 @@ __device__ __forceinline__ void conv_gemm(const ConvGeo& g, const float* __restr
 
 // The kernels: `conv_igemm.rs` appends one CONV_KERNEL line per module (NVRTC builds only the
 // ones a process uses, each on its own thread).
-
-// The weight gradient's partial sums, added in the order of the splits.
-extern "C" __global__ void conv_split_sum(const float* __restrict__ parts, float* __restrict__ out,
-                                          int total, int splits) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= total) return;
-    float s = 0.f;
-    for (int z = 0; z < splits; ++z) s += parts[(long long)z * total + i];
-    out[i] = s;
-}

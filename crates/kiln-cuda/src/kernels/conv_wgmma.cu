@@ -35,75 +35,12 @@ struct WgmmaGeo {
     int ktiles;       // R * S * cblocks
 };
 
-// A tensor map as the driver encodes it (`cuTensorMapEncode*`): opaque, passed by value.
-struct __align__(64) TensorMap {
-    unsigned long long words[16];
-};
-
 // The MMA of one k step of 8 over a tile BN wide (generated: its accumulator list depends on BN).
 template <int BN>
 __device__ __forceinline__ void wgmma_tile(float* d, unsigned long long a, unsigned long long b);
 
 #define WG_BM 128
 #define WG_BK 32
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-__device__ __forceinline__ void barrier_init(unsigned long long* b, int arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(arrivals));
-}
-
-// The producer's arrival, announcing the bytes its copies will bring.
-__device__ __forceinline__ void barrier_expect(unsigned long long* b, int bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                 ::"r"(smem_addr(b)), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void barrier_arrive(unsigned long long* b) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory");
-}
-
-// Waits until the barrier's phase of this parity has completed.
-__device__ __forceinline__ void barrier_wait(unsigned long long* b, int parity) {
-    asm volatile(
-        "{\n.reg .pred done;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n" ::"r"(smem_addr(b)), "r"(parity) : "memory");
-}
-
-// BM pixels' BK channels, the pixels the im2col map's walk reaches from (c, w, h, n), each read
-// at (w + ow, h + oh): the tap's offsets.
-__device__ __forceinline__ void copy_im2col(void* dst, const TensorMap* map,
-                                            unsigned long long* bar, int c, int w, int h, int n,
-                                            unsigned short ow, unsigned short oh) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4, %5, %6}], [%2], {%7, %8};"
-        ::"r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c), "r"(w), "r"(h), "r"(n),
-          "h"(ow), "h"(oh) : "memory");
-}
-
-__device__ __forceinline__ void copy_box(void* dst, const TensorMap* map, unsigned long long* bar,
-                                         int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%3, %4, %5, %6}], [%2];"
-        ::"r"(smem_addr(dst)), "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-        : "memory");
-}
-
-// The MMA's view of a k-major operand in shared memory swizzled by 128 bytes: rows of 128 bytes
-// (BK values) in atoms of 8 rows, 1024 bytes apart (the stride field); the leading offset is
-// unused for this layout (1 by convention); layout 1 = 128-byte swizzle. Stepping k by 8 values
-// within the row adds 32 bytes to the start address: the swizzle applies to the final address.
-__device__ __forceinline__ unsigned long long operand(const void* p) {
-    const unsigned long long a = smem_addr(p);
-    return ((a & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
-}
 
 #define CONV_WGMMA_KERNEL(NAME, BN, STAGES)                                                     \
     extern "C" __global__ void __launch_bounds__(384, 1)                                        \

@@ -352,9 +352,9 @@ pub fn generated_channels_last() -> Outcome {
     if kiln_cuda::cudnn_plan_counts() != plans_before {
         return Err("a generated convolution made a cuDNN plan".into());
     }
-    // three forwards and data gradients a case (the gradient check's, then two runs for the
-    // bits); a forward fits with channels a multiple of 4, a data gradient at stride 1 with out
-    // channels a multiple of 4 and padding within the window's reach
+    // three of each kind a case (the gradient check's, then two runs for the bits); a forward
+    // fits with channels a multiple of 4, a data gradient at stride 1 with out channels a
+    // multiple of 4 and padding within the window's reach, a weight gradient with both
     let hopper = kiln_cuda::hopper_convs() - hopper_before;
     let fit = |c: &&Case| -> usize {
         let (x, w, stride, padding, dilation, _) = **c;
@@ -362,7 +362,8 @@ pub fn generated_channels_last() -> Outcome {
         let data = stride == [1, 1]
             && w[0] % 4 == 0
             && (0..2).all(|i| padding[i] <= dilation[i] * (w[2 + i] - 1));
-        3 * (usize::from(forward) + usize::from(data))
+        let weight = x[1] % 4 == 0 && w[0] % 4 == 0;
+        3 * (usize::from(forward) + usize::from(data) + usize::from(weight))
     };
     let want = match kiln_cuda::compute_capability(CUDA).map_err(e)? {
         (9, 0) => cases.iter().map(fit).sum(),
@@ -370,7 +371,7 @@ pub fn generated_channels_last() -> Outcome {
     };
     if hopper != want {
         return Err(format!(
-            "{hopper} forwards ran on Hopper's kernel, want {want}"
+            "{hopper} convolutions ran on Hopper's kernels, want {want}"
         ));
     }
     Ok(())
