@@ -35,6 +35,17 @@ pub struct Measured {
     pub nvrtc_disk_hits: u64,
     /// Compiles read from the compiled-graph cache on disk (AOT autograd's splits, plans).
     pub graph_disk_hits: u64,
+    /// Device memory blocks taken from the driver (cuMemAlloc) during the compile and first
+    /// call: what the caching allocator did not have cached from the eager warm-up.
+    pub driver_allocs: u64,
+}
+
+/// cuMemAlloc calls made so far on `dev` (0 on the CPU).
+fn driver_allocs(dev: Device) -> u64 {
+    match dev {
+        Device::Cuda(_) => kiln::cuda::memory_stats(dev).map_or(0, |s| s.driver_allocs),
+        Device::Cpu => 0,
+    }
 }
 
 fn counters() -> [u64; 5] {
@@ -57,6 +68,7 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
         .ok()
         .map(|v| v.parse().unwrap_or(40));
     let before = counters();
+    let allocs_before = driver_allocs(dev);
     let process = crate::proc_stats::Snapshot::take();
     let t = Instant::now();
     let r = match rows {
@@ -85,6 +97,7 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
             nvrtc_builds: after[2] - before[2],
             nvrtc_disk_hits: after[3] - before[3],
             graph_disk_hits: after[4] - before[4],
+            driver_allocs: driver_allocs(dev) - allocs_before,
         },
     ))
 }
@@ -110,6 +123,7 @@ pub fn child_main(key: &str, dev: Device, mode: Mode, quick: bool) -> BenchResul
             "nvrtc_builds": m.nvrtc_builds,
             "nvrtc_disk_hits": m.nvrtc_disk_hits,
             "graph_disk_hits": m.graph_disk_hits,
+            "driver_allocs": m.driver_allocs,
         })
     );
     Ok(())
@@ -179,6 +193,7 @@ fn run_child(
         nvrtc_builds: count("nvrtc_builds"),
         nvrtc_disk_hits: count("nvrtc_disk_hits"),
         graph_disk_hits: count("graph_disk_hits"),
+        driver_allocs: count("driver_allocs"),
     })
 }
 

@@ -57,6 +57,8 @@ pub enum Category {
     /// A phase of compiling a captured graph (AOT autograd's partition, the backend's planning,
     /// building its kernels): where a cold start's time goes, as PyTorch's compile-time breakdown.
     Compile,
+    /// Memory taken from a device's driver (cuMemAlloc), as PyTorch's profiler shows cudaMalloc.
+    Memory,
 }
 
 impl Category {
@@ -67,6 +69,7 @@ impl Category {
             Category::CompiledBackward => "compiled_backward",
             Category::Kernel => "kernel",
             Category::Compile => "compile",
+            Category::Memory => "memory",
         }
     }
 }

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 
 use cudarc::driver::{result, sys};
+use kiln_core::profiler::Category;
 
 const SMALL_STEP: usize = 512;
 const LARGE_STEP: usize = 2 << 20;
@@ -60,6 +61,7 @@ impl Pool {
         let ptr = match self.free.get_mut(&class).and_then(|v| v.pop()) {
             Some(p) => p,
             None => {
+                let _span = kiln_core::profiler::span(Category::Memory, || "cuMemAlloc".into());
                 // SAFETY: plain device allocation in the current context
                 let p = match unsafe { result::malloc_sync(class) } {
                     Ok(p) => p,
