@@ -40,11 +40,12 @@ const BK: usize = 32;
 const STAGES: usize = 4;
 /// The producer's warpgroup and the two consumers'.
 const THREADS: u32 = 384;
-/// The tile widths (output channels) there are kernels for: a convolution takes the narrowest
-/// that covers its output channels, or 128 past the widest (its accumulators, half the width a
-/// thread, are what limits it).
+/// The tile widths (output channels) there are kernels for (their accumulators, half the width a
+/// thread, are what limits them).
 const WIDTHS: [usize; 6] = [32, 64, 96, 128, 160, 192];
-const WIDE: usize = 128;
+/// What a tile costs beyond its width, in output channels' worth: its copies of the input's
+/// windows (each column tile of a row tile reads them again) and its start and write-out.
+const TILE_COST: usize = 64;
 
 static LAUNCHED: AtomicUsize = AtomicUsize::new(0);
 
@@ -230,12 +231,17 @@ struct Spec {
 }
 
 impl Spec {
-    /// The kernel for a forward with filter `w` (NCHW order): the narrowest width that covers
-    /// its output channels, else `WIDE`.
+    /// The kernel for a forward with filter `w` (NCHW order): the width whose tiles cover its
+    /// output channels at the least cost (`TILE_COST` a tile beyond its width), the narrower of
+    /// two that cost the same. Up to 192 channels that is the narrowest width covering them in
+    /// one tile; past it, 320 channels take two tiles of 160 (not three of 128), 768 four of 192.
     fn for_filter(w: [usize; 4]) -> Spec {
-        Spec {
-            bn: WIDTHS.into_iter().find(|&bn| w[0] <= bn).unwrap_or(WIDE),
-        }
+        let cost = |bn: usize| w[0].div_ceil(bn) * (bn + TILE_COST);
+        let bn = WIDTHS
+            .into_iter()
+            .min_by_key(|&bn| (cost(bn), bn))
+            .unwrap_or(WIDTHS[0]);
+        Spec { bn }
     }
 }
 
@@ -415,5 +421,29 @@ mod tests {
             assert!(src.starts_with(crate::nvrtc::ARCH_SPECIFIC));
             assert!(src.contains(&format!("CONV_WGMMA_KERNEL({}, ", spec.name())));
         }
+    }
+
+    /// Up to the widest kernel, a convolution takes the narrowest width that covers its output
+    /// channels in one tile; past it, the widths that cover them in the fewest tiles for the
+    /// least waste.
+    #[test]
+    fn output_channels_choose_the_tile_width() {
+        let width = |k: usize| Spec::for_filter([k, 8, 3, 3]).bn;
+        for k in 1..=192 {
+            let narrowest = WIDTHS.into_iter().find(|&bn| k <= bn).unwrap();
+            assert_eq!(width(k), narrowest, "{k} channels");
+        }
+        let wide = [
+            (200, 128),
+            (256, 128),
+            (320, 160),
+            (512, 128),
+            (640, 160),
+            (768, 192),
+        ];
+        for (k, bn) in wide {
+            assert_eq!(width(k), bn, "{k} channels");
+        }
+        assert_eq!(width(1024), 128);
     }
 }
