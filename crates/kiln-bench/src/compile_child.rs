@@ -244,6 +244,14 @@ pub fn emit_new_process_compiles(
                 m.nvrtc_builds as f64,
                 "count",
             );
+            // device memory the compile and first call took from the driver
+            ctx.emit(
+                workload,
+                variant,
+                &format!("{prefix}_driver_allocs"),
+                m.driver_allocs as f64,
+                "count",
+            );
         }
         // compiles read from the compiled-graph cache (AOT splits, plans): none cold
         ctx.emit(

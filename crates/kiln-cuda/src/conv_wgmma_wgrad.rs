@@ -39,7 +39,9 @@ const WIDTHS: [usize; 3] = [32, 64, 128];
 /// the partial sums than they gain).
 const MIN_STEPS_PER_SPLIT: usize = 4;
 /// Grids a launch fills the device with, counted in resident blocks: a sum split finer runs
-/// better balanced (the prototype's 3x3 56x56 128→32: 395 µs split for one wave, 262 for two).
+/// better balanced (the prototype's 3x3 56x56 128→32: 396 µs split 16 ways, 144 blocks; 262 µs
+/// split 64 ways, 576 blocks), and past two, no better (BENCHMARKS.md: one, two and four waves,
+/// with at least 8, 16 or 32 steps a split, all slower over DenseNet-121's step than this).
 const WAVES: usize = 2;
 /// The partial sums' buffer at most: its trip through memory is paid again by `conv_split_sum`.
 const MAX_PARTS_BYTES: usize = 64 << 20;
