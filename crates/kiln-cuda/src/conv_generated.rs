@@ -8,10 +8,11 @@
 //! of hundreds of megabytes; DenseNet-121's training step spent about 120 ms of its warm start
 //! (a new process, plans on disk) in those first launches, and reading the plans back took 20-40
 //! ms more. kiln's kernels load with its own modules and need no plan: the same warm start takes
-//! about half the time. On compute capability 9.0 the forwards and stride-1 data gradients run
-//! within 15% of cuDNN's and the weight gradients 3% faster (DenseNet-121's convolutions weighted
-//! over a step), but the training step as a whole is still about 3% slower (35.3 ms against 34.3
-//! on cuDNN), so the switch is off by default; BENCHMARKS.md has both sides.
+//! about half the time. On compute capability 9.0, over DenseNet-121's convolutions weighted by a
+//! step, the forwards run about 9% slower than cuDNN's, the stride-1 data gradients as fast and
+//! the weight gradients 3% faster, but the training step as a whole is still about 3% slower
+//! (35.3 ms against 34.3 on cuDNN), so the switch is off by default; BENCHMARKS.md has both
+//! sides.
 //!
 //! Which convolutions, with the switch on (`eligible`): f32, channels-last (what the compiler's
 //! layout pass writes: `ConvParams::channels_last`), one group, TF32 allowed

@@ -3,7 +3,7 @@
 //! warpgroup MMA multiplies them there. Where it fits, it runs the forwards and the stride-1 data
 //! gradients that `conv_igemm.rs` would otherwise run on its mma.sync kernel: DenseNet-121's
 //! forwards at batch 64 on an H200 take 4.1 ms a step on it against 8.8 ms (cuDNN 3.8), its data
-//! gradients 3.4 ms against 8.8 (cuDNN 3.2); BENCHMARKS.md has the table. The grid is
+//! gradients 3.25 ms against 8.8 (cuDNN 3.23); BENCHMARKS.md has the table. The grid is
 //! persistent: as many blocks as the device holds, each taking output tiles in turn.
 //!
 //! A data gradient at stride 1 is a forward convolution (`as_forward`): of dy, with the filter
