@@ -293,6 +293,12 @@ impl Tracer {
         }
         let outputs = {
             let _off = intercept::install(None);
+            // the traced call's run of what it just compiled, apart from the recording around it
+            // in the compiled region's own time
+            let _span =
+                kiln_core::profiler::span(kiln_core::profiler::Category::CompiledRegion, || {
+                    format!("traced graph's first run: {}", self.name).into()
+                });
             let outs = compiled.run(&inputs)?;
             for ((t, _, _), v) in live.iter().zip(&outs) {
                 t.fill_deferred(v)?;
