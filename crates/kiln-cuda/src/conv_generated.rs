@@ -30,11 +30,18 @@ use crate::conv::Kind;
 use crate::device::CudaDevice;
 
 static LAUNCHED: AtomicUsize = AtomicUsize::new(0);
+static HOPPER: AtomicUsize = AtomicUsize::new(0);
 
 /// Convolutions this process ran on kiln's generated kernels (forward and gradients, either
 /// family).
 pub fn generated_convs() -> usize {
     LAUNCHED.load(Ordering::Relaxed)
+}
+
+/// Of `generated_convs`, those that ran on Hopper's kernels (`conv_wgmma.rs`'s forwards and data
+/// gradients, `conv_wgmma_wgrad.rs`'s weight gradients).
+pub fn hopper_convs() -> usize {
+    HOPPER.load(Ordering::Relaxed)
 }
 
 /// Whether channels-last TF32 convolutions run on kiln's generated kernels or on cuDNN (the
@@ -95,12 +102,17 @@ pub(crate) fn launch(
     out: u64,
     aligned: bool,
 ) -> Result<()> {
-    match family(dev, kind, p, shapes, aligned) {
+    let family = family(dev, kind, p, shapes, aligned);
+    let hopper = !matches!(family, Family::MmaSync);
+    match family {
         Family::Hopper(fwd) => crate::conv_wgmma::launch(dev, kind, fwd, a, b, out)?,
         Family::HopperWgrad => crate::conv_wgmma_wgrad::launch(dev, p, shapes, a, b, out)?,
         Family::MmaSync => crate::conv_igemm::launch(dev, kind, p, shapes, a, b, out, aligned)?,
     }
     LAUNCHED.fetch_add(1, Ordering::Relaxed);
+    if hopper {
+        HOPPER.fetch_add(1, Ordering::Relaxed);
+    }
     Ok(())
 }
 

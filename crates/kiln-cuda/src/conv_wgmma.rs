@@ -15,7 +15,6 @@
 //! aligned, strides up to 8 and windows whose padding and reach fit the im2col map's corners.
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -46,19 +45,6 @@ const WIDTHS: [usize; 6] = [32, 64, 96, 128, 160, 192];
 /// What a tile costs beyond its width, in output channels' worth: its copies of the input's
 /// windows (each column tile of a row tile reads them again) and its start and write-out.
 const TILE_COST: usize = 64;
-
-static LAUNCHED: AtomicUsize = AtomicUsize::new(0);
-
-/// Convolutions this process ran on Hopper's generated kernels: forwards and data gradients
-/// here, weight gradients in `conv_wgmma_wgrad.rs` (a part of `generated_convs`).
-pub fn hopper_convs() -> usize {
-    LAUNCHED.load(Ordering::Relaxed)
-}
-
-/// Counts a launch of one of Hopper's kernels in `hopper_convs`.
-pub(crate) fn count_launch() {
-    LAUNCHED.fetch_add(1, Ordering::Relaxed);
-}
 
 /// The template's hash (a part of what a timed choice between kernels was made for).
 pub(crate) fn template_version() -> String {
@@ -190,7 +176,6 @@ pub(crate) fn launch(
         &mut params,
     )?;
     drop(flipped);
-    count_launch();
     Ok(())
 }
 

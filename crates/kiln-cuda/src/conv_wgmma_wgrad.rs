@@ -154,7 +154,6 @@ pub(crate) fn launch(
     if let Some(parts) = parts {
         crate::conv_modules::sum_splits(dev, loaded.helper, &parts, out, total, splits)?;
     }
-    crate::conv_wgmma::count_launch();
     Ok(())
 }
 

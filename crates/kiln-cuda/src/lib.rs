@@ -45,10 +45,9 @@ pub use conv::{
     set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
 pub use conv_choice::conv_engine_choices;
-pub use conv_generated::{generated_conv, generated_convs, set_generated_conv};
+pub use conv_generated::{generated_conv, generated_convs, hopper_convs, set_generated_conv};
 pub use conv_graph::cudnn_plans_timed;
 pub use conv_plan_cache::cudnn_plan_disk_hits;
-pub use conv_wgmma::hopper_convs;
 pub use event::Event;
 pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
