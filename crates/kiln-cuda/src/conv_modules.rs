@@ -1,7 +1,8 @@
-//! The generated convolutions' modules (`conv_igemm.rs`'s mma.sync kernels, `conv_wgmma.rs`'s
-//! Hopper kernels): each kernel is one NVRTC translation unit, built into the disk cache once
-//! (the first build of a family starts its siblings' builds on threads of their own) and loaded
-//! once per device and cache scope, so a launch costs one map lookup.
+//! The generated convolutions' modules (`conv_igemm.rs`'s mma.sync kernels, `conv_wgmma.rs`'s and
+//! `conv_wgmma_wgrad.rs`'s Hopper kernels): each kernel is one NVRTC translation unit, built into
+//! the disk cache once (the first build of a family starts its siblings' builds on threads of
+//! their own) and loaded once per device and cache scope, so a launch costs one map lookup. Also
+//! the weight gradients' fixed-order split sum, which both families' modules carry.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;

@@ -251,13 +251,8 @@ impl ConvKernel for Spec {
     }
 
     fn source(&self) -> String {
-        format!(
-            "{}{HOPPER_TMA}{TEMPLATE}\n{}\nCONV_WGMMA_KERNEL({}, {}, {STAGES})\n",
-            crate::nvrtc::ARCH_SPECIFIC,
-            wgmma_tile(self.bn, OperandA::Shared),
-            self.name(),
-            self.bn
-        )
+        let kernel = format!("CONV_WGMMA_KERNEL({}, {}, {STAGES})", self.name(), self.bn);
+        hopper_module(TEMPLATE, &[&wgmma_tile(self.bn, OperandA::Shared), &kernel])
     }
 
     fn helper(&self) -> Option<&'static str> {
@@ -267,6 +262,19 @@ impl ConvKernel for Spec {
     fn siblings(_: &CudaDevice) -> Vec<Self> {
         WIDTHS.map(|bn| Spec { bn }).to_vec()
     }
+}
+
+/// A Hopper module's text: built for the arch-specific target (`nvrtc::ARCH_SPECIFIC`: wgmma is
+/// an sm_90a instruction), Hopper's building blocks (`HOPPER_TMA`), the kernel's `template`,
+/// then `parts` (its MMA's text, helpers, the line instantiating it), a line each.
+pub(crate) fn hopper_module(template: &str, parts: &[&str]) -> String {
+    let mut s = format!("{}{HOPPER_TMA}{template}", crate::nvrtc::ARCH_SPECIFIC);
+    for part in parts {
+        s.push('\n');
+        s.push_str(part);
+    }
+    s.push('\n');
+    s
 }
 
 /// Where the MMA's A operand comes from: shared memory (a descriptor, as B's) or registers (four

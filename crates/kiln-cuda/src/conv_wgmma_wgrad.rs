@@ -18,7 +18,7 @@ use kiln_core::prim::ConvParams;
 use kiln_core::{DType, Result};
 
 use crate::conv_modules::{ConvKernel, SPLIT_SUM};
-use crate::conv_wgmma::{wgmma_tile, OperandA, HOPPER_TMA};
+use crate::conv_wgmma::{hopper_module, wgmma_tile, OperandA, HOPPER_TMA};
 use crate::device::CudaDevice;
 use crate::tensor_maps::CHANNELS;
 
@@ -103,7 +103,9 @@ pub(crate) fn launch(
     let loaded = crate::conv_modules::load(dev, spec)?;
     let (c, k, taps) = (x[1], w[0], w[2] * w[3]);
     let m = y[0] * y[2] * y[3];
-    let blocks = c.div_ceil(BM) * k.div_ceil(spec.bn) * taps;
+    // blocks a split: input-channel blocks x output-channel blocks x taps
+    let tiles = [c.div_ceil(BM), k.div_ceil(spec.bn)];
+    let blocks = tiles[0] * tiles[1] * taps;
     let total = k * c * taps;
     let target = WAVES * dev.sm_count as usize * loaded.resident;
     let (splits, chunk) = split(m.div_ceil(BK), blocks, target, total);
@@ -139,11 +141,7 @@ pub(crate) fn launch(
         (&mut dst as *mut u64).cast(),
         (&mut g as *mut WgradGeo).cast(),
     ];
-    let grid = [
-        c.div_ceil(BM) as u32,
-        k.div_ceil(spec.bn) as u32,
-        (taps * splits) as u32,
-    ];
+    let grid = [tiles[0] as u32, tiles[1] as u32, (taps * splits) as u32];
     dev.launch_grid(
         loaded.kernel,
         grid,
@@ -216,13 +214,9 @@ impl ConvKernel for Spec {
     }
 
     fn source(&self) -> String {
-        format!(
-            "{}{HOPPER_TMA}{TEMPLATE}\n{}\n{SPLIT_SUM}\nCONV_WGRAD_KERNEL({}, {}, {STAGES})\n",
-            crate::nvrtc::ARCH_SPECIFIC,
-            wgmma_tile(self.bn, OperandA::Registers),
-            self.name(),
-            self.bn
-        )
+        let kernel = format!("CONV_WGRAD_KERNEL({}, {}, {STAGES})", self.name(), self.bn);
+        let mma = wgmma_tile(self.bn, OperandA::Registers);
+        hopper_module(TEMPLATE, &[&mma, SPLIT_SUM, &kernel])
     }
 
     fn helper(&self) -> Option<&'static str> {
