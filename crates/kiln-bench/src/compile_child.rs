@@ -35,8 +35,8 @@ pub struct Measured {
     pub nvrtc_disk_hits: u64,
     /// Compiles read from the compiled-graph cache on disk (AOT autograd's splits, plans).
     pub graph_disk_hits: u64,
-    /// Device memory blocks taken from the driver (cuMemAlloc) during the compile and first
-    /// call: what the caching allocator did not have cached from the eager warm-up.
+    /// cuMemAlloc calls during the compile and first call (each a new arena of the caching
+    /// allocator): what the pool's arenas from the eager warm-up could not hold.
     pub driver_allocs: u64,
 }
 
