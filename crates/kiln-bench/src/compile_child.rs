@@ -38,6 +38,17 @@ pub struct Measured {
     /// cuMemAlloc calls during the compile and first call (each a new arena of the caching
     /// allocator): what the pool's arenas from the eager warm-up could not hold.
     pub driver_allocs: u64,
+    /// Seconds the driver spent loading generated modules (cuModuleLoadData, summed over the
+    /// threads that loaded them).
+    pub module_load_secs: f64,
+}
+
+/// Seconds the driver has spent loading generated modules so far (0 on the CPU).
+fn module_load_secs(dev: Device) -> f64 {
+    match dev {
+        Device::Cuda(_) => kiln::cuda::kernel_compile_times().1.as_secs_f64(),
+        Device::Cpu => 0.0,
+    }
 }
 
 /// cuMemAlloc calls made so far on `dev` (0 on the CPU).
@@ -62,23 +73,36 @@ const SLOW_MEASUREMENT_S: f64 = 2.0;
 /// Times `f` (a compile and its first call) until `dev` has finished the queued work, with the
 /// kernel builds and disk hits it caused. With `KILN_BENCH_PROFILE=N` set, `f` runs under
 /// `kiln::profile` and its N largest rows go to stderr (where the time of a compile goes; the
-/// parent passes a child's stderr on).
+/// parent passes a child's stderr on); `KILN_BENCH_TRACE=PATH` saves that profile's Chrome trace
+/// too (the host's timeline of the compile and first call).
 pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Result<(R, Measured)> {
     let rows = std::env::var("KILN_BENCH_PROFILE")
         .ok()
         .map(|v| v.parse().unwrap_or(40));
     let before = counters();
     let allocs_before = driver_allocs(dev);
+    let loads_before = module_load_secs(dev);
     let process = crate::proc_stats::Snapshot::take();
     let t = Instant::now();
     let r = match rows {
         Some(rows) => {
-            let (r, profile) = kiln::profile(f);
+            // the wait for the device inside the profile, so the trace shows the host's idle
+            // tail (how much of the first call's device work the compile did not overlap)
+            let (r, profile) = kiln::profile(|| {
+                let r = f();
+                let _wait = kiln::profiler::span(kiln::profiler::Category::Compile, || {
+                    "wait for the device (first call's end)".into()
+                });
+                kiln::core::device::synchronize(dev).map(|()| r)
+            });
             eprintln!(
                 "== profile: compile and first call ==\n{}",
                 profile.table(rows)
             );
-            std::hint::black_box(r?)
+            if let Some(path) = std::env::var_os("KILN_BENCH_TRACE") {
+                profile.save_chrome_trace(path)?;
+            }
+            std::hint::black_box(r??)
         }
         None => std::hint::black_box(f()?),
     };
@@ -98,6 +122,7 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
             nvrtc_disk_hits: after[3] - before[3],
             graph_disk_hits: after[4] - before[4],
             driver_allocs: driver_allocs(dev) - allocs_before,
+            module_load_secs: module_load_secs(dev) - loads_before,
         },
     ))
 }
@@ -124,6 +149,7 @@ pub fn child_main(key: &str, dev: Device, mode: Mode, quick: bool) -> BenchResul
             "nvrtc_disk_hits": m.nvrtc_disk_hits,
             "graph_disk_hits": m.graph_disk_hits,
             "driver_allocs": m.driver_allocs,
+            "module_load_secs": m.module_load_secs,
         })
     );
     Ok(())
@@ -194,6 +220,10 @@ fn run_child(
         nvrtc_disk_hits: count("nvrtc_disk_hits"),
         graph_disk_hits: count("graph_disk_hits"),
         driver_allocs: count("driver_allocs"),
+        module_load_secs: v
+            .get("module_load_secs")
+            .and_then(|x| x.as_f64())
+            .unwrap_or(0.0),
     })
 }
 

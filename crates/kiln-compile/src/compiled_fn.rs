@@ -351,12 +351,13 @@ impl<'f> CompiledFn<'f> {
             st.has_breaks = true;
             return Ok(outs);
         }
-        let rec = records.into_iter().next();
-        // kept for automatic dynamic: a later trace at other sizes unifies with it
+        let mut rec = records.into_iter().next();
+        // kept for automatic dynamic: a later trace at other sizes unifies with it (moved out of
+        // the record, which the entry does not keep: no copy of thousands of nodes)
         let graph = rec
-            .as_ref()
+            .as_mut()
             .filter(|_| self.opts.dynamic != Some(false))
-            .map(|r| r.graph.clone());
+            .map(|r| std::mem::take(&mut r.graph));
         let mut entry = make_entry(args, extra, rec, &outs);
         entry.graph = graph;
         logs::emit(Channel::Guards, || {

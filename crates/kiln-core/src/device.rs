@@ -183,6 +183,19 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         source: &str,
         names: &[String],
     ) -> Result<Vec<Arc<dyn DeviceKernel>>>;
+    /// `load_kernels` where the source's machine code is already built (loaded, or in the disk
+    /// cache), `None` where it would have to be compiled first. A warm start's units are loaded
+    /// this way on one thread (CUDA's driver loads one module at a time: more threads only
+    /// wait for it) and only the misses go to compiler threads. The default: always `None`.
+    fn load_built_kernels(
+        &self,
+        device: Device,
+        source: &str,
+        names: &[String],
+    ) -> Result<Option<Vec<Arc<dyn DeviceKernel>>>> {
+        let _ = (device, source, names);
+        Ok(None)
+    }
     /// The multiprocessor count of `device` (generated kernels size their grids by it).
     fn multiprocessors(&self, device: Device) -> Result<u32>;
     /// The most dynamic shared memory, in bytes, one block of a generated kernel may be launched

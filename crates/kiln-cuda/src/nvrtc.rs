@@ -78,6 +78,26 @@ pub(crate) fn module_kernels(
     src: &str,
     names: &[String],
 ) -> Result<Vec<sys::CUfunction>> {
+    let fs = module_kernels_if(dev, src, names, Build::IfMissing)?;
+    fs.ok_or_else(|| compile_err("module", "no machine code was built"))
+}
+
+/// `module_kernels` where `src`'s machine code is loaded or on disk; `None` where NVRTC would
+/// have to build it.
+pub(crate) fn built_module_kernels(
+    dev: &Arc<CudaDevice>,
+    src: &str,
+    names: &[String],
+) -> Result<Option<Vec<sys::CUfunction>>> {
+    module_kernels_if(dev, src, names, Build::Never)
+}
+
+fn module_kernels_if(
+    dev: &Arc<CudaDevice>,
+    src: &str,
+    names: &[String],
+    build: Build,
+) -> Result<Option<Vec<sys::CUfunction>>> {
     // inside a fresh-cache scope (cold-compile measurements) a module loaded before is not reused
     let key = format!(
         "gen:{}:{}",
@@ -92,9 +112,16 @@ pub(crate) fn module_kernels(
             .collect()
     };
     if let Some(fs) = have {
-        return Ok(fs);
+        return Ok(Some(fs));
     }
-    let module = load_module(dev, &key, src)?;
+    let image = match build {
+        Build::IfMissing => cubin_for(dev, &key, src)?,
+        Build::Never => match built_cubin(dev, src) {
+            Some(image) => image,
+            None => return Ok(None),
+        },
+    };
+    let module = load_image(dev, &image)?;
     let fs = names
         .iter()
         .map(|n| function(dev, module, &key, n))
@@ -103,13 +130,25 @@ pub(crate) fn module_kernels(
     for (n, &f) in names.iter().zip(&fs) {
         table.insert(format!("{key}:{n}"), f);
     }
-    Ok(fs)
+    Ok(Some(fs))
+}
+
+/// Whether `module_kernels_if` may run NVRTC for a source whose machine code is not on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Build {
+    IfMissing,
+    /// Load only what is built: `None` for the rest.
+    Never,
 }
 
 /// `src` compiled for `dev` (from the disk cache when there) and loaded; the module stays loaded
 /// for the process.
 fn load_module(dev: &Arc<CudaDevice>, signature: &str, src: &str) -> Result<sys::CUmodule> {
-    let image = cubin_for(dev, signature, src)?;
+    load_image(dev, &cubin_for(dev, signature, src)?)
+}
+
+/// A CUBIN loaded on `dev`; the module stays loaded for the process.
+fn load_image(dev: &Arc<CudaDevice>, image: &[u8]) -> Result<sys::CUmodule> {
     dev.bind()?;
     let start = Instant::now();
     // SAFETY: `image` is a complete CUBIN, alive for the call
@@ -197,14 +236,21 @@ fn cubin_entry(dev: &CudaDevice, src: &str) -> (String, PathBuf, PathBuf) {
     (key, path, sum_path)
 }
 
+/// The device's machine code for `src` from the disk cache, where a verified entry exists.
+fn built_cubin(dev: &CudaDevice, src: &str) -> Option<Vec<u8>> {
+    let (_, path, sum_path) = cubin_entry(dev, src);
+    let image = read_verified(&path, &sum_path)?;
+    DISK_HITS.fetch_add(1, Ordering::Relaxed);
+    Some(image)
+}
+
 /// The device's machine code for `src`: from the disk cache when a verified entry exists, else
 /// compiled by NVRTC and stored.
 fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
-    let (key, path, sum_path) = cubin_entry(dev, src);
-    if let Some(image) = read_verified(&path, &sum_path) {
-        DISK_HITS.fetch_add(1, Ordering::Relaxed);
+    if let Some(image) = built_cubin(dev, src) {
         return Ok(image);
     }
+    let (key, path, sum_path) = cubin_entry(dev, src);
     // inside a fresh-cache scope (a cold-compile measurement) NVRTC's own cache is bypassed too
     let fresh = kiln_core::cache::scope_id() != 0;
     let start = Instant::now();

@@ -395,18 +395,18 @@ impl DeviceRuntime for CudaRuntime {
     ) -> Result<Vec<Arc<dyn DeviceKernel>>> {
         let dev = CudaDevice::get(ordinal("compiled kernels", device)?)?;
         let fs = crate::nvrtc::module_kernels(&dev, source, names)?;
-        Ok(fs
-            .into_iter()
-            .zip(names)
-            .map(|(f, name)| {
-                Arc::new(GeneratedKernel {
-                    f,
-                    dev: dev.clone(),
-                    name: name.clone(),
-                    shared_opt_in: AtomicU32::new(0),
-                }) as Arc<dyn DeviceKernel>
-            })
-            .collect())
+        Ok(generated_kernels(&dev, fs, names))
+    }
+
+    fn load_built_kernels(
+        &self,
+        device: Device,
+        source: &str,
+        names: &[String],
+    ) -> Result<Option<Vec<Arc<dyn DeviceKernel>>>> {
+        let dev = CudaDevice::get(ordinal("compiled kernels", device)?)?;
+        let fs = crate::nvrtc::built_module_kernels(&dev, source, names)?;
+        Ok(fs.map(|fs| generated_kernels(&dev, fs, names)))
     }
 
     fn multiprocessors(&self, device: Device) -> Result<u32> {
@@ -441,4 +441,23 @@ impl DeviceRuntime for CudaRuntime {
     fn end_capture(&self, device: Device) -> Result<Arc<dyn DeviceGraph>> {
         crate::capture::end(&CudaDevice::get(ordinal("end_capture", device)?)?)
     }
+}
+
+/// Generated kernels over loaded functions, one per name.
+fn generated_kernels(
+    dev: &Arc<CudaDevice>,
+    fs: Vec<cudarc::driver::sys::CUfunction>,
+    names: &[String],
+) -> Vec<Arc<dyn DeviceKernel>> {
+    fs.into_iter()
+        .zip(names)
+        .map(|(f, name)| {
+            Arc::new(GeneratedKernel {
+                f,
+                dev: dev.clone(),
+                name: name.clone(),
+                shared_opt_in: AtomicU32::new(0),
+            }) as Arc<dyn DeviceKernel>
+        })
+        .collect()
 }

@@ -609,7 +609,11 @@ fn literal_sharing_matches_eager() -> Outcome {
             std::env::set_var("KILN_SHARE_KERNELS_FROM", v);
         }
         let before = kiln::inductor::shared_kernels();
-        let r = differential("literal_sharing_matches_eager", &shapes, 1e-4, f);
+        // a fresh cache: sharing happens where plans are made, and a warm disk cache (this
+        // binary run twice on one machine) would hand both compiles their plans
+        let r = kiln::inductor::with_fresh_cache(|| {
+            differential("literal_sharing_matches_eager", &shapes, 1e-4, f)
+        });
         std::env::remove_var("KILN_SHARE_KERNELS_FROM");
         r.map(|()| kiln::inductor::shared_kernels() - before)
     };

@@ -108,27 +108,40 @@ fn compile_threads(units: usize) -> usize {
     units.min(max_threads()).max(1)
 }
 
-/// Compiles and loads `units` on `device`: a few threads take the units in order, largest work
-/// first as `units` dealt them.
+/// Compiles and loads `units` on `device`. Units whose machine code is already built (a warm
+/// start's: on disk) are loaded first, one after the other on this thread: the driver loads one
+/// module at a time, and DenseNet-121's 67 modules took 12-17 ms loaded by 16 threads that
+/// mostly waited for each other (180-230 ms of waiting summed over them) against ~8 ms on one.
+/// The rest are built by a few threads that take them in order, largest work first as `units`
+/// dealt them.
 pub(crate) fn load(
     rt: &Arc<dyn DeviceRuntime>,
     device: Device,
     units: &[(String, Vec<String>)],
 ) -> Result<HashMap<String, Arc<dyn DeviceKernel>>> {
-    let threads = compile_threads(units.len());
+    let mut out = HashMap::new();
+    let mut to_build: Vec<&(String, Vec<String>)> = Vec::new();
+    for unit in units {
+        match rt.load_built_kernels(device, &unit.0, &unit.1)? {
+            Some(kernels) => out.extend(unit.1.iter().cloned().zip(kernels)),
+            None => to_build.push(unit),
+        }
+    }
+    let threads = compile_threads(to_build.len());
     let next = std::sync::atomic::AtomicUsize::new(0);
     // each unit's kernels, or its error; empty if its thread panicked
     type Slot = std::sync::Mutex<Option<Result<Vec<Arc<dyn DeviceKernel>>>>>;
-    let slots: Vec<Slot> = units.iter().map(|_| Slot::new(None)).collect();
+    let slots: Vec<Slot> = to_build.iter().map(|_| Slot::new(None)).collect();
     let work = || loop {
         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Some((src, names)) = units.get(i) else {
+        let Some((src, names)) = to_build.get(i) else {
             break;
         };
         let r = rt.load_kernels(device, src, names);
         *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
     };
     match threads {
+        _ if to_build.is_empty() => {}
         1 => work(),
         _ => std::thread::scope(|s| {
             let handles: Vec<_> = (0..threads).map(|_| s.spawn(work)).collect();
@@ -138,8 +151,7 @@ pub(crate) fn load(
             }
         }),
     }
-    let mut out = HashMap::new();
-    for ((_, names), slot) in units.iter().zip(slots) {
+    for ((_, names), slot) in to_build.iter().zip(slots) {
         let kernels = slot
             .into_inner()
             .unwrap_or_else(|e| e.into_inner())
