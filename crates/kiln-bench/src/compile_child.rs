@@ -38,18 +38,29 @@ pub struct Measured {
     /// cuMemAlloc calls during the compile and first call (each a new arena of the caching
     /// allocator): what the pool's arenas from the eager warm-up could not hold.
     pub driver_allocs: u64,
-    /// Seconds the driver spent loading generated modules (cuModuleLoadData, summed over the
-    /// threads that loaded them).
-    pub module_load_secs: f64,
+    /// Seconds spent readying built kernels, summed over threads: reading cubins from the disk
+    /// cache, the driver loading modules, looking functions up (under CUDA's lazy loading, what
+    /// loads each function's code).
+    pub load_secs: [f64; 3],
 }
 
-/// Seconds the driver has spent loading generated modules so far (0 on the CPU).
-fn module_load_secs(dev: Device) -> f64 {
+/// `Measured::load_secs` so far in this process (0 on the CPU).
+fn load_secs(dev: Device) -> [f64; 3] {
     match dev {
-        Device::Cuda(_) => kiln::cuda::kernel_compile_times().1.as_secs_f64(),
-        Device::Cpu => 0.0,
+        Device::Cuda(_) => {
+            let (read, module, lookup) = kiln::cuda::kernel_load_times();
+            [read, module, lookup].map(|d| d.as_secs_f64())
+        }
+        Device::Cpu => [0.0; 3],
     }
 }
+
+/// The names of `Measured::load_secs` in the child's JSON.
+const LOAD_KEYS: [&str; 3] = [
+    "cubin_read_secs",
+    "module_load_secs",
+    "function_lookup_secs",
+];
 
 /// cuMemAlloc calls made so far on `dev` (0 on the CPU).
 fn driver_allocs(dev: Device) -> u64 {
@@ -81,7 +92,7 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
         .map(|v| v.parse().unwrap_or(40));
     let before = counters();
     let allocs_before = driver_allocs(dev);
-    let loads_before = module_load_secs(dev);
+    let loads_before = load_secs(dev);
     let process = crate::proc_stats::Snapshot::take();
     let t = Instant::now();
     let r = match rows {
@@ -122,7 +133,10 @@ pub fn measure<R>(dev: Device, f: impl FnOnce() -> kiln::Result<R>) -> kiln::Res
             nvrtc_disk_hits: after[3] - before[3],
             graph_disk_hits: after[4] - before[4],
             driver_allocs: driver_allocs(dev) - allocs_before,
-            module_load_secs: module_load_secs(dev) - loads_before,
+            load_secs: {
+                let after = load_secs(dev);
+                [0, 1, 2].map(|i| after[i] - loads_before[i])
+            },
         },
     ))
 }
@@ -139,19 +153,19 @@ pub fn child_main(key: &str, dev: Device, mode: Mode, quick: bool) -> BenchResul
         k if k.starts_with("train:") => workloads::train::compile_once(&k[6..], dev, mode, quick),
         k => Err(format!("{PREFIX}{k}: no such model").into()),
     })?;
-    println!(
-        "{}",
-        serde_json::json!({
-            "seconds": m.secs,
-            "cc_builds": m.cc_builds,
-            "cc_disk_hits": m.cc_disk_hits,
-            "nvrtc_builds": m.nvrtc_builds,
-            "nvrtc_disk_hits": m.nvrtc_disk_hits,
-            "graph_disk_hits": m.graph_disk_hits,
-            "driver_allocs": m.driver_allocs,
-            "module_load_secs": m.module_load_secs,
-        })
-    );
+    let mut row = serde_json::json!({
+        "seconds": m.secs,
+        "cc_builds": m.cc_builds,
+        "cc_disk_hits": m.cc_disk_hits,
+        "nvrtc_builds": m.nvrtc_builds,
+        "nvrtc_disk_hits": m.nvrtc_disk_hits,
+        "graph_disk_hits": m.graph_disk_hits,
+        "driver_allocs": m.driver_allocs,
+    });
+    for (k, v) in LOAD_KEYS.iter().zip(m.load_secs) {
+        row[*k] = v.into();
+    }
+    println!("{row}");
     Ok(())
 }
 
@@ -220,10 +234,7 @@ fn run_child(
         nvrtc_disk_hits: count("nvrtc_disk_hits"),
         graph_disk_hits: count("graph_disk_hits"),
         driver_allocs: count("driver_allocs"),
-        module_load_secs: v
-            .get("module_load_secs")
-            .and_then(|x| x.as_f64())
-            .unwrap_or(0.0),
+        load_secs: LOAD_KEYS.map(|k| v.get(k).and_then(|x| x.as_f64()).unwrap_or(0.0)),
     })
 }
 

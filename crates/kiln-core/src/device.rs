@@ -107,6 +107,9 @@ pub trait DeviceKernel: Send + Sync {
     fn launch(&self, grid: [u32; 3], block: u32, shared: u32, params: &[u64]) -> Result<()>;
 }
 
+/// Per unit, its kernels where they were loaded without compiling (`load_built_units`).
+pub type BuiltUnits = Vec<Option<Vec<Arc<dyn DeviceKernel>>>>;
+
 /// What a device runtime provides. All work is queued in order on the device's stream; the methods
 /// that hand values to the host (`download`) wait for that work first, so a user who reads a value
 /// (`to_vec`, `item`, printing) always sees the result of every op queued before.
@@ -183,18 +186,19 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         source: &str,
         names: &[String],
     ) -> Result<Vec<Arc<dyn DeviceKernel>>>;
-    /// `load_kernels` where the source's machine code is already built (loaded, or in the disk
-    /// cache), `None` where it would have to be compiled first. A warm start's units are loaded
-    /// this way on one thread (CUDA's driver loads one module at a time: more threads only
-    /// wait for it) and only the misses go to compiler threads. The default: always `None`.
-    fn load_built_kernels(
+    /// `load_kernels` for each unit (source, kernel names) whose machine code is already built
+    /// (loaded, or in the disk cache), `None` for each that would have to be compiled first. A
+    /// warm start's units are loaded this way (kiln-cuda reads the cubins on a few threads and
+    /// loads them on the calling one: CUDA's driver loads one module at a time, and more
+    /// threads only wait for it), and only the misses go to compiler threads. The default:
+    /// all `None`.
+    fn load_built_units(
         &self,
         device: Device,
-        source: &str,
-        names: &[String],
-    ) -> Result<Option<Vec<Arc<dyn DeviceKernel>>>> {
-        let _ = (device, source, names);
-        Ok(None)
+        units: &[(String, Vec<String>)],
+    ) -> Result<BuiltUnits> {
+        let _ = device;
+        Ok(vec![None; units.len()])
     }
     /// The multiprocessor count of `device` (generated kernels size their grids by it).
     fn multiprocessors(&self, device: Device) -> Result<u32>;

@@ -53,7 +53,7 @@ pub use fallback::host_fallbacks;
 pub use matmul::{allow_tf32, set_allow_tf32};
 pub use matmul_lt::{epilogue_gemms, matmul_epilogue, Epilogue};
 pub use matmul_tune::{gemm_tune_disk_hits, gemms_tuned};
-pub use nvrtc::{kernel_cache_stats, kernel_compile_times};
+pub use nvrtc::{kernel_cache_stats, kernel_compile_times, kernel_load_times};
 
 use device::CudaDevice;
 use kiln_core::{Device, Error, Result};

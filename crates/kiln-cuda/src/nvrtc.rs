@@ -29,6 +29,8 @@ static COMPILES: AtomicU64 = AtomicU64::new(0);
 static DISK_HITS: AtomicU64 = AtomicU64::new(0);
 static COMPILE_NS: AtomicU64 = AtomicU64::new(0);
 static LOAD_NS: AtomicU64 = AtomicU64::new(0);
+static LOOKUP_NS: AtomicU64 = AtomicU64::new(0);
+static READ_NS: AtomicU64 = AtomicU64::new(0);
 
 /// (NVRTC compilations, disk-cache hits) so far in this process.
 pub fn kernel_cache_stats() -> (u64, u64) {
@@ -46,6 +48,14 @@ pub fn kernel_compile_times() -> (Duration, Duration) {
         Duration::from_nanos(COMPILE_NS.load(Ordering::Relaxed)),
         Duration::from_nanos(LOAD_NS.load(Ordering::Relaxed)),
     )
+}
+
+/// Time spent so far in this process (summed over threads) readying built kernels: reading and
+/// checking cubins from the disk cache, the driver loading modules, and looking functions up in
+/// them.
+pub fn kernel_load_times() -> (Duration, Duration, Duration) {
+    let t = |c: &AtomicU64| Duration::from_nanos(c.load(Ordering::Relaxed));
+    (t(&READ_NS), t(&LOAD_NS), t(&LOOKUP_NS))
 }
 
 /// The kernel for `signature` on `dev`, generating its source with `source` on a miss.
@@ -78,67 +88,96 @@ pub(crate) fn module_kernels(
     src: &str,
     names: &[String],
 ) -> Result<Vec<sys::CUfunction>> {
-    let fs = module_kernels_if(dev, src, names, Build::IfMissing)?;
-    fs.ok_or_else(|| compile_err("module", "no machine code was built"))
+    let key = unit_key(src);
+    if let Some(fs) = loaded(dev, &key, names) {
+        return Ok(fs);
+    }
+    load_unit(dev, &key, &cubin_for(dev, &key, src)?, names)
 }
 
-/// `module_kernels` where `src`'s machine code is loaded or on disk; `None` where NVRTC would
-/// have to build it.
-pub(crate) fn built_module_kernels(
+/// For each unit (source, kernel names), its kernels where its machine code is loaded or on
+/// disk, `None` where NVRTC would have to build it. The cubins are read and checked on a few
+/// threads (two file reads and a hash each: DenseNet-121's 67 took ~5 ms one after the other),
+/// then loaded in order on this thread: the driver loads one module at a time.
+pub(crate) fn built_units(
     dev: &Arc<CudaDevice>,
-    src: &str,
-    names: &[String],
-) -> Result<Option<Vec<sys::CUfunction>>> {
-    module_kernels_if(dev, src, names, Build::Never)
+    units: &[(String, Vec<String>)],
+) -> Result<Vec<Option<Vec<sys::CUfunction>>>> {
+    let keys: Vec<String> = units.iter().map(|(src, _)| unit_key(src)).collect();
+    let mut out: Vec<Option<Vec<sys::CUfunction>>> = units
+        .iter()
+        .zip(&keys)
+        .map(|((_, names), key)| loaded(dev, key, names))
+        .collect();
+    let missing: Vec<usize> = (0..units.len()).filter(|&i| out[i].is_none()).collect();
+    let threads = missing.len().clamp(1, READ_THREADS);
+    let images: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                let mine: Vec<usize> = missing.iter().copied().skip(t).step_by(threads).collect();
+                s.spawn(move || {
+                    mine.into_iter()
+                        .map(|i| built_cubin(dev, &units[i].0))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        let mut read: Vec<std::vec::IntoIter<Option<Vec<u8>>>> = workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_default().into_iter())
+            .collect();
+        // back in `missing`'s order: the k-th missing unit was the (k / threads)-th of thread k % threads
+        (0..missing.len())
+            .map(|k| read[k % threads].next().flatten())
+            .collect()
+    });
+    for (&i, image) in missing.iter().zip(images) {
+        if let Some(image) = image {
+            out[i] = Some(load_unit(dev, &keys[i], &image, &units[i].1)?);
+        }
+    }
+    Ok(out)
 }
 
-fn module_kernels_if(
-    dev: &Arc<CudaDevice>,
-    src: &str,
-    names: &[String],
-    build: Build,
-) -> Result<Option<Vec<sys::CUfunction>>> {
-    // inside a fresh-cache scope (cold-compile measurements) a module loaded before is not reused
-    let key = format!(
+/// Most threads reading cubins from the disk cache at once (`built_units`).
+const READ_THREADS: usize = 8;
+
+/// The key a unit's loaded kernels are kept under: inside a fresh-cache scope (cold-compile
+/// measurements) a module loaded before is not reused.
+fn unit_key(src: &str) -> String {
+    format!(
         "gen:{}:{}",
         kiln_core::cache::scope_id(),
         checksum(src.as_bytes())
-    );
-    let have: Option<Vec<sys::CUfunction>> = {
-        let table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        names
-            .iter()
-            .map(|n| table.get(&format!("{key}:{n}")).copied())
-            .collect()
-    };
-    if let Some(fs) = have {
-        return Ok(Some(fs));
-    }
-    let image = match build {
-        Build::IfMissing => cubin_for(dev, &key, src)?,
-        Build::Never => match built_cubin(dev, src) {
-            Some(image) => image,
-            None => return Ok(None),
-        },
-    };
-    let module = load_image(dev, &image)?;
+    )
+}
+
+/// The unit's kernels, if this process has loaded them on `dev` (under `unit_key`).
+fn loaded(dev: &CudaDevice, key: &str, names: &[String]) -> Option<Vec<sys::CUfunction>> {
+    let table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
+    names
+        .iter()
+        .map(|n| table.get(&format!("{key}:{n}")).copied())
+        .collect()
+}
+
+/// Loads a unit's machine code on `dev` and looks its kernels up, keeping them under `key`.
+fn load_unit(
+    dev: &Arc<CudaDevice>,
+    key: &str,
+    image: &[u8],
+    names: &[String],
+) -> Result<Vec<sys::CUfunction>> {
+    let module = load_image(dev, image)?;
     let fs = names
         .iter()
-        .map(|n| function(dev, module, &key, n))
+        .map(|n| function(dev, module, key, n))
         .collect::<Result<Vec<_>>>()?;
     let mut table = dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
     for (n, &f) in names.iter().zip(&fs) {
         table.insert(format!("{key}:{n}"), f);
     }
-    Ok(Some(fs))
-}
-
-/// Whether `module_kernels_if` may run NVRTC for a source whose machine code is not on disk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Build {
-    IfMissing,
-    /// Load only what is built: `None` for the rest.
-    Never,
+    Ok(fs)
 }
 
 /// `src` compiled for `dev` (from the disk cache when there) and loaded; the module stays loaded
@@ -165,9 +204,12 @@ fn function(
     name: &str,
 ) -> Result<sys::CUfunction> {
     let c = CString::new(name).map_err(|_| compile_err(signature, "bad kernel name"))?;
+    let start = Instant::now();
     // SAFETY: the module is loaded; the name is NUL-terminated
-    unsafe { result::module::get_function(module, c) }
-        .map_err(|e| cu_err("cuModuleGetFunction", dev.ordinal, e))
+    let f = unsafe { result::module::get_function(module, c) }
+        .map_err(|e| cu_err("cuModuleGetFunction", dev.ordinal, e));
+    LOOKUP_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    f
 }
 
 fn compile_err(signature: &str, msg: impl std::fmt::Display) -> Error {
@@ -238,8 +280,11 @@ fn cubin_entry(dev: &CudaDevice, src: &str) -> (String, PathBuf, PathBuf) {
 
 /// The device's machine code for `src` from the disk cache, where a verified entry exists.
 fn built_cubin(dev: &CudaDevice, src: &str) -> Option<Vec<u8>> {
+    let start = Instant::now();
     let (_, path, sum_path) = cubin_entry(dev, src);
-    let image = read_verified(&path, &sum_path)?;
+    let image = read_verified(&path, &sum_path);
+    READ_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    let image = image?;
     DISK_HITS.fetch_add(1, Ordering::Relaxed);
     Some(image)
 }

@@ -4,7 +4,7 @@
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
-use kiln_core::device::{DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime};
+use kiln_core::device::{BuiltUnits, DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime};
 use kiln_core::prim::{OutMeta, Prim, ReduceOp};
 use kiln_core::shape::Layout;
 use kiln_core::storage::CpuStorage;
@@ -398,15 +398,18 @@ impl DeviceRuntime for CudaRuntime {
         Ok(generated_kernels(&dev, fs, names))
     }
 
-    fn load_built_kernels(
+    fn load_built_units(
         &self,
         device: Device,
-        source: &str,
-        names: &[String],
-    ) -> Result<Option<Vec<Arc<dyn DeviceKernel>>>> {
+        units: &[(String, Vec<String>)],
+    ) -> Result<BuiltUnits> {
         let dev = CudaDevice::get(ordinal("compiled kernels", device)?)?;
-        let fs = crate::nvrtc::built_module_kernels(&dev, source, names)?;
-        Ok(fs.map(|fs| generated_kernels(&dev, fs, names)))
+        let built = crate::nvrtc::built_units(&dev, units)?;
+        Ok(built
+            .into_iter()
+            .zip(units)
+            .map(|(fs, (_, names))| fs.map(|fs| generated_kernels(&dev, fs, names)))
+            .collect())
     }
 
     fn multiprocessors(&self, device: Device) -> Result<u32> {

@@ -65,14 +65,7 @@ __device__ __forceinline__ void conv_wgmma(const TensorMap* xmap, const TensorMa
     // windows); a block takes every gridDim.x-th
     const int col_tiles = (g.n + BN - 1) / BN;
     const int tiles = (g.m + WG_BM - 1) / WG_BM * col_tiles;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < STAGES; ++i) {
-            barrier_init(&full[i], 1);
-            barrier_init(&empty[i], 2);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    pipeline_init(full, empty, STAGES);
     if (group == 0) {
         if (t != 0) return;
         // `it` counts the block's k tiles over all its output tiles: the stages and their

@@ -93,14 +93,7 @@ __device__ __forceinline__ void conv_wgmma_wgrad(const TensorMap* xmap, const Te
     // boxes holding some channel of x or dy
     const int a_boxes = min(A_BOXES, (g.c - c0 + 31) / 32);
     const int b_boxes = min(B_BOXES, (g.k - k0 + 31) / 32);
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < STAGES; ++i) {
-            barrier_init(&full[i], 1);
-            barrier_init(&empty[i], 2);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    pipeline_init(full, empty, STAGES);
     if (group == 0) {
         if (t != 0) return;
         for (int kt = 0; kt < ktiles; ++kt) {

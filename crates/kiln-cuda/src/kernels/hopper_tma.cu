@@ -18,6 +18,21 @@ __device__ __forceinline__ void barrier_init(unsigned long long* b, int arrivals
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(arrivals));
 }
 
+// A producer/consumer pipeline's barriers, set up by one thread before the whole block syncs:
+// each of the `stages` `full` barriers waits for the producer's one arrival (and its copies'
+// bytes), each `empty` one for both consumer warpgroups.
+__device__ __forceinline__ void pipeline_init(unsigned long long* full, unsigned long long* empty,
+                                              int stages) {
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < stages; ++i) {
+            barrier_init(&full[i], 1);
+            barrier_init(&empty[i], 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+}
+
 // The producer's arrival, announcing the bytes its copies will bring.
 __device__ __forceinline__ void barrier_expect(unsigned long long* b, int bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"

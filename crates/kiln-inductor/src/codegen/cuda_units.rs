@@ -109,11 +109,11 @@ fn compile_threads(units: usize) -> usize {
 }
 
 /// Compiles and loads `units` on `device`. Units whose machine code is already built (a warm
-/// start's: on disk) are loaded first, one after the other on this thread: the driver loads one
-/// module at a time, and DenseNet-121's 67 modules took 12-17 ms loaded by 16 threads that
-/// mostly waited for each other (180-230 ms of waiting summed over them) against ~8 ms on one.
-/// The rest are built by a few threads that take them in order, largest work first as `units`
-/// dealt them.
+/// start's: on disk) are loaded first (`DeviceRuntime::load_built_units`: kiln-cuda reads them
+/// on a few threads and loads them on this one). The driver loads one module at a time: 16
+/// threads each loading units spent 180-230 ms summed waiting for it, and DenseNet-121's 56
+/// units took 16-18 ms; loaded this way, 12 ms (on the H200, 2026-11-29). The rest are built by
+/// a few threads that take them in order, largest work first as `units` dealt them.
 pub(crate) fn load(
     rt: &Arc<dyn DeviceRuntime>,
     device: Device,
@@ -121,8 +121,8 @@ pub(crate) fn load(
 ) -> Result<HashMap<String, Arc<dyn DeviceKernel>>> {
     let mut out = HashMap::new();
     let mut to_build: Vec<&(String, Vec<String>)> = Vec::new();
-    for unit in units {
-        match rt.load_built_kernels(device, &unit.0, &unit.1)? {
+    for (unit, built) in units.iter().zip(rt.load_built_units(device, units)?) {
+        match built {
             Some(kernels) => out.extend(unit.1.iter().cloned().zip(kernels)),
             None => to_build.push(unit),
         }
