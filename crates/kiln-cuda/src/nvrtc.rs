@@ -110,27 +110,7 @@ pub(crate) fn built_units(
         .map(|((_, names), key)| loaded(dev, key, names))
         .collect();
     let missing: Vec<usize> = (0..units.len()).filter(|&i| out[i].is_none()).collect();
-    let threads = missing.len().clamp(1, READ_THREADS);
-    let images: Vec<Option<Vec<u8>>> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|t| {
-                let mine: Vec<usize> = missing.iter().copied().skip(t).step_by(threads).collect();
-                s.spawn(move || {
-                    mine.into_iter()
-                        .map(|i| built_cubin(dev, &units[i].0))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        let mut read: Vec<std::vec::IntoIter<Option<Vec<u8>>>> = workers
-            .into_iter()
-            .map(|w| w.join().unwrap_or_default().into_iter())
-            .collect();
-        // back in `missing`'s order: the k-th missing unit was the (k / threads)-th of thread k % threads
-        (0..missing.len())
-            .map(|k| read[k % threads].next().flatten())
-            .collect()
-    });
+    let images = map_on_threads(&missing, READ_THREADS, |&i| built_cubin(dev, &units[i].0));
     for (&i, image) in missing.iter().zip(images) {
         if let Some(image) = image {
             out[i] = Some(load_unit(dev, &keys[i], &image, &units[i].1)?);
@@ -141,6 +121,34 @@ pub(crate) fn built_units(
 
 /// Most threads reading cubins from the disk cache at once (`built_units`).
 const READ_THREADS: usize = 8;
+
+/// `f` of each item, on at most `threads` threads (the k-th item on thread k % threads), results
+/// in the items' order; `None` for the items of a thread that panicked.
+fn map_on_threads<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> Option<R> + Sync,
+) -> Vec<Option<R>> {
+    let threads = items.len().clamp(1, threads.max(1));
+    std::thread::scope(|s| {
+        let f = &f;
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                s.spawn(move || -> Vec<Option<R>> {
+                    items.iter().skip(t).step_by(threads).map(f).collect()
+                })
+            })
+            .collect();
+        let mut done: Vec<std::vec::IntoIter<Option<R>>> = workers
+            .into_iter()
+            .map(|w| w.join().unwrap_or_default().into_iter())
+            .collect();
+        // the k-th item was the (k / threads)-th of thread k % threads
+        (0..items.len())
+            .map(|k| done[k % threads].next().flatten())
+            .collect()
+    })
+}
 
 /// The key a unit's loaded kernels are kept under: inside a fresh-cache scope (cold-compile
 /// measurements) a module loaded before is not reused.
@@ -439,4 +447,33 @@ pub(crate) fn store(path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Resu
     std::fs::write(&tmp_sum, checksum(bytes))?;
     std::fs::rename(&tmp, path)?;
     std::fs::rename(&tmp_sum, sum_path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Results come back in the items' order for any count of items and threads, and a thread
+    /// that panics leaves `None` for its items alone.
+    #[test]
+    fn map_on_threads_keeps_the_order() {
+        for n in [0usize, 1, 2, 7, 8, 9, 67] {
+            let items: Vec<usize> = (0..n).collect();
+            for threads in [0usize, 1, 3, 8, 100] {
+                let out = map_on_threads(&items, threads, |&i| Some(i * 10));
+                let want: Vec<Option<usize>> = (0..n).map(|i| Some(i * 10)).collect();
+                assert_eq!(out, want, "{n} items on {threads} threads");
+            }
+        }
+        let items: Vec<usize> = (0..9).collect();
+        let out = map_on_threads(&items, 3, |&i| {
+            if i == 4 {
+                panic!("a reader failed");
+            }
+            Some(i)
+        });
+        // item 4 was thread 1's (items 1, 4, 7): all three are lost, the rest kept
+        let want: Vec<Option<usize>> = (0..9).map(|i| (i % 3 != 1).then_some(i)).collect();
+        assert_eq!(out, want);
+    }
 }
