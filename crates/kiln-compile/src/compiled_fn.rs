@@ -312,6 +312,7 @@ impl<'f> CompiledFn<'f> {
             mode: self.opts.mode.as_str().to_string(),
             options: self.opts.options.clone(),
             fullgraph: self.opts.fullgraph,
+            name: self.name.clone(),
         }
     }
 
@@ -328,6 +329,7 @@ impl<'f> CompiledFn<'f> {
     }
 
     fn trace(&self, args: &[Tensor], extra: u64) -> Result<Vec<Tensor>> {
+        self.backend.trace_starting(&self.backend_context(), args);
         let tracer = self.new_tracer(args, TraceMode::Run);
         let outs = {
             let _on = intercept::install(Some(tracer.clone()));

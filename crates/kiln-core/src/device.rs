@@ -200,6 +200,21 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         let _ = device;
         Ok(vec![None; units.len()])
     }
+    /// An id of `source`'s built machine code on `device` by which `prefetch_units` loads it in
+    /// another process, without the source (kiln-cuda: the source's hash and its cubin's key);
+    /// `None` where the runtime keeps none.
+    fn unit_id(&self, device: Device, source: &str) -> Option<String> {
+        let _ = (device, source);
+        None
+    }
+    /// Loads the units `ids` names (each with its kernel names, ids from `unit_id`), so that a
+    /// later `load_built_units` of their sources finds them loaded: a warm start loads its units
+    /// while the user's code is still being traced. Best effort: an id whose machine code is
+    /// not on disk is skipped. The default: nothing.
+    fn prefetch_units(&self, device: Device, ids: &[(String, Vec<String>)]) -> Result<()> {
+        let _ = (device, ids);
+        Ok(())
+    }
     /// The multiprocessor count of `device` (generated kernels size their grids by it).
     fn multiprocessors(&self, device: Device) -> Result<u32>;
     /// The most dynamic shared memory, in bytes, one block of a generated kernel may be launched

@@ -119,6 +119,43 @@ pub(crate) fn built_units(
     Ok(out)
 }
 
+/// The id `prefetch_units` loads `src`'s unit by: the source's hash, then its cubin's key.
+pub(crate) fn unit_id(dev: &CudaDevice, src: &str) -> String {
+    format!("{} {}", checksum(src.as_bytes()), cubin_entry(dev, src).0)
+}
+
+/// Loads the units `ids` names (from `unit_id`), their cubins read on a few threads, so that
+/// `built_units` of their sources finds them loaded. An id that is malformed or whose cubin is
+/// missing or damaged is skipped.
+pub(crate) fn prefetch_units(dev: &Arc<CudaDevice>, ids: &[(String, Vec<String>)]) -> Result<()> {
+    let parsed: Vec<(String, String, &[String])> = ids
+        .iter()
+        .filter_map(|(id, names)| {
+            let (src_sum, cubin) = id.split_once(' ')?;
+            let key = format!("gen:{}:{src_sum}", kiln_core::cache::scope_id());
+            let ok = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_hexdigit());
+            (ok(src_sum) && ok(cubin) && loaded(dev, &key, names).is_none())
+                .then(|| (key, cubin.to_string(), names.as_slice()))
+        })
+        .collect();
+    let dir = cache_dir();
+    let images = map_on_threads(&parsed, READ_THREADS, |(_, cubin, _)| {
+        let start = Instant::now();
+        let image = read_verified(
+            &dir.join(format!("{cubin}.cubin")),
+            &dir.join(format!("{cubin}.cubin.xxh3")),
+        );
+        READ_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        image
+    });
+    for ((key, _, names), image) in parsed.iter().zip(images) {
+        if let Some(image) = image {
+            load_unit(dev, key, &image, names)?;
+        }
+    }
+    Ok(())
+}
+
 /// Most threads reading cubins from the disk cache at once (`built_units`).
 const READ_THREADS: usize = 8;
 

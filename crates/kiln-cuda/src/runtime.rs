@@ -398,6 +398,16 @@ impl DeviceRuntime for CudaRuntime {
         Ok(generated_kernels(&dev, fs, names))
     }
 
+    fn unit_id(&self, device: Device, source: &str) -> Option<String> {
+        let dev = CudaDevice::get(ordinal("unit_id", device).ok()?).ok()?;
+        Some(crate::nvrtc::unit_id(&dev, source))
+    }
+
+    fn prefetch_units(&self, device: Device, ids: &[(String, Vec<String>)]) -> Result<()> {
+        let dev = CudaDevice::get(ordinal("prefetch_units", device)?)?;
+        crate::nvrtc::prefetch_units(&dev, ids)
+    }
+
     fn load_built_units(
         &self,
         device: Device,

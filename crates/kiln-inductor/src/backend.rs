@@ -486,6 +486,12 @@ impl Backend for CpuCodegen {
         Some(crate::plan_cache::build_and_settings())
     }
 
+    /// With `KILN_PREFETCH_UNITS=1`, a function traced on a CUDA device starts loading the units
+    /// its last compile loaded (`codegen/cuda_prefetch.rs`).
+    fn trace_starting(&self, ctx: &BackendContext, args: &[kiln_core::Tensor]) {
+        crate::codegen::cuda_prefetch::start(ctx, args)
+    }
+
     /// On a CUDA device both graphs' kernels are built by one pool of NVRTC threads: built one
     /// graph after the other, each ended in a tail of a few large units on a few threads.
     /// Anything that fails there goes through `compile` graph by graph (its fallbacks apply).
@@ -498,8 +504,13 @@ impl Backend for CpuCodegen {
     ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
         let device = forward.device();
         if device != kiln_core::Device::Cpu && backward.device() == device {
-            if let Ok(mut both) = cuda_compile::compile_many(&[forward, backward], cuda_flags(ctx)?)
-            {
+            let manifest = crate::codegen::cuda_prefetch::manifest(ctx, device);
+            let both = cuda_compile::compile_many(
+                &[forward, backward],
+                cuda_flags(ctx)?,
+                manifest.as_deref(),
+            );
+            if let Ok(mut both) = both {
                 if let (Some(bc), Some(fc)) = (both.pop(), both.pop()) {
                     return Ok((fc, bc));
                 }
@@ -517,7 +528,8 @@ impl Backend for CpuCodegen {
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
         if graph.device() != kiln_core::Device::Cpu {
-            return match cuda_compile::compile(graph, cuda_flags(ctx)?) {
+            let manifest = crate::codegen::cuda_prefetch::manifest(ctx, graph.device());
+            return match cuda_compile::compile(graph, cuda_flags(ctx)?, manifest.as_deref()) {
                 Ok(compiled) => Ok(compiled),
                 Err(e) if !ctx.fullgraph => {
                     static WARN: Once = Once::new();

@@ -84,6 +84,10 @@ impl Backend for AotBackend {
     fn cache_id(&self) -> Option<String> {
         self.inner.cache_id()
     }
+
+    fn trace_starting(&self, ctx: &BackendContext, args: &[Tensor]) {
+        self.inner.trace_starting(ctx, args)
+    }
 }
 
 impl AotBackend {

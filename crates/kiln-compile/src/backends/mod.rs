@@ -24,6 +24,9 @@ pub struct BackendContext {
     /// `CompileOptions::fullgraph`: the user asked for strictness, so a backend that cannot do its
     /// job (no C compiler, say) errs instead of falling back.
     pub fullgraph: bool,
+    /// The compiled function's name ("DenseNet" for a module of that type): what a backend may
+    /// key what it remembers of the function's compiles by, across processes.
+    pub name: String,
 }
 
 pub trait Backend: Send + Sync {
@@ -39,6 +42,12 @@ pub trait Backend: Send + Sync {
         ctx: &BackendContext,
     ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
         Ok((self.compile(forward, ctx)?, self.compile(backward, ctx)?))
+    }
+    /// Told before the function named `ctx.name` is traced with `args` (the trace's graphs come
+    /// to `compile` after it): a backend may start work that does not need the graphs, such as
+    /// loading what the function's last compile in another process built. The default: nothing.
+    fn trace_starting(&self, ctx: &BackendContext, args: &[Tensor]) {
+        let _ = (ctx, args);
     }
     /// A rewrite of AOT autograd's joint graph (forward and backward in one) before it is split,
     /// so that what the forward saves for the backward is what this backend wants saved (kiln's

@@ -6,6 +6,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use kiln_compile::graph::Graph;
@@ -53,8 +54,12 @@ struct Prepared {
 /// disk says which; not for one size of a symbolic graph, whose kernels serve every size.
 /// `graph` is as the backend was handed it: the rewrites for the code generators
 /// (`backend::prepare`) happen here, unless its plan comes from the disk cache (`plan_cache.rs`).
-pub fn compile(graph: &Graph, flags: CudaFlags) -> Result<Arc<dyn CompiledGraph>> {
-    let mut out = compile_many(&[graph], flags)?;
+pub fn compile(
+    graph: &Graph,
+    flags: CudaFlags,
+    manifest: Option<&Path>,
+) -> Result<Arc<dyn CompiledGraph>> {
+    let mut out = compile_many(&[graph], flags, manifest)?;
     out.pop()
         .ok_or_else(|| kiln_core::Error::arg("kiln backend", "no graph was compiled"))
 }
@@ -81,7 +86,13 @@ impl Source<'_> {
 /// (`runtime/conv_warmup.rs`: cuDNN's kernels load at a convolution's first execution), from
 /// the start where the convolutions are already in their final (channels-last) form, else once
 /// the graphs are rewritten.
-pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn CompiledGraph>>> {
+/// `manifest`: where the compiled function's units are remembered for the next process's
+/// prefetch (`cuda_prefetch.rs`), if it is on.
+pub fn compile_many(
+    graphs: &[&Graph],
+    flags: CudaFlags,
+    manifest: Option<&Path>,
+) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = graphs.first() else {
         return Ok(Vec::new());
     };
@@ -136,7 +147,15 @@ pub fn compile_many(graphs: &[&Graph], flags: CudaFlags) -> Result<Vec<Arc<dyn C
             let rewritten: Vec<&Graph> = sources.iter().map(Source::graph).collect();
             warmup = warm(crate::runtime::conv_warmup::distinct(&rewritten));
         }
-        let compiled = compile_graphs(&rt, &target, device_key.as_deref(), sources, flags, sizes);
+        let compiled = compile_graphs(
+            &rt,
+            &target,
+            device_key.as_deref(),
+            sources,
+            flags,
+            sizes,
+            manifest,
+        );
         // best effort: a failed warm-up leaves the first call to load what it needs
         if let Some(w) = warmup {
             let _ = w.join();
@@ -171,6 +190,7 @@ fn compile_graphs(
     sources: Vec<Source<'_>>,
     flags: CudaFlags,
     sizes: Option<symbolic::context::SizeContext>,
+    manifest: Option<&Path>,
 ) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = sources.first() else {
         return Ok(Vec::new());
@@ -227,6 +247,9 @@ fn compile_graphs(
         });
         cuda_units::load(rt, device, &all_units)?
     };
+    if let Some(path) = manifest {
+        super::cuda_prefetch::remember(path, rt, device, &all_units);
+    }
     prepared
         .into_iter()
         .map(|p| finish(p, &loaded, device, device_key, &flags))

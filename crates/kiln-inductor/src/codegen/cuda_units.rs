@@ -119,6 +119,8 @@ pub(crate) fn load(
     device: Device,
     units: &[(String, Vec<String>)],
 ) -> Result<HashMap<String, Arc<dyn DeviceKernel>>> {
+    // units a prefetch is loading are found loaded, not loaded twice
+    super::cuda_prefetch::wait();
     let mut out = HashMap::new();
     let mut to_build: Vec<&(String, Vec<String>)> = Vec::new();
     for (unit, built) in units.iter().zip(rt.load_built_units(device, units)?) {
@@ -166,101 +168,7 @@ pub(crate) fn load(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiln_core::device::{BuiltUnits, DeviceBuffer};
-    use kiln_core::prim::{OutMeta, Prim};
-    use kiln_core::shape::Layout;
-    use kiln_core::storage::CpuStorage;
-    use kiln_core::{DType, Tensor};
-    use std::sync::Mutex;
-
-    /// A runtime whose units with "BUILT" in their source are built already; `load_kernels`
-    /// notes each unit it is asked to build and fails on a source with "BROKEN" in it.
-    #[derive(Default)]
-    struct Units {
-        built_asked: Mutex<usize>,
-        compiled: Mutex<Vec<String>>,
-    }
-
-    struct NoOp;
-    impl DeviceKernel for NoOp {
-        fn launch(&self, _: [u32; 3], _: u32, _: u32, _: &[u64]) -> Result<()> {
-            Ok(())
-        }
-    }
-
-    fn kernels(names: &[String]) -> Vec<Arc<dyn DeviceKernel>> {
-        names
-            .iter()
-            .map(|_| Arc::new(NoOp) as Arc<dyn DeviceKernel>)
-            .collect()
-    }
-
-    fn none<T>() -> Result<T> {
-        Err(kiln_core::Error::arg("test runtime", "not a real device"))
-    }
-
-    impl DeviceRuntime for Units {
-        fn name(&self) -> &'static str {
-            "units"
-        }
-        fn upload(&self, _: Device, _: &CpuStorage) -> Result<Arc<dyn DeviceBuffer>> {
-            none()
-        }
-        fn download(&self, _: &Arc<dyn DeviceBuffer>, _: &Layout) -> Result<CpuStorage> {
-            none()
-        }
-        fn execute(
-            &self,
-            _: Device,
-            _: &Prim,
-            _: &[&Tensor],
-            _: &OutMeta,
-        ) -> Result<Arc<dyn DeviceBuffer>> {
-            none()
-        }
-        fn assign(&self, _: &Tensor, _: &Tensor) -> Result<()> {
-            none()
-        }
-        fn synchronize(&self, _: Device) -> Result<()> {
-            Ok(())
-        }
-        fn empty(&self, _: Device, _: DType, _: usize) -> Result<Arc<dyn DeviceBuffer>> {
-            none()
-        }
-        fn load_kernels(
-            &self,
-            _: Device,
-            source: &str,
-            names: &[String],
-        ) -> Result<Vec<Arc<dyn DeviceKernel>>> {
-            self.compiled.lock().unwrap().push(source.to_string());
-            if source.contains("BROKEN") {
-                return Err(kiln_core::Error::arg("test runtime", "NVRTC refused it"));
-            }
-            Ok(kernels(names))
-        }
-        fn load_built_units(
-            &self,
-            _: Device,
-            units: &[(String, Vec<String>)],
-        ) -> Result<BuiltUnits> {
-            *self.built_asked.lock().unwrap() += 1;
-            Ok(units
-                .iter()
-                .map(|(src, names)| src.contains("BUILT").then(|| kernels(names)))
-                .collect())
-        }
-        fn multiprocessors(&self, _: Device) -> Result<u32> {
-            Ok(1)
-        }
-    }
-
-    fn unit(src: &str, names: &[&str]) -> (String, Vec<String>) {
-        (
-            src.to_string(),
-            names.iter().map(|n| n.to_string()).collect(),
-        )
-    }
+    use crate::codegen::test_runtime::{unit, Units};
 
     /// Units already built are taken from `load_built_units` in one call and never compiled;
     /// only the others reach `load_kernels`; every kernel of every unit comes back by name.

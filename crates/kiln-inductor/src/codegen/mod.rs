@@ -24,6 +24,7 @@ pub(crate) mod c_trig;
 pub mod cuda;
 pub mod cuda_compile;
 pub mod cuda_literals;
+pub(crate) mod cuda_prefetch;
 mod cuda_reduce;
 mod cuda_residues;
 pub(crate) mod cuda_rows;
@@ -36,3 +37,5 @@ mod cuda_units;
 mod cuda_vector;
 mod residues;
 pub mod template;
+#[cfg(test)]
+pub(crate) mod test_runtime;

@@ -1,0 +1,247 @@
+//! Warm starts: a compiled function's kernel units loaded while its code is still being traced.
+//! A new process that finds a training step's compile on disk first spends ~10 ms recording the
+//! user's code, the driver idle, then reads the plans and loads their units (DenseNet-121's: 12
+//! ms, one module at a time). The units a function's compiles loaded are remembered in a small
+//! manifest under the cache folder, keyed by the function's name, the mode, the device and the
+//! build; when the next process starts tracing that function (`Backend::trace_starting`), a
+//! thread of its own loads them (`DeviceRuntime::prefetch_units`), and `cuda_units::load` waits
+//! for it before loading what is left. A manifest that no longer matches the graphs only loads
+//! units nobody asks for: a unit is found by its source's hash.
+//!
+//! Off unless `KILN_PREFETCH_UNITS=1`: not yet measured on a GPU.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use kiln_compile::{disk_cache, BackendContext};
+use kiln_core::device::{runtime_for, DeviceRuntime};
+use kiln_core::{profiler, Device, Tensor};
+
+/// Whether the prefetch is on (`KILN_PREFETCH_UNITS=1`).
+pub fn enabled() -> bool {
+    std::env::var_os("KILN_PREFETCH_UNITS").is_some_and(|v| v == "1")
+}
+
+/// Prefetch threads not yet waited for.
+static PENDING: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Units by id, each with its kernels' names.
+type UnitIds = Vec<(String, Vec<String>)>;
+
+/// Each manifest's units as this process has remembered them so far (a function compiles
+/// several graphs: a forward and a backward, the segments around a graph break).
+fn remembered() -> &'static Mutex<HashMap<PathBuf, UnitIds>> {
+    static R: std::sync::OnceLock<Mutex<HashMap<PathBuf, UnitIds>>> = std::sync::OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// Where the units of the function `ctx` names, compiled on `device`, are remembered; `None`
+/// when the prefetch is off or the device's runtime cannot name its model.
+pub(crate) fn manifest(ctx: &BackendContext, device: Device) -> Option<PathBuf> {
+    if !enabled() || device == Device::Cpu {
+        return None;
+    }
+    let rt = runtime_for("prefetch", device).ok()?;
+    Some(manifest_path(
+        &kiln_core::cache::cache_root(),
+        &ctx.name,
+        &ctx.mode,
+        &rt.device_key(device)?,
+    ))
+}
+
+fn manifest_path(root: &Path, name: &str, mode: &str, device_key: &str) -> PathBuf {
+    let key = disk_cache::key(&[
+        b"cuda units",
+        name.as_bytes(),
+        mode.as_bytes(),
+        device_key.as_bytes(),
+        crate::plan_cache::build_and_settings().as_bytes(),
+    ]);
+    root.join("graphs")
+        .join("cuda-units")
+        .join(format!("{key:032x}.txt"))
+}
+
+/// Starts loading, on a thread of its own, the units the function `ctx` names loaded when it
+/// was last compiled on the device of `args`.
+pub(crate) fn start(ctx: &BackendContext, args: &[Tensor]) {
+    let Some(device) = args.iter().map(Tensor::device).find(|&d| d != Device::Cpu) else {
+        return;
+    };
+    let Some(path) = manifest(ctx, device) else {
+        return;
+    };
+    // once a process: a function traced on every call (a graph break) finds its units loaded
+    static STARTED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+    {
+        let mut started = STARTED.lock().unwrap_or_else(|e| e.into_inner());
+        if started.contains(&path) {
+            return;
+        }
+        started.push(path.clone());
+    }
+    let Ok(rt) = runtime_for("prefetch", device) else {
+        return;
+    };
+    start_from(rt, device, &path);
+}
+
+fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, path: &Path) {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return;
+    };
+    let units = parse(&text);
+    if units.is_empty() {
+        return;
+    }
+    let thread = std::thread::Builder::new()
+        .name("kiln-prefetch".into())
+        .spawn(move || {
+            let _span = profiler::span(profiler::Category::Compile, || {
+                format!("inductor: {} units prefetched", units.len()).into()
+            });
+            // best effort: what fails here is loaded (or reported) by the compile itself
+            let _ = rt.prefetch_units(device, &units);
+        });
+    if let Ok(handle) = thread {
+        PENDING
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(handle);
+    }
+}
+
+/// Waits for every prefetch started so far (before a compile loads its units).
+pub(crate) fn wait() {
+    let pending = std::mem::take(&mut *PENDING.lock().unwrap_or_else(|e| e.into_inner()));
+    for handle in pending {
+        let _ = handle.join();
+    }
+}
+
+/// Remembers `units` (source, kernel names), loaded on `device`, in the manifest at `path`,
+/// with the units this process remembered there before.
+pub(crate) fn remember(
+    path: &Path,
+    rt: &Arc<dyn DeviceRuntime>,
+    device: Device,
+    units: &[(String, Vec<String>)],
+) {
+    let text = {
+        let mut all = remembered().lock().unwrap_or_else(|e| e.into_inner());
+        let list = all.entry(path.to_path_buf()).or_default();
+        for (src, names) in units {
+            if let Some(id) = rt.unit_id(device, src) {
+                if !list.iter().any(|(known, _)| *known == id) {
+                    list.push((id, names.clone()));
+                }
+            }
+        }
+        format(list)
+    };
+    // a manifest that cannot be written only costs the next process its prefetch
+    let _ = write_atomically(path, &text);
+}
+
+fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+/// One line a unit: its id, a tab, its kernels' names separated by spaces.
+fn format(units: &[(String, Vec<String>)]) -> String {
+    units
+        .iter()
+        .map(|(id, names)| format!("{id}\t{}\n", names.join(" ")))
+        .collect()
+}
+
+fn parse(text: &str) -> UnitIds {
+    text.lines()
+        .filter_map(|line| {
+            let (id, names) = line.split_once('\t')?;
+            let names: Vec<String> = names.split_whitespace().map(str::to_string).collect();
+            (!id.is_empty() && !names.is_empty()).then(|| (id.to_string(), names))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codegen::test_runtime::{unit, Units};
+
+    /// What one process's compiles remember (accumulated, each unit once) is what the next
+    /// process's trace start hands the runtime to load, ids and kernel names alike.
+    #[test]
+    fn remembered_units_are_prefetched_by_the_next_start() {
+        let dir = std::env::temp_dir().join(format!("kiln-prefetch-{}", std::process::id()));
+        let path = dir.join("graphs").join("cuda-units").join("m.txt");
+        let runtime = Arc::new(Units::default());
+        let rt: Arc<dyn DeviceRuntime> = runtime.clone();
+        let device = Device::Cuda(0);
+        remember(
+            &path,
+            &rt,
+            device,
+            &[unit("src a", &["a0", "a1"]), unit("src b", &["b0"])],
+        );
+        remember(
+            &path,
+            &rt,
+            device,
+            &[unit("src b", &["b0"]), unit("src c", &["c0"])],
+        );
+        start_from(rt.clone(), device, &path);
+        wait();
+        let got = runtime.prefetched.lock().unwrap().clone();
+        let want = vec![
+            unit("id:src a", &["a0", "a1"]),
+            unit("id:src b", &["b0"]),
+            unit("id:src c", &["c0"]),
+        ];
+        assert_eq!(got, want);
+        // no manifest: nothing started
+        start_from(rt, device, &dir.join("none.txt"));
+        wait();
+        assert_eq!(runtime.prefetched.lock().unwrap().len(), 3);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn manifests_read_back_what_was_written() {
+        let units = vec![
+            (
+                "aa11 bb22".to_string(),
+                vec!["k_1".to_string(), "kl_2".to_string()],
+            ),
+            ("cc33 dd44".to_string(), vec!["k_3".to_string()]),
+        ];
+        assert_eq!(parse(&format(&units)), units);
+        // damaged lines are skipped, the rest kept
+        let text = "aa11 bb22\tk_1 kl_2\nno tab here\n\tk_9\ncc33 dd44\t\ncc33 dd44\tk_3\n";
+        assert_eq!(parse(text), units);
+    }
+
+    #[test]
+    fn a_manifest_is_keyed_by_function_mode_and_device() {
+        let root = Path::new("/cache");
+        let p = |n, m, d| manifest_path(root, n, m, d);
+        let base = p("DenseNet", "default", "H200 compute_90 132sm");
+        assert_ne!(base, p("ResNet", "default", "H200 compute_90 132sm"));
+        assert_ne!(
+            base,
+            p("DenseNet", "reduce-overhead", "H200 compute_90 132sm")
+        );
+        assert_ne!(base, p("DenseNet", "default", "H100 compute_90 132sm"));
+        assert_eq!(base, p("DenseNet", "default", "H200 compute_90 132sm"));
+        assert!(base.starts_with("/cache/graphs/cuda-units"));
+    }
+}
