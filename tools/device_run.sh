@@ -22,7 +22,9 @@
 #        bench_all:W1,W2,... (tools/bench_all.sh: kiln, torch and JAX rows into $OUT/bench.jsonl)
 #        py:SCRIPT (a python script carried in carry/)
 #        env:NAME=VALUE (exported for the steps after it, e.g. env:KILN_COMPILE_THREADS=8)
-#        sh:COMMAND (a shell command, e.g. sh:du -sh ~/.nv)
+#        sh:COMMAND (a shell command, e.g. sh:du -sh ~/.nv, or warm starts of two builds
+#        interleaved: sh:"bash tools/warm_starts.sh 6 before=carry/gpu/kiln-bench-before
+#        new=carry/gpu/kiln-bench", each NAME=BINARY[,VAR=VALUE...])
 set -u
 bin=carry/gpu
 out=${OUT:-/tmp/kiln-out}
