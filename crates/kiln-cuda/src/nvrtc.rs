@@ -96,64 +96,84 @@ pub(crate) fn module_kernels(
 }
 
 /// For each unit (source, kernel names), its kernels where its machine code is loaded or on
-/// disk, `None` where NVRTC would have to build it. The cubins are read and checked on a few
-/// threads (two file reads and a hash each: DenseNet-121's 67 took ~5 ms one after the other),
-/// then loaded in order on this thread: the driver loads one module at a time.
+/// disk, `None` where NVRTC would have to build it (`from_disk`).
 pub(crate) fn built_units(
     dev: &Arc<CudaDevice>,
     units: &[(String, Vec<String>)],
 ) -> Result<Vec<Option<Vec<sys::CUfunction>>>> {
-    let keys: Vec<String> = units.iter().map(|(src, _)| unit_key(src)).collect();
-    let mut out: Vec<Option<Vec<sys::CUfunction>>> = units
+    let on_disk: Vec<OnDisk<'_>> = units
         .iter()
-        .zip(&keys)
-        .map(|((_, names), key)| loaded(dev, key, names))
+        .map(|(src, names)| OnDisk {
+            key: unit_key(src),
+            cubin: Cubin::OfSource(src),
+            names,
+        })
         .collect();
-    let missing: Vec<usize> = (0..units.len()).filter(|&i| out[i].is_none()).collect();
-    let images = map_on_threads(&missing, READ_THREADS, |&i| built_cubin(dev, &units[i].0));
-    for (&i, image) in missing.iter().zip(images) {
-        if let Some(image) = image {
-            out[i] = Some(load_unit(dev, &keys[i], &image, &units[i].1)?);
-        }
-    }
-    Ok(out)
+    from_disk(dev, &on_disk)
 }
 
 /// The id `prefetch_units` loads `src`'s unit by: the source's hash, then its cubin's key.
 pub(crate) fn unit_id(dev: &CudaDevice, src: &str) -> String {
-    format!("{} {}", checksum(src.as_bytes()), cubin_entry(dev, src).0)
+    format!("{} {}", checksum(src.as_bytes()), cubin_key(dev, src))
 }
 
-/// Loads the units `ids` names (from `unit_id`), their cubins read on a few threads, so that
-/// `built_units` of their sources finds them loaded. An id that is malformed or whose cubin is
-/// missing or damaged is skipped.
+/// Loads the units `ids` names (from `unit_id`) from the disk cache, so that `built_units` of
+/// their sources finds them loaded. An id that is malformed or whose cubin is missing or damaged
+/// is skipped.
 pub(crate) fn prefetch_units(dev: &Arc<CudaDevice>, ids: &[(String, Vec<String>)]) -> Result<()> {
-    let parsed: Vec<(String, String, &[String])> = ids
+    let hex = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_hexdigit());
+    let on_disk: Vec<OnDisk<'_>> = ids
         .iter()
         .filter_map(|(id, names)| {
-            let (src_sum, cubin) = id.split_once(' ')?;
-            let key = format!("gen:{}:{src_sum}", kiln_core::cache::scope_id());
-            let ok = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_hexdigit());
-            (ok(src_sum) && ok(cubin) && loaded(dev, &key, names).is_none())
-                .then(|| (key, cubin.to_string(), names.as_slice()))
+            let (src_hash, cubin) = id.split_once(' ')?;
+            (hex(src_hash) && hex(cubin)).then(|| OnDisk {
+                key: unit_key_of(src_hash),
+                cubin: Cubin::Key(cubin),
+                names,
+            })
         })
         .collect();
-    let dir = cache_dir();
-    let images = map_on_threads(&parsed, READ_THREADS, |(_, cubin, _)| {
-        let start = Instant::now();
-        let image = read_verified(
-            &dir.join(format!("{cubin}.cubin")),
-            &dir.join(format!("{cubin}.cubin.xxh3")),
-        );
-        READ_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        image
+    from_disk(dev, &on_disk).map(drop)
+}
+
+/// A unit to load from the disk cache: the key its kernels are kept under (`unit_key`), its
+/// cubin, and its kernels' names.
+struct OnDisk<'a> {
+    key: String,
+    cubin: Cubin<'a>,
+    names: &'a [String],
+}
+
+/// Which cubin a unit's machine code is.
+enum Cubin<'a> {
+    /// The one built from this source (its key hashed only where the unit is not loaded yet).
+    OfSource(&'a str),
+    /// The one kept under this key (`cubin_key`).
+    Key(&'a str),
+}
+
+/// Each unit's kernels: loaded already, or loaded now from its cubin on disk; `None` where the
+/// disk has no verified cubin. The cubins are read and checked on a few threads (two file reads
+/// and a hash each: DenseNet-121's 67 took ~5 ms one after the other), then loaded in order on
+/// this thread: the driver loads one module at a time.
+fn from_disk(
+    dev: &Arc<CudaDevice>,
+    units: &[OnDisk<'_>],
+) -> Result<Vec<Option<Vec<sys::CUfunction>>>> {
+    let mut out: Vec<Option<Vec<sys::CUfunction>>> =
+        units.iter().map(|u| loaded(dev, &u.key, u.names)).collect();
+    let missing: Vec<usize> = (0..units.len()).filter(|&i| out[i].is_none()).collect();
+    let images = map_on_threads(&missing, READ_THREADS, |&i| match units[i].cubin {
+        Cubin::OfSource(src) => read_cubin(&cubin_key(dev, src)),
+        Cubin::Key(key) => read_cubin(key),
     });
-    for ((key, _, names), image) in parsed.iter().zip(images) {
+    for (&i, image) in missing.iter().zip(images) {
         if let Some(image) = image {
-            load_unit(dev, key, &image, names)?;
+            let u = &units[i];
+            out[i] = Some(load_unit(dev, &u.key, &image, u.names)?);
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 /// Most threads reading cubins from the disk cache at once (`built_units`).
@@ -190,11 +210,12 @@ fn map_on_threads<T: Sync, R: Send>(
 /// The key a unit's loaded kernels are kept under: inside a fresh-cache scope (cold-compile
 /// measurements) a module loaded before is not reused.
 fn unit_key(src: &str) -> String {
-    format!(
-        "gen:{}:{}",
-        kiln_core::cache::scope_id(),
-        checksum(src.as_bytes())
-    )
+    unit_key_of(&checksum(src.as_bytes()))
+}
+
+/// `unit_key` of the source whose hash is `src_hash`.
+fn unit_key_of(src_hash: &str) -> String {
+    format!("gen:{}:{src_hash}", kiln_core::cache::scope_id())
 }
 
 /// The unit's kernels, if this process has loaded them on `dev` (under `unit_key`).
@@ -293,8 +314,7 @@ pub(crate) fn build(dev: &CudaDevice, signature: &str, src: &str) -> Result<()> 
 /// Whether `src`'s machine code for `dev` is in the disk cache (a build would read it, not run
 /// NVRTC).
 pub(crate) fn on_disk(dev: &CudaDevice, src: &str) -> bool {
-    let (_, path, _) = cubin_entry(dev, src);
-    path.exists()
+    cubin_paths(&cubin_key(dev, src)).0.exists()
 }
 
 /// A source that begins with this line is built for its device's arch-specific target (`sm_90a`):
@@ -311,22 +331,24 @@ fn sm(dev: &CudaDevice, src: &str) -> String {
     }
 }
 
-/// `src`'s machine code for `dev` in the disk cache: its key, and where it and its checksum are.
-fn cubin_entry(dev: &CudaDevice, src: &str) -> (String, PathBuf, PathBuf) {
-    let sm = sm(dev, src);
-    let key = checksum(format!("{src}|{sm}|{}|cubin", nvrtc_version()).as_bytes());
-    let dir = cache_dir();
-    let (path, sum_path) = (
-        dir.join(format!("{key}.cubin")),
-        dir.join(format!("{key}.cubin.xxh3")),
-    );
-    (key, path, sum_path)
+/// The key of `src`'s machine code for `dev` in the disk cache (`cubin_paths`).
+fn cubin_key(dev: &CudaDevice, src: &str) -> String {
+    checksum(format!("{src}|{}|{}|cubin", sm(dev, src), nvrtc_version()).as_bytes())
 }
 
-/// The device's machine code for `src` from the disk cache, where a verified entry exists.
-fn built_cubin(dev: &CudaDevice, src: &str) -> Option<Vec<u8>> {
+/// Where the cubin kept under `key` and its checksum are.
+fn cubin_paths(key: &str) -> (PathBuf, PathBuf) {
+    let dir = cache_dir();
+    (
+        dir.join(format!("{key}.cubin")),
+        dir.join(format!("{key}.cubin.xxh3")),
+    )
+}
+
+/// The cubin kept under `key` in the disk cache, where a verified entry exists.
+fn read_cubin(key: &str) -> Option<Vec<u8>> {
     let start = Instant::now();
-    let (_, path, sum_path) = cubin_entry(dev, src);
+    let (path, sum_path) = cubin_paths(key);
     let image = read_verified(&path, &sum_path);
     READ_NS.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     let image = image?;
@@ -337,10 +359,10 @@ fn built_cubin(dev: &CudaDevice, src: &str) -> Option<Vec<u8>> {
 /// The device's machine code for `src`: from the disk cache when a verified entry exists, else
 /// compiled by NVRTC and stored.
 fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
-    if let Some(image) = built_cubin(dev, src) {
+    let key = cubin_key(dev, src);
+    if let Some(image) = read_cubin(&key) {
         return Ok(image);
     }
-    let (key, path, sum_path) = cubin_entry(dev, src);
     // inside a fresh-cache scope (a cold-compile measurement) NVRTC's own cache is bypassed too
     let fresh = kiln_core::cache::scope_id() != 0;
     let start = Instant::now();
@@ -365,6 +387,7 @@ fn cubin_for(dev: &CudaDevice, signature: &str, src: &str) -> Result<Vec<u8>> {
     }
     COMPILES.fetch_add(1, Ordering::Relaxed);
     // a cache that cannot be written only costs a recompile in the next process
+    let (path, sum_path) = cubin_paths(&key);
     let _ = store(&path, &sum_path, &image);
     Ok(image)
 }
