@@ -316,12 +316,18 @@ impl<'f> CompiledFn<'f> {
         }
     }
 
+    /// A tracer of a call with `args`; the backend is told first (`Backend::trace_starting`),
+    /// unless the trace is a probe on stand-in arguments.
     fn new_tracer(&self, args: &[Tensor], mode: TraceMode) -> Arc<Tracer> {
+        let ctx = self.backend_context();
+        if mode != TraceMode::Probe {
+            self.backend.trace_starting(&ctx, args);
+        }
         let tracer = Tracer::new(
             &self.name,
             args,
             self.backend.clone(),
-            self.backend_context(),
+            ctx,
             self.opts.fullgraph,
         );
         tracer.set_mode(mode);
@@ -329,7 +335,6 @@ impl<'f> CompiledFn<'f> {
     }
 
     fn trace(&self, args: &[Tensor], extra: u64) -> Result<Vec<Tensor>> {
-        self.backend.trace_starting(&self.backend_context(), args);
         let tracer = self.new_tracer(args, TraceMode::Run);
         let outs = {
             let _on = intercept::install(Some(tracer.clone()));

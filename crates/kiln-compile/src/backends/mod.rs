@@ -44,7 +44,7 @@ pub trait Backend: Send + Sync {
         Ok((self.compile(forward, ctx)?, self.compile(backward, ctx)?))
     }
     /// Told before the function named `ctx.name` is traced with `args` (the trace's graphs come
-    /// to `compile` after it): a backend may start work that does not need the graphs, such as
+    /// to `compile` after it; not for a dynamic-shape probe's stand-in arguments): a backend may start work that does not need the graphs, such as
     /// loading what the function's last compile in another process built. The default: nothing.
     fn trace_starting(&self, ctx: &BackendContext, args: &[Tensor]) {
         let _ = (ctx, args);
