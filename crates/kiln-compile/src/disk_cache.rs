@@ -26,7 +26,6 @@ static HITS: AtomicU64 = AtomicU64::new(0);
 static MISSES: AtomicU64 = AtomicU64::new(0);
 static STORES: AtomicU64 = AtomicU64::new(0);
 static DAMAGED: AtomicU64 = AtomicU64::new(0);
-static TEMP: AtomicU64 = AtomicU64::new(0);
 
 /// Counters since the process started (all kinds together).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -138,27 +137,15 @@ fn intact(bytes: &[u8]) -> bool {
 /// compiles as they were.
 pub fn store(kind: &str, key: u128, payload: &[u8]) {
     let file = path(kind, key);
-    let Some(dir) = file.parent() else { return };
-    if std::fs::create_dir_all(dir).is_err() {
-        return;
-    }
     let mut bytes = Vec::with_capacity(HEADER + payload.len());
     bytes.extend_from_slice(MAGIC);
     bytes.extend_from_slice(&xxh3_128(payload).to_le_bytes());
     bytes.extend_from_slice(payload);
-    // a name no other writer (thread or process) uses, renamed over the entry in one step
-    let tmp = dir.join(format!(
-        ".{key:032x}.{}.{}.tmp",
-        std::process::id(),
-        TEMP.fetch_add(1, Ordering::Relaxed)
-    ));
-    if std::fs::write(&tmp, &bytes).is_ok() && std::fs::rename(&tmp, &file).is_ok() {
+    if kiln_core::cache::write_atomically(&file, &bytes).is_ok() {
         STORES.fetch_add(1, Ordering::Relaxed);
         logs::emit(Channel::GraphCache, || {
             format!("{kind} stored {} ({} bytes)", file.display(), payload.len())
         });
-    } else {
-        let _ = std::fs::remove_file(&tmp);
     }
 }
 

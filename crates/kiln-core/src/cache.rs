@@ -29,6 +29,31 @@ pub fn cache_root() -> PathBuf {
     }
 }
 
+/// Writes `bytes` at `path` through a temporary file beside it and a rename, so a reader (of
+/// this process or another) sees the whole file or none; the folder is made if missing. Every
+/// cache entry kiln writes goes through here: the temporary's name is this process's and this
+/// write's alone, so concurrent writers of one entry never write into each other's file.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    static TEMP: AtomicU64 = AtomicU64::new(0);
+    let dir = path
+        .parent()
+        .ok_or_else(|| std::io::Error::other("a cache entry has no folder"))?;
+    std::fs::create_dir_all(dir)?;
+    let name = path
+        .file_name()
+        .map_or_else(Default::default, |n| n.to_string_lossy());
+    let tmp = dir.join(format!(
+        ".{name}.{}.{}.tmp",
+        std::process::id(),
+        TEMP.fetch_add(1, Ordering::Relaxed)
+    ));
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 /// 0 outside a fresh-cache scope, the scope's own id inside one.
 pub fn scope_id() -> u64 {
     SCOPE_ID.load(Ordering::Acquire)
@@ -59,6 +84,23 @@ pub fn with_root<R>(dir: PathBuf, f: impl FnOnce() -> R) -> R {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_atomic_write_makes_its_folder_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("kiln-atomic-{}", std::process::id()));
+        let path = dir.join("a").join("entry.bin");
+        write_atomically(&path, b"first").unwrap();
+        write_atomically(&path, b"second").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"second");
+        let names: Vec<_> = std::fs::read_dir(dir.join("a"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["entry.bin"]);
+        // a path with no folder is an error, not a panic
+        assert!(write_atomically(Path::new("/"), b"x").is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn a_scope_changes_the_root_and_id_and_restores_them() {

@@ -498,15 +498,8 @@ pub(crate) fn read_verified(path: &Path, sum_path: &Path) -> Option<Vec<u8>> {
 /// Writes `bytes` at `path` and their checksum at `sum_path`, each through a temporary file and a
 /// rename, so a reader sees a whole entry or none; the folder is made if missing.
 pub(crate) fn store(path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    let tmp_sum = sum_path.with_extension(format!("tmp{}s", std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::write(&tmp_sum, checksum(bytes))?;
-    std::fs::rename(&tmp, path)?;
-    std::fs::rename(&tmp_sum, sum_path)
+    kiln_core::cache::write_atomically(path, bytes)?;
+    kiln_core::cache::write_atomically(sum_path, checksum(bytes).as_bytes())
 }
 
 #[cfg(test)]

@@ -143,16 +143,7 @@ pub(crate) fn remember(
         format(list)
     };
     // a manifest that cannot be written only costs the next process its prefetch
-    let _ = write_atomically(path, &text);
-}
-
-fn write_atomically(path: &Path, text: &str) -> std::io::Result<()> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    let _ = kiln_core::cache::write_atomically(path, text.as_bytes());
 }
 
 /// One line a unit: its id, a tab, its kernels' names separated by spaces.

@@ -117,13 +117,7 @@ pub fn write_choice(
             })
             .collect::<Vec<_>>(),
     });
-    let dir = file
-        .parent()
-        .ok_or_else(|| std::io::Error::other("a choice file has no folder"))?;
-    std::fs::create_dir_all(dir)?;
-    let tmp = file.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, v.to_string())?;
-    std::fs::rename(&tmp, file)
+    kiln_core::cache::write_atomically(file, v.to_string().as_bytes())
 }
 
 /// The fastest of `n` candidates by `time` (milliseconds), with every time that was taken; a
