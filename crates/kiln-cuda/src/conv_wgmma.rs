@@ -135,14 +135,14 @@ pub(crate) fn launch(
         _ => None,
     };
     let filter = flipped.as_ref().map_or(b, |f| f.ptr);
-    let mut xmap = crate::tensor_maps::im2col(dev, &p, x, w, a, BM)?;
+    let xmap = crate::tensor_maps::im2col(dev, &p, x, w, a, BM)?;
     // the filter (KRSC) in boxes of BK channels of `bn` output channels at one tap
     let [k, c, r, s] = w.map(|d| d as u64);
     let boxes = [BK as u32, 1, 1, spec.bn as u32];
-    let mut wmap = crate::tensor_maps::tiled(dev, filter, [c, s, r, k], boxes)?;
+    let wmap = crate::tensor_maps::tiled(dev, filter, [c, s, r, k], boxes)?;
     let m = y[0] * y[2] * y[3];
     let cblocks = x[1].div_ceil(BK);
-    let mut g = WgmmaGeo {
+    let g = WgmmaGeo {
         p: i(y[2]),
         q: i(y[3]),
         sh: i(p.stride[0]),
@@ -157,26 +157,48 @@ pub(crate) fn launch(
         cblocks: i(cblocks),
         ktiles: i(cblocks * w[2] * w[3]),
     };
-    let mut dst = out;
-    let mut params: [*mut c_void; 4] = [
-        (&mut xmap as *mut sys::CUtensorMap).cast(),
-        (&mut wmap as *mut sys::CUtensorMap).cast(),
-        (&mut dst as *mut u64).cast(),
-        (&mut g as *mut WgmmaGeo).cast(),
-    ];
     // persistent: as many blocks as the device holds at once, each taking output tiles in turn
     let tiles = m.div_ceil(BM) * w[0].div_ceil(spec.bn);
     let blocks = tiles.min(dev.sm_count as usize * loaded.resident);
-    let grid = [blocks as u32, 1, 1];
-    dev.launch_grid(
-        loaded.kernel,
-        grid,
-        THREADS,
-        spec.shared_bytes() as u32,
-        &mut params,
+    launch_with_maps(
+        dev,
+        &spec,
+        &loaded,
+        [blocks as u32, 1, 1],
+        [xmap, wmap],
+        out,
+        g,
     )?;
     drop(flipped);
     Ok(())
+}
+
+/// Queues `spec`'s kernel (loaded as `loaded`) on `grid` with the parameters both Hopper
+/// families take: two tensor maps, the output's address and the launch's geometry (`G`, the
+/// `.cu` file's struct, by value).
+pub(crate) fn launch_with_maps<K: ConvKernel, G>(
+    dev: &CudaDevice,
+    spec: &K,
+    loaded: &crate::conv_modules::Loaded,
+    grid: [u32; 3],
+    maps: [sys::CUtensorMap; 2],
+    out: u64,
+    geo: G,
+) -> Result<()> {
+    let ([mut a, mut b], mut out, mut geo) = (maps, out, geo);
+    let mut params: [*mut c_void; 4] = [
+        (&mut a as *mut sys::CUtensorMap).cast(),
+        (&mut b as *mut sys::CUtensorMap).cast(),
+        (&mut out as *mut u64).cast(),
+        (&mut geo as *mut G).cast(),
+    ];
+    dev.launch_grid(
+        loaded.kernel,
+        grid,
+        spec.threads(),
+        spec.shared_bytes() as u32,
+        &mut params,
+    )
 }
 
 /// Loads the kernel `launch` would run the forward `fwd` on, without running it.

@@ -11,14 +11,13 @@
 //! map can walk (`tensor_maps::im2col_fits`). The rest goes to the mma.sync kernel
 //! (`conv_igemm.rs`).
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
 use kiln_core::prim::ConvParams;
 use kiln_core::{DType, Result};
 
 use crate::conv_modules::{ConvKernel, SPLIT_SUM};
-use crate::conv_wgmma::{hopper_module, wgmma_tile, OperandA, HOPPER_TMA};
+use crate::conv_wgmma::{hopper_module, launch_with_maps, wgmma_tile, OperandA, HOPPER_TMA};
 use crate::device::CudaDevice;
 use crate::tensor_maps::CHANNELS;
 
@@ -109,11 +108,11 @@ pub(crate) fn launch(
     let total = k * c * taps;
     let target = WAVES * dev.sm_count as usize * loaded.resident;
     let (splits, chunk) = split(m.div_ceil(BK), blocks, target, total);
-    let mut xmap = crate::tensor_maps::im2col(dev, p, x, w, xp, BK)?;
+    let xmap = crate::tensor_maps::im2col(dev, p, x, w, xp, BK)?;
     // dy as [M][K]: boxes of 32 output channels of BK pixels
-    let mut dymap =
+    let dymap =
         crate::tensor_maps::tiled(dev, dyp, [k as u64, m as u64], [CHANNELS as u32, BK as u32])?;
-    let mut g = WgradGeo {
+    let g = WgradGeo {
         c: i(c),
         k: i(k),
         r: i(w[2]),
@@ -134,21 +133,9 @@ pub(crate) fn launch(
         1 => None,
         _ => Some(dev.alloc(splits * total, DType::F32)?),
     };
-    let mut dst = parts.as_ref().map_or(out, |p| p.ptr);
-    let mut params: [*mut c_void; 4] = [
-        (&mut xmap as *mut _ as *mut c_void),
-        (&mut dymap as *mut _ as *mut c_void),
-        (&mut dst as *mut u64).cast(),
-        (&mut g as *mut WgradGeo).cast(),
-    ];
+    let dst = parts.as_ref().map_or(out, |p| p.ptr);
     let grid = [tiles[0] as u32, tiles[1] as u32, (taps * splits) as u32];
-    dev.launch_grid(
-        loaded.kernel,
-        grid,
-        THREADS,
-        spec.shared_bytes() as u32,
-        &mut params,
-    )?;
+    launch_with_maps(dev, &spec, &loaded, grid, [xmap, dymap], dst, g)?;
     if let Some(parts) = parts {
         crate::conv_modules::sum_splits(dev, loaded.helper, &parts, out, total, splits)?;
     }
