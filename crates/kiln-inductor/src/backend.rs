@@ -486,7 +486,7 @@ impl Backend for CpuCodegen {
         Some(crate::plan_cache::build_and_settings())
     }
 
-    /// With `KILN_PREFETCH_UNITS=1`, a function traced on a CUDA device starts loading the units
+    /// Unless `KILN_PREFETCH_UNITS=0`, a function traced on a CUDA device starts loading the units
     /// its last compile loaded (`codegen/cuda_prefetch.rs`).
     fn trace_starting(&self, ctx: &BackendContext, args: &[kiln_core::Tensor]) {
         crate::codegen::cuda_prefetch::start(ctx, args)
