@@ -63,6 +63,7 @@ pub fn epoch() -> u64 {
 /// `torch._dynamo.reset()`: forgets every compiled graph and every function's cache entries.
 pub fn reset() {
     cache().lock().unwrap_or_else(|e| e.into_inner()).clear();
+    crate::prefetch::forget_uses();
     EPOCH.fetch_add(1, Ordering::Relaxed);
 }
 

@@ -317,12 +317,18 @@ impl<'f> CompiledFn<'f> {
     }
 
     /// A tracer of a call with `args`; the backend is told first (`Backend::trace_starting`),
-    /// unless the trace is a probe on stand-in arguments.
-    fn new_tracer(&self, args: &[Tensor], mode: TraceMode) -> Arc<Tracer> {
+    /// unless the trace is a probe on stand-in arguments, and told again when the returned
+    /// guard drops (`Backend::trace_finished`): the caller keeps it until the trace's graphs
+    /// are compiled.
+    fn new_tracer(&self, args: &[Tensor], mode: TraceMode) -> (Arc<Tracer>, TraceEnd) {
         let ctx = self.backend_context();
-        if mode != TraceMode::Probe {
-            self.backend.trace_starting(&ctx, args);
-        }
+        let end = match mode {
+            TraceMode::Probe => TraceEnd(None),
+            _ => {
+                self.backend.trace_starting(&ctx, args);
+                TraceEnd(Some((self.backend.clone(), ctx.clone())))
+            }
+        };
         let tracer = Tracer::new(
             &self.name,
             args,
@@ -331,11 +337,11 @@ impl<'f> CompiledFn<'f> {
             self.opts.fullgraph,
         );
         tracer.set_mode(mode);
-        tracer
+        (tracer, end)
     }
 
     fn trace(&self, args: &[Tensor], extra: u64) -> Result<Vec<Tensor>> {
-        let tracer = self.new_tracer(args, TraceMode::Run);
+        let (tracer, _end) = self.new_tracer(args, TraceMode::Run);
         let outs = {
             let _on = intercept::install(Some(tracer.clone()));
             (self.f)(args)
@@ -377,6 +383,17 @@ impl<'f> CompiledFn<'f> {
         st.entries.push(Arc::new(entry));
         st.stats.compiles += 1;
         Ok(outs)
+    }
+}
+
+/// Tells the backend that a trace it was told of ended, its graphs compiled, when dropped.
+struct TraceEnd(Option<(Arc<dyn Backend>, BackendContext)>);
+
+impl Drop for TraceEnd {
+    fn drop(&mut self) {
+        if let Some((backend, ctx)) = &self.0 {
+            backend.trace_finished(ctx);
+        }
     }
 }
 

@@ -70,21 +70,37 @@ fn path(kind: &str, key: u128) -> PathBuf {
 
 /// The payload stored under (`kind`, `key`), or `None` (absent, damaged: then removed).
 pub fn load(kind: &str, key: u128) -> Option<Vec<u8>> {
+    read(kind, key, Count::Now)
+}
+
+/// Whether a read counts its hit or miss now, or leaves it to whoever takes what it read
+/// (`count_taken`): a read ahead of need (`prefetch.rs`) may never be used.
+#[derive(Clone, Copy, PartialEq)]
+enum Count {
+    Now,
+    WhenTaken,
+}
+
+fn read(kind: &str, key: u128, count: Count) -> Option<Vec<u8>> {
     let file = path(kind, key);
     let Ok(mut bytes) = std::fs::read(&file) else {
-        MISSES.fetch_add(1, Ordering::Relaxed);
+        if count == Count::Now {
+            MISSES.fetch_add(1, Ordering::Relaxed);
+        }
         logs::emit(Channel::GraphCache, || {
             format!("{kind} miss {}", file.display())
         });
         return None;
     };
     if !intact(&bytes) {
-        forget_damaged(kind, key);
+        forget_damaged(kind, key, count);
         return None;
     }
     // the payload in place: a plan holding a large graph's kernel sources is megabytes
     bytes.drain(..HEADER);
-    HITS.fetch_add(1, Ordering::Relaxed);
+    if count == Count::Now {
+        HITS.fetch_add(1, Ordering::Relaxed);
+    }
     logs::emit(Channel::GraphCache, || {
         format!("{kind} hit {} ({} bytes)", file.display(), bytes.len())
     });
@@ -98,24 +114,55 @@ pub fn load_decoded<T>(
     key: u128,
     decode: impl FnOnce(&[u8]) -> Option<T>,
 ) -> Option<T> {
-    let bytes = load(kind, key)?;
+    decoded(kind, key, decode, Count::Now)
+}
+
+/// `load_decoded` ahead of need (`prefetch.rs`): its hit or miss is counted only when the
+/// value is taken (`count_taken`), so the counters say what compiles used. Damage is
+/// counted (and the entry removed) at once.
+pub fn load_decoded_ahead<T>(
+    kind: &str,
+    key: u128,
+    decode: impl FnOnce(&[u8]) -> Option<T>,
+) -> Option<T> {
+    decoded(kind, key, decode, Count::WhenTaken)
+}
+
+/// Counts the hit (`found`) or miss of a value `load_decoded_ahead` read, as it is taken.
+pub fn count_taken(found: bool) {
+    match found {
+        true => HITS.fetch_add(1, Ordering::Relaxed),
+        false => MISSES.fetch_add(1, Ordering::Relaxed),
+    };
+}
+
+fn decoded<T>(
+    kind: &str,
+    key: u128,
+    decode: impl FnOnce(&[u8]) -> Option<T>,
+    count: Count,
+) -> Option<T> {
+    let bytes = read(kind, key, count)?;
     let value = decode(&bytes);
     if value.is_none() {
-        forget_damaged(kind, key);
+        forget_damaged(kind, key, count);
     }
     value
 }
 
 /// Removes an entry whose payload could not be used (a bad checksum here, or a payload its
-/// reader rejects), counting it as damaged and as a miss (`load` counted a hit for it).
-fn forget_damaged(kind: &str, key: u128) {
+/// reader rejects: `read` counted a hit for it), counting it as damaged, and as a miss unless
+/// its taker counts that.
+fn forget_damaged(kind: &str, key: u128, count: Count) {
     let file = path(kind, key);
     logs::emit(Channel::GraphCache, || {
         format!("{kind} damaged, removed: {}", file.display())
     });
     let _ = std::fs::remove_file(file);
     DAMAGED.fetch_add(1, Ordering::Relaxed);
-    MISSES.fetch_add(1, Ordering::Relaxed);
+    if count == Count::Now {
+        MISSES.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// Bytes before a record's payload: the magic word, then the payload's checksum.

@@ -20,6 +20,7 @@ pub mod graph;
 pub mod guards;
 pub mod logs;
 mod options;
+pub mod prefetch;
 pub mod record;
 pub mod symbolic;
 pub mod trace;

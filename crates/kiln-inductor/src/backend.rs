@@ -492,6 +492,34 @@ impl Backend for CpuCodegen {
         crate::codegen::cuda_prefetch::start(ctx, args)
     }
 
+    /// Plans read ahead for the trace and not taken are stale: dropped.
+    fn trace_finished(&self, ctx: &BackendContext) {
+        crate::plan_cache::discard_read_ahead(&ctx.name);
+    }
+
+    /// A training step's two plans are read ahead (`plan_cache::read_ahead`), under the keys
+    /// `compile_pair` reads them by.
+    fn read_ahead_pair(&self, forward: &Graph, backward: &Graph, ctx: &BackendContext) {
+        let device = forward.device();
+        if backward.device() != device {
+            return;
+        }
+        if device != kiln_core::Device::Cpu {
+            if let Ok(flags) = cuda_flags(ctx) {
+                cuda_compile::read_ahead(&[forward, backward], flags, &ctx.name);
+            }
+            return;
+        }
+        let (Some(tc), Ok(c)) = (toolchain(), c_target(ctx)) else {
+            return;
+        };
+        for g in [forward, backward] {
+            if let Some(k) = crate::plan_cache::key(CPU_KIND, &c_plan_target(&c, tc), g) {
+                crate::plan_cache::read_ahead(CPU_KIND, k, &ctx.name);
+            }
+        }
+    }
+
     /// On a CUDA device both graphs' kernels are built by one pool of NVRTC threads: built one
     /// graph after the other, each ended in a tail of a few large units on a few threads.
     /// Anything that fails there goes through `compile` graph by graph (its fallbacks apply).
@@ -553,6 +581,23 @@ impl Backend for CpuCodegen {
     }
 }
 
+/// The C target of a concrete graph compiled under `ctx`.
+fn c_target(ctx: &BackendContext) -> Result<C> {
+    Ok(C {
+        inline_matmul: inline_small_matmuls(ctx, true)?,
+        horizontal: true,
+    })
+}
+
+/// What a C plan's key says of the target besides the graph (`horizontal` follows from the key
+/// being made at all: only concrete graphs' plans are cached).
+fn c_plan_target(c: &C, tc: &cc::Toolchain) -> String {
+    format!(
+        "inline_matmul={} {} libmvec={}",
+        c.inline_matmul, tc.identity, tc.libmvec
+    )
+}
+
 /// The C kernels of `graphs` (all on the CPU), planned (or read from the disk cache) graph by
 /// graph and built together (`cc::load`: the units of all of them share the cores).
 fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn CompiledGraph>>> {
@@ -582,28 +627,21 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
     // become one size-generic kernel (`codegen/template.rs`)
     let sizes = symbolic::context::current();
     let c = C {
-        inline_matmul: inline_small_matmuls(ctx, true)?,
         // not under a size context: a horizontal kernel's member functions are named by
         // the hash of their static text, which a size-generic kernel rewrites under the same
         // names
         horizontal: sizes.is_none(),
+        ..c_target(ctx)?
     };
     let plans: Vec<Plan> = graphs
         .iter()
         .map(|&graph| -> Result<Plan> {
             // a symbolic graph's kernels are fitted across sizes: not cached
             let key = match sizes {
-                None => crate::plan_cache::key(
-                    CPU_KIND,
-                    &format!(
-                        "inline_matmul={} {} libmvec={}",
-                        c.inline_matmul, tc.identity, tc.libmvec
-                    ),
-                    graph,
-                ),
+                None => crate::plan_cache::key(CPU_KIND, &c_plan_target(&c, tc), graph),
                 Some(_) => None,
             };
-            if let Some(plan) = key.and_then(|k| crate::plan_cache::load(CPU_KIND, k)) {
+            if let Some(plan) = key.and_then(|k| crate::plan_cache::take_or_load(CPU_KIND, k)) {
                 return Ok(plan);
             }
             let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {

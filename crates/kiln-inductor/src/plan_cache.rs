@@ -10,6 +10,7 @@
 use kiln_compile::codec::{self, Reader, Seeds, Writer};
 use kiln_compile::disk_cache;
 use kiln_compile::graph::{Graph, NodeId};
+use kiln_compile::prefetch::Prefetched;
 
 use kiln_core::Result;
 
@@ -107,8 +108,25 @@ pub fn key(kind: &str, target: &str, graph: &Graph) -> Option<u128> {
     ]))
 }
 
-pub fn load(kind: &str, key: u128) -> Option<Plan> {
-    disk_cache::load_decoded(kind, key, decode)
+/// Plans read ahead while their function is traced (`kiln_compile::prefetch`), by key (a key
+/// covers its kind: one table serves both targets).
+static READ_AHEAD: Prefetched<Plan> = Prefetched::new();
+
+/// Starts reading the plan stored under (`kind`, `key`) on a thread of its own, for the
+/// function `function` (`Backend::read_ahead_pair`).
+pub fn read_ahead(kind: &'static str, key: u128, function: &str) {
+    READ_AHEAD.start_disk(function, kind, key, decode, |_| {});
+}
+
+/// The plan stored under (`kind`, `key`): the one read ahead, else read now.
+pub fn take_or_load(kind: &str, key: u128) -> Option<Plan> {
+    READ_AHEAD.take_or_load(kind, key, decode)
+}
+
+/// Drops the plans read ahead for `function` that its compile did not take (stale: its graphs
+/// changed since its last compile).
+pub fn discard_read_ahead(function: &str) {
+    READ_AHEAD.discard(function);
 }
 
 pub fn store(kind: &str, key: u128, plan: &Plan) {

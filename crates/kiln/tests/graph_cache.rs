@@ -6,6 +6,7 @@
 //! order, the only one of this binary.
 
 use kiln::compiler::disk_cache::{self, DiskCacheStats};
+use kiln::compiler::prefetch;
 use kiln::inductor::{forget_loaded_kernels, kernel_cache_stats, with_fresh_cache};
 use kiln::nn::{
     BatchNorm2d, Conv2d, Conv2dConfig, Dropout, Flatten, Linear, MaxPool2d, Module, ReLU,
@@ -104,11 +105,19 @@ fn a_training_step_compiled_in_a_new_process_comes_from_the_disk_cache() -> Resu
         assert!(k1.compiles > k0.compiles, "cold: the C compiler runs");
         assert_eq!(first, eager, "compiled equals eager bit for bit");
 
-        // a new process: all three read back, nothing stored or built, the same bits
+        // a new process: all three read back, nothing stored or built, the same bits; all
+        // three were read ahead while the step was traced (the function's manifest, written by
+        // the cold compile, names the split; the split's graphs key the plans)
         as_a_new_process();
+        let taken = prefetch::taken();
         let second = step(&compile()?, &m, &x, &state)?;
         let (s2, k2) = (disk_cache::stats(), kernel_cache_stats());
-        assert_eq!(delta(s1, s2), (3, 0, 0, 0), "warm: 3 hits");
+        assert_eq!(
+            delta(s1, s2),
+            (3, 0, 0, 0),
+            "warm: 3 hits, each counted once"
+        );
+        assert_eq!(prefetch::taken() - taken, 3, "warm: all 3 read ahead");
         assert_eq!(k2.compiles, k1.compiles, "warm: nothing built");
         assert_eq!(second, first, "from the cache: the same results");
 
@@ -130,7 +139,8 @@ fn a_training_step_compiled_in_a_new_process_comes_from_the_disk_cache() -> Resu
         assert_eq!(
             delta(s2, s3),
             (1, 2, 2, 2),
-            "the split hits; both plans damaged, rebuilt, stored"
+            "the split hits; both plans damaged (found so by their read-ahead: counted once), \
+             rebuilt, stored"
         );
         assert_eq!(third, first);
 
@@ -141,7 +151,12 @@ fn a_training_step_compiled_in_a_new_process_comes_from_the_disk_cache() -> Resu
         let y = kiln::compile(&wider, CompileOptions::default())?.forward(&z)?;
         y.sum_all()?.backward()?;
         let s4 = disk_cache::stats();
-        assert_eq!(delta(s3, s4).1, 3, "a new graph misses");
+        assert_eq!(
+            delta(s3, s4),
+            (0, 3, 3, 0),
+            "a new graph misses; what was read ahead for the other model (the same function \
+             name) is not taken, nor counted"
+        );
 
         // an inference graph (no AOT autograd): its one plan stored, then read back
         let infer = || -> Result<Vec<u64>> {

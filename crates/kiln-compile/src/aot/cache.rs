@@ -7,6 +7,7 @@
 use crate::codec::{self, Reader, Seeds, Writer};
 use crate::disk_cache;
 use crate::graph::Graph;
+use crate::prefetch::Prefetched;
 
 const KIND: &str = "aot";
 
@@ -31,8 +32,23 @@ pub fn key(graph: &Graph, id: &str) -> u128 {
     disk_cache::key(&[KIND.as_bytes(), id.as_bytes(), &graph.structure_key()])
 }
 
+/// Splits read ahead while their functions are traced (`prefetch.rs`), by key.
+static READ_AHEAD: Prefetched<Split> = Prefetched::new();
+
+/// The split stored under `key`: the one read ahead, else read now.
 pub fn load(key: u128) -> Option<Split> {
-    disk_cache::load_decoded(KIND, key, decode)
+    READ_AHEAD.take_or_load(KIND, key, decode)
+}
+
+/// Starts reading the split stored under `key` on a thread of its own for the function
+/// `function`; `then` gets it there (the inner backend reads ahead for its graphs).
+pub fn read_ahead(function: &str, key: u128, then: impl FnOnce(&Split) + Send + 'static) {
+    READ_AHEAD.start_disk(function, KIND, key, decode, then);
+}
+
+/// Drops the splits read ahead for `function` that no compile took.
+pub fn discard_read_ahead(function: &str) {
+    READ_AHEAD.discard(function);
 }
 
 pub fn store(key: u128, split: &Split) {

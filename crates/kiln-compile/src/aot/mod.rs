@@ -20,6 +20,7 @@ use crate::backends::{Backend, BackendContext, CompiledGraph};
 use crate::debug;
 use crate::graph::Graph;
 use crate::logs::{self, Channel};
+use crate::prefetch::Recent;
 
 /// Wraps an inner backend with joint-graph construction and partitioning (`aot_eager` wraps the
 /// interpreter; code-generating backends wrap their own compilers).
@@ -47,7 +48,7 @@ impl Backend for AotBackend {
         if joint::diff_outputs(graph).is_empty() {
             return self.inner.compile(graph, ctx);
         }
-        let split = self.split(graph)?;
+        let split = self.split(graph, ctx)?;
         logs::emit(Channel::GraphCode, || {
             format!(
                 "{}{}",
@@ -85,8 +86,17 @@ impl Backend for AotBackend {
         self.inner.cache_id()
     }
 
+    /// The inner backend is told first; then the splits the function's last compiles used are
+    /// read ahead (once a process), and the inner backend reads ahead for their graphs.
     fn trace_starting(&self, ctx: &BackendContext, args: &[Tensor]) {
-        self.inner.trace_starting(ctx, args)
+        self.inner.trace_starting(ctx, args);
+        self.read_ahead(ctx);
+    }
+
+    /// What was read ahead for the trace and not taken is stale: dropped.
+    fn trace_finished(&self, ctx: &BackendContext) {
+        cache::discard_read_ahead(&ctx.name);
+        self.inner.trace_finished(ctx);
     }
 }
 
@@ -94,16 +104,23 @@ impl AotBackend {
     /// The forward and backward graphs of `graph` (one that needs a backward): from the cache on
     /// disk when the inner backend has a cache id and the graph was split before, else built
     /// (the joint graph, the inner backend's rewrite of it, the min-cut) and stored.
-    fn split(&self, graph: &Graph) -> Result<cache::Split> {
+    fn split(&self, graph: &Graph, ctx: &BackendContext) -> Result<cache::Split> {
         let key = match self.inner.cache_id() {
             Some(id) if crate::disk_cache::enabled() => Some(cache::key(graph, &id)),
             _ => None,
         };
+        let recent = self.recent(ctx);
         if let Some(key) = key {
-            let _span = profiler::span(profiler::Category::Compile, || {
-                "aot autograd: split read from the disk cache".into()
-            });
-            if let Some(split) = cache::load(key) {
+            let found = {
+                let _span = profiler::span(profiler::Category::Compile, || {
+                    "aot autograd: split read from the disk cache".into()
+                });
+                cache::load(key)
+            };
+            if let Some(split) = found {
+                if let Some(recent) = &recent {
+                    recent.remember(key);
+                }
                 return Ok(split);
             }
         }
@@ -134,8 +151,40 @@ impl AotBackend {
         };
         if let Some(key) = key {
             cache::store(key, &split);
+            if let Some(recent) = &recent {
+                recent.remember(key);
+            }
         }
         Ok(split)
+    }
+
+    /// The manifest of the splits the function `ctx` names used (`prefetch::Recent`), under
+    /// its name, its mode and the inner backend's cache id; `None` when nothing is cached.
+    fn recent(&self, ctx: &BackendContext) -> Option<Recent> {
+        let id = self.inner.cache_id()?;
+        Recent::new(
+            "aot",
+            &[ctx.name.as_bytes(), ctx.mode.as_bytes(), id.as_bytes()],
+        )
+    }
+
+    /// Reads ahead, each on a thread of its own, the splits the function `ctx` names used in
+    /// its last compiles, and hands each split's graphs to the inner backend to read ahead for.
+    /// Once a process for a function: a later trace (a recompile, a graph break's segments)
+    /// finds what its compile needs read or in memory already.
+    fn read_ahead(&self, ctx: &BackendContext) {
+        let Some(recent) = self.recent(ctx) else {
+            return;
+        };
+        if !recent.first_use() {
+            return;
+        }
+        for key in recent.keys() {
+            let (inner, ctx) = (self.inner.clone(), ctx.clone());
+            cache::read_ahead(&ctx.name.clone(), key, move |split| {
+                inner.read_ahead_pair(&split.forward, &split.backward, &ctx)
+            });
+        }
     }
 }
 

@@ -173,7 +173,7 @@ impl<'f> CompiledFn<'f> {
         extra: u64,
         why: Option<String>,
     ) -> Result<Vec<Tensor>> {
-        let tracer = self.new_tracer(args, TraceMode::CaptureFinal);
+        let (tracer, _end) = self.new_tracer(args, TraceMode::CaptureFinal);
         let outs = {
             let _on = intercept::install(Some(tracer.clone()));
             (self.f)(args)
@@ -598,7 +598,7 @@ impl<'f> CompiledFn<'f> {
             }
         }
         let rng = default_draw(0);
-        let tracer = self.new_tracer(&standins, TraceMode::Probe);
+        let (tracer, _) = self.new_tracer(&standins, TraceMode::Probe);
         // the outputs stay alive until the trace ends: they are what the graph computes
         let ran = catch_unwind(AssertUnwindSafe(|| {
             let _on = intercept::install(Some(tracer.clone()));

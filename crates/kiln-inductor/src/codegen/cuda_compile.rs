@@ -103,8 +103,7 @@ pub fn compile_many(
     let target = target(&rt, device, flags, sizes.is_none())?;
     let device_key = rt.device_key(device);
     // a symbolic graph's kernels are fitted across sizes, a tuned one's chosen when it runs
-    let describe = || format!("{target:?} {device_key:?}");
-    let cache = (sizes.is_none() && !flags.autotune).then(describe);
+    let cache = (sizes.is_none() && !flags.autotune).then(|| cache_target(&target, &device_key));
     std::thread::scope(|s| {
         let warm = |convs: Vec<crate::runtime::conv_warmup::Conv>| {
             (!convs.is_empty())
@@ -123,13 +122,14 @@ pub fn compile_many(
             .map(|&g| cache.as_ref().and_then(|t| plan_cache::key(KIND, t, g)))
             .collect();
         // a warm training step's two plans are read side by side: each is milliseconds of
-        // decoding (DenseNet-121's: 3-5 ms apiece on the H200's host)
+        // decoding (DenseNet-121's: 3-5 ms apiece on the H200's host), unless they were read
+        // ahead while the function was traced (`read_ahead`)
         let cached: Vec<Option<Plan>> = crate::parallel::map_threads(keys.clone(), |key| {
             key.and_then(|k| {
                 let _span = profiler::span(profiler::Category::Compile, || {
                     "inductor: CUDA plan read from the disk cache".into()
                 });
-                plan_cache::load(KIND, k)
+                plan_cache::take_or_load(KIND, k)
             })
         });
         let sources: Vec<Source<'_>> = graphs
@@ -166,6 +166,37 @@ pub fn compile_many(
 
 /// The disk cache's kind for CUDA plans.
 const KIND: &str = "cuda";
+
+/// What a plan's key says of the target besides the graph: the target and the device's model.
+fn cache_target(target: &Cuda, device_key: &Option<String>) -> String {
+    format!("{target:?} {device_key:?}")
+}
+
+/// Reads ahead, each on a thread of its own, the plans `compile_many` would read for `graphs`
+/// (concrete sizes, `flags`), for the function `function`: a warm training step's AOT autograd
+/// hands its split's graphs here while the step is still being traced
+/// (`Backend::read_ahead_pair`). Best effort: what is not read here is read by the compile.
+pub fn read_ahead(graphs: &[&Graph], flags: CudaFlags, function: &str) {
+    let Some(first) = graphs.first() else {
+        return;
+    };
+    if flags.autotune {
+        return;
+    }
+    let device = first.device();
+    let Ok(rt) = runtime_for("compile", device) else {
+        return;
+    };
+    let Ok(target) = target(&rt, device, flags, true) else {
+        return;
+    };
+    let describe = cache_target(&target, &rt.device_key(device));
+    for &g in graphs {
+        if let Some(k) = plan_cache::key(KIND, &describe, g) {
+            plan_cache::read_ahead(KIND, k, function);
+        }
+    }
+}
 
 /// The CUDA target for `device` under `flags`; `fused`: not one size of a symbolic graph.
 fn target(

@@ -1,0 +1,278 @@
+//! Warm starts: disk-cache entries read ahead, while the function that needs them is traced.
+//!
+//! A new process that finds a compiled function's work on disk spends its first milliseconds
+//! recording the user's code (DenseNet-121's training step: 10-16 ms on the H200's host) before
+//! it knows the graph, and so the keys, of the entries it will read; then reading and decoding
+//! them (AOT autograd's split, the code generator's plans: 5-10 ms there) waits for the
+//! recording. Each compile therefore remembers, under the function's name, the keys it read
+//! (`Recent`); the next process reads those entries on threads of their own as soon as the
+//! trace starts (`Prefetched::start`), and the compile takes a read-ahead value only under the
+//! key it computed itself (`Prefetched::take`), so a function whose graph changed reads what
+//! it needs as before and the stale read only cost a thread.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::thread::JoinHandle;
+
+use kiln_core::profiler;
+
+use crate::disk_cache;
+
+/// Most keys a function's manifest keeps (the most recent): a function compiles a few graphs
+/// (segments around graph breaks, recompiles); reading more ahead than that wastes threads.
+const MOST_KEYS: usize = 4;
+
+/// The keys of one kind of entry a function's compiles read, kept in a small file under the
+/// cache folder (`graphs/<kind>-recent/<hash of the function's identity>.txt`, one key a line).
+pub struct Recent {
+    path: PathBuf,
+}
+
+impl Recent {
+    /// The manifest of `kind` for the function `identity` names (its name, its mode, anything
+    /// else that changes what it compiles to); `None` when the disk cache is off.
+    pub fn new(kind: &str, identity: &[&[u8]]) -> Option<Recent> {
+        if !disk_cache::enabled() {
+            return None;
+        }
+        Some(Recent::under(
+            &kiln_core::cache::cache_root(),
+            kind,
+            identity,
+        ))
+    }
+
+    fn under(root: &Path, kind: &str, identity: &[&[u8]]) -> Recent {
+        let mut parts = vec![kind.as_bytes()];
+        parts.extend_from_slice(identity);
+        let key = disk_cache::key(&parts);
+        Recent {
+            path: root
+                .join("graphs")
+                .join(format!("{kind}-recent"))
+                .join(format!("{key:032x}.txt")),
+        }
+    }
+
+    /// True the first time this process asks for this manifest (since `kiln::reset`), false
+    /// after: read-ahead is for a function's first trace.
+    pub fn first_use(&self) -> bool {
+        let mut used = USED.lock().unwrap_or_else(|e| e.into_inner());
+        if used.contains(&self.path) {
+            return false;
+        }
+        used.push(self.path.clone());
+        true
+    }
+
+    /// The keys remembered, the most recent first (none when there is no manifest).
+    pub fn keys(&self) -> Vec<u128> {
+        std::fs::read_to_string(&self.path)
+            .map(|text| parse(&text))
+            .unwrap_or_default()
+    }
+
+    /// Remembers `key` as the most recent (moved to the front if it was there). Best effort:
+    /// a manifest that cannot be written only costs the next process its read-ahead.
+    pub fn remember(&self, key: u128) {
+        // one process's writers of one manifest in turn (a function compiled on two threads)
+        static LOCK: Mutex<()> = Mutex::new(());
+        let _turn = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let mut keys = self.keys();
+        if keys.first() == Some(&key) {
+            return;
+        }
+        keys.retain(|&k| k != key);
+        keys.insert(0, key);
+        keys.truncate(MOST_KEYS);
+        let text: String = keys.iter().map(|k| format!("{k:032x}\n")).collect();
+        let _ = kiln_core::cache::write_atomically(&self.path, text.as_bytes());
+    }
+}
+
+static TAKEN: AtomicU64 = AtomicU64::new(0);
+
+/// Disk-cache records compiles took from a read-ahead (`Prefetched::take_or_load`) since the
+/// process started.
+pub fn taken() -> u64 {
+    TAKEN.load(Ordering::Relaxed)
+}
+
+/// Manifests `Recent::first_use` answered.
+static USED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Forgets which functions were read ahead for (`kiln::reset`: the next trace of each reads
+/// ahead again, as a new process would).
+pub(crate) fn forget_uses() {
+    USED.lock().unwrap_or_else(|e| e.into_inner()).clear();
+}
+
+fn parse(text: &str) -> Vec<u128> {
+    text.lines()
+        .filter_map(|line| u128::from_str_radix(line.trim(), 16).ok())
+        .take(MOST_KEYS)
+        .collect()
+}
+
+/// Values read ahead on threads of their own, each under its key and the function it was read
+/// for. A value nobody takes is dropped when its function's compile ends (`discard`).
+pub struct Prefetched<T> {
+    pending: OnceLock<Mutex<HashMap<u128, Pending<T>>>>,
+}
+
+struct Pending<T> {
+    function: String,
+    thread: JoinHandle<Option<T>>,
+}
+
+impl<T: Send + 'static> Prefetched<T> {
+    pub const fn new() -> Self {
+        Prefetched {
+            pending: OnceLock::new(),
+        }
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<u128, Pending<T>>> {
+        self.pending
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts `read` on a thread of its own for `function`, unless `key` is read or being read
+    /// already. A thread that cannot be started reads nothing (the compile reads it itself).
+    pub fn start(
+        &self,
+        function: &str,
+        key: u128,
+        read: impl FnOnce() -> Option<T> + Send + 'static,
+    ) {
+        let mut pending = self.pending();
+        if pending.contains_key(&key) {
+            return;
+        }
+        let thread = std::thread::Builder::new()
+            .name("kiln-read-ahead".into())
+            .spawn(read);
+        if let Ok(thread) = thread {
+            let function = function.to_string();
+            pending.insert(key, Pending { function, thread });
+        }
+    }
+
+    /// What the read ahead under `key` found (waiting for its thread), or `None` when there
+    /// was none (never started, or its thread panicked): then the caller reads it itself.
+    pub fn take(&self, key: u128) -> Option<Option<T>> {
+        let pending = self.pending().remove(&key)?;
+        pending.thread.join().ok()
+    }
+
+    /// Starts reading ahead the record stored under (`kind`, `key`) as `decode` reads it
+    /// (`disk_cache::load_decoded_ahead`: counted only when taken), for `function`, then
+    /// `then` with it on the same thread.
+    pub fn start_disk(
+        &self,
+        function: &str,
+        kind: &'static str,
+        key: u128,
+        decode: fn(&[u8]) -> Option<T>,
+        then: impl FnOnce(&T) + Send + 'static,
+    ) {
+        self.start(function, key, move || {
+            let value = {
+                let _span = profiler::span(profiler::Category::Compile, || {
+                    format!("{kind} read ahead from the disk cache").into()
+                });
+                disk_cache::load_decoded_ahead(kind, key, decode)?
+            };
+            then(&value);
+            Some(value)
+        });
+    }
+
+    /// The record stored under (`kind`, `key`): the one read ahead (its hit or miss counted
+    /// now), else read now (`disk_cache::load_decoded`).
+    pub fn take_or_load(&self, kind: &str, key: u128, decode: fn(&[u8]) -> Option<T>) -> Option<T> {
+        match self.take(key) {
+            Some(found) => {
+                disk_cache::count_taken(found.is_some());
+                if found.is_some() {
+                    TAKEN.fetch_add(1, Ordering::Relaxed);
+                }
+                found
+            }
+            None => disk_cache::load_decoded(kind, key, decode),
+        }
+    }
+
+    /// Drops what was read ahead for `function` and not taken (its graph changed since the
+    /// keys were remembered). Threads still reading finish on their own.
+    pub fn discard(&self, function: &str) {
+        self.pending().retain(|_, p| p.function != function);
+    }
+}
+
+impl<T: Send + 'static> Default for Prefetched<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+
+    #[test]
+    fn a_manifest_keeps_the_most_recent_keys_first_each_once() {
+        let dir = std::env::temp_dir().join(format!("kiln-recent-{}", std::process::id()));
+        let recent = Recent::under(&dir, "t", &[b"DenseNet", b"default"]);
+        assert_eq!(recent.keys(), Vec::<u128>::new());
+        for k in [1u128, 2, 1, 3, 4, 5, 5] {
+            recent.remember(k);
+        }
+        assert_eq!(recent.keys(), vec![5, 4, 3, 1]);
+        // another identity is another manifest
+        assert_eq!(Recent::under(&dir, "t", &[b"ResNet"]).keys(), vec![]);
+        assert_ne!(
+            recent.path,
+            Recent::under(&dir, "u", &[b"DenseNet", b"default"]).path
+        );
+        // damaged lines are skipped
+        std::fs::write(&recent.path, "zz\n7\n\n8\n").unwrap();
+        assert_eq!(recent.keys(), vec![7, 8]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_value_is_taken_once_under_its_key_and_the_rest_discarded() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let read = |v: u32| {
+            let reads = reads.clone();
+            move || {
+                reads.fetch_add(1, Ordering::SeqCst);
+                Some(v)
+            }
+        };
+        let ahead = Prefetched::<u32>::new();
+        ahead.start("f", 1, read(10));
+        ahead.start("f", 1, read(11)); // already started: not read twice
+        ahead.start("f", 2, read(20));
+        ahead.start("g", 3, read(30));
+        assert_eq!(ahead.take(9), None);
+        assert_eq!(ahead.take(1), Some(Some(10)));
+        assert_eq!(ahead.take(1), None);
+        ahead.discard("f");
+        assert_eq!(ahead.take(2), None);
+        assert_eq!(ahead.take(3), Some(Some(30)));
+        assert_eq!(reads.load(Ordering::SeqCst), 3);
+        // a read that found nothing says so; one that panicked is one never made
+        ahead.start("f", 4, || None);
+        assert_eq!(ahead.take(4), Some(None));
+        ahead.start("f", 5, || panic!("damaged"));
+        assert_eq!(ahead.take(5), None);
+    }
+}
