@@ -154,8 +154,9 @@ enum Cubin<'a> {
 
 /// Each unit's kernels: loaded already, or loaded now from its cubin on disk; `None` where the
 /// disk has no verified cubin. The cubins are read and checked on a few threads (two file reads
-/// and a hash each: DenseNet-121's 67 took ~5 ms one after the other), then loaded in order on
-/// this thread: the driver loads one module at a time.
+/// and a hash each: DenseNet-121's 67 took ~5 ms one after the other) and loaded in order on
+/// this thread as they arrive: the driver loads one module at a time, and need not wait for the
+/// last read to start.
 fn from_disk(
     dev: &Arc<CudaDevice>,
     units: &[OnDisk<'_>],
@@ -163,47 +164,58 @@ fn from_disk(
     let mut out: Vec<Option<Vec<sys::CUfunction>>> =
         units.iter().map(|u| loaded(dev, &u.key, u.names)).collect();
     let missing: Vec<usize> = (0..units.len()).filter(|&i| out[i].is_none()).collect();
-    let images = map_on_threads(&missing, READ_THREADS, |&i| match units[i].cubin {
+    let read = |&i: &usize| match units[i].cubin {
         Cubin::OfSource(src) => read_cubin(&cubin_key(dev, src)),
         Cubin::Key(key) => read_cubin(key),
-    });
-    for (&i, image) in missing.iter().zip(images) {
+    };
+    for_each_on_threads(&missing, READ_THREADS, read, |k, image| {
         if let Some(image) = image {
-            let u = &units[i];
-            out[i] = Some(load_unit(dev, &u.key, &image, u.names)?);
+            let u = &units[missing[k]];
+            out[missing[k]] = Some(load_unit(dev, &u.key, &image, u.names)?);
         }
-    }
+        Ok(())
+    })?;
     Ok(out)
 }
 
 /// Most threads reading cubins from the disk cache at once (`built_units`).
 const READ_THREADS: usize = 8;
 
-/// `f` of each item, on at most `threads` threads (the k-th item on thread k % threads), results
-/// in the items' order; `None` for the items of a thread that panicked.
-fn map_on_threads<T: Sync, R: Send>(
+/// `f` of each item, on at most `threads` threads (the k-th item on thread k % threads), handed
+/// to `each` with its index in the items' order, each as soon as it is done: `None` for the
+/// items a thread left undone (it panicked). The first error of `each` ends the walk (the
+/// threads stop after their current item).
+fn for_each_on_threads<T: Sync, R: Send>(
     items: &[T],
     threads: usize,
     f: impl Fn(&T) -> Option<R> + Sync,
-) -> Vec<Option<R>> {
+    mut each: impl FnMut(usize, Option<R>) -> Result<()>,
+) -> Result<()> {
     let threads = items.len().clamp(1, threads.max(1));
     std::thread::scope(|s| {
         let f = &f;
-        let workers: Vec<_> = (0..threads)
+        // a channel a thread: its items arrive in order, and a thread that panicked closes it
+        let (workers, results): (Vec<_>, Vec<_>) = (0..threads)
             .map(|t| {
-                s.spawn(move || -> Vec<Option<R>> {
-                    items.iter().skip(t).step_by(threads).map(f).collect()
-                })
+                let (tx, rx) = std::sync::mpsc::channel();
+                let worker = s.spawn(move || {
+                    for item in items.iter().skip(t).step_by(threads) {
+                        if tx.send(f(item)).is_err() {
+                            return;
+                        }
+                    }
+                });
+                (worker, rx)
             })
-            .collect();
-        let mut done: Vec<std::vec::IntoIter<Option<R>>> = workers
-            .into_iter()
-            .map(|w| w.join().unwrap_or_default().into_iter())
-            .collect();
-        // the k-th item was the (k / threads)-th of thread k % threads
-        (0..items.len())
-            .map(|k| done[k % threads].next().flatten())
-            .collect()
+            .unzip();
+        let walked =
+            (0..items.len()).try_for_each(|k| each(k, results[k % threads].recv().ok().flatten()));
+        drop(results);
+        // joined here, so a thread's panic stays its items' `None`
+        for w in workers {
+            let _ = w.join();
+        }
+        walked
     })
 }
 
@@ -506,27 +518,53 @@ pub(crate) fn store(path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Resu
 mod tests {
     use super::*;
 
-    /// Results come back in the items' order for any count of items and threads, and a thread
-    /// that panics leaves `None` for its items alone.
+    /// Results come in the items' order for any count of items and threads, and a thread that
+    /// panics leaves `None` for the items it had not done.
     #[test]
-    fn map_on_threads_keeps_the_order() {
+    fn for_each_on_threads_keeps_the_order() {
+        let collect = |items: &[usize], threads, f: &(dyn Fn(&usize) -> Option<usize> + Sync)| {
+            let mut out = Vec::new();
+            for_each_on_threads(items, threads, f, |k, r| {
+                assert_eq!(k, out.len(), "in order");
+                out.push(r);
+                Ok(())
+            })
+            .unwrap();
+            out
+        };
         for n in [0usize, 1, 2, 7, 8, 9, 67] {
             let items: Vec<usize> = (0..n).collect();
             for threads in [0usize, 1, 3, 8, 100] {
-                let out = map_on_threads(&items, threads, |&i| Some(i * 10));
+                let out = collect(&items, threads, &|&i| Some(i * 10));
                 let want: Vec<Option<usize>> = (0..n).map(|i| Some(i * 10)).collect();
                 assert_eq!(out, want, "{n} items on {threads} threads");
             }
         }
         let items: Vec<usize> = (0..9).collect();
-        let out = map_on_threads(&items, 3, |&i| {
+        let out = collect(&items, 3, &|&i| {
             if i == 4 {
                 panic!("a reader failed");
             }
             Some(i)
         });
-        // item 4 was thread 1's (items 1, 4, 7): all three are lost, the rest kept
-        let want: Vec<Option<usize>> = (0..9).map(|i| (i % 3 != 1).then_some(i)).collect();
+        // item 4 was thread 1's second (items 1, 4, 7): 4 and 7 are lost, the rest kept
+        let want: Vec<Option<usize>> = (0..9).map(|i| (i != 4 && i != 7).then_some(i)).collect();
         assert_eq!(out, want);
+        // an error of `each` ends the walk and is returned
+        let mut seen = 0;
+        let r = for_each_on_threads(
+            &items,
+            3,
+            |&i| Some(i),
+            |k, _| {
+                seen += 1;
+                match k {
+                    2 => Err(kiln_core::Error::arg("test", "stop")),
+                    _ => Ok(()),
+                }
+            },
+        );
+        assert!(r.is_err());
+        assert_eq!(seen, 3);
     }
 }
