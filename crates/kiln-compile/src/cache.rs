@@ -82,7 +82,12 @@ pub(crate) fn compile_cached(
         ctx.fullgraph,
         kiln_core::backends::fingerprint()
     );
-    let key = (address(backend), options, graph.structure_key());
+    let key = {
+        let _span = profiler::span(profiler::Category::Compile, || {
+            format!("graph key: {name}").into()
+        });
+        (address(backend), options, graph.structure_key())
+    };
     if let Some(e) = cache().lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
         if e.backend
             .upgrade()

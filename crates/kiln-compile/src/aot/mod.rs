@@ -106,7 +106,12 @@ impl AotBackend {
     /// (the joint graph, the inner backend's rewrite of it, the min-cut) and stored.
     fn split(&self, graph: &Graph, ctx: &BackendContext) -> Result<cache::Split> {
         let key = match self.inner.cache_id() {
-            Some(id) if crate::disk_cache::enabled() => Some(cache::key(graph, &id)),
+            Some(id) if crate::disk_cache::enabled() => {
+                let _span = profiler::span(profiler::Category::Compile, || {
+                    "aot autograd: split key".into()
+                });
+                Some(cache::key(graph, &id))
+            }
             _ => None,
         };
         let recent = self.recent(ctx);

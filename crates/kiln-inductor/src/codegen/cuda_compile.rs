@@ -114,10 +114,15 @@ pub fn compile_many(
             true => Some(spawn_warmup(s, || conv_warmup::distinct(graphs), flags)),
             false => None,
         };
-        let keys: Vec<Option<u128>> = graphs
-            .iter()
-            .map(|&g| cache.as_ref().and_then(|t| plan_cache::key(KIND, t, g)))
-            .collect();
+        let keys: Vec<Option<u128>> = {
+            let _span = profiler::span(profiler::Category::Compile, || {
+                "inductor: CUDA plan keys".into()
+            });
+            graphs
+                .iter()
+                .map(|&g| cache.as_ref().and_then(|t| plan_cache::key(KIND, t, g)))
+                .collect()
+        };
         // a warm training step's two plans are read side by side: each is milliseconds of
         // decoding (DenseNet-121's: 3-5 ms apiece on the H200's host), unless they were read
         // ahead while the function was traced (`read_ahead`)
