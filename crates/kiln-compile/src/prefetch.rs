@@ -5,10 +5,11 @@
 //! it knows the graph, and so the keys, of the entries it will read; then reading and decoding
 //! them (AOT autograd's split, the code generator's plans: 5-10 ms there) waits for the
 //! recording. Each compile therefore remembers, under the function's name, the keys it read
-//! (`Recent`); the next process reads those entries on threads of their own as soon as the
-//! trace starts (`Prefetched::start`), and the compile takes a read-ahead value only under the
-//! key it computed itself (`Prefetched::take`), so a function whose graph changed reads what
-//! it needs as before and the stale read only cost a thread.
+//! (`Recent`: AOT autograd its splits, the code generator its plans, each in a manifest of its
+//! own); the next process reads those entries on threads of their own as soon as the trace
+//! starts (`Prefetched::start`), all at once, and the compile takes a read-ahead value only
+//! under the key it computed itself (`Prefetched::take`), so a function whose graph changed
+//! reads what it needs as before and the stale read only cost a thread.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -21,8 +22,9 @@ use kiln_core::profiler;
 use crate::disk_cache;
 
 /// Most keys a function's manifest keeps (the most recent): a function compiles a few graphs
-/// (segments around graph breaks, recompiles); reading more ahead than that wastes threads.
-const MOST_KEYS: usize = 4;
+/// (a training step's two plans, an evaluation's, segments around graph breaks, recompiles);
+/// reading more ahead than that wastes threads.
+const MOST_KEYS: usize = 6;
 
 /// The keys of one kind of entry a function's compiles read, kept in a small file under the
 /// cache folder (`graphs/<kind>-recent/<hash of the function's identity>.txt`, one key a line).
@@ -170,25 +172,19 @@ impl<T: Send + 'static> Prefetched<T> {
     }
 
     /// Starts reading ahead the record stored under (`kind`, `key`) as `decode` reads it
-    /// (`disk_cache::load_decoded_ahead`: counted only when taken), for `function`, then
-    /// `then` with it on the same thread.
+    /// (`disk_cache::load_decoded_ahead`: counted only when taken), for `function`.
     pub fn start_disk(
         &self,
         function: &str,
         kind: &'static str,
         key: u128,
         decode: fn(&[u8]) -> Option<T>,
-        then: impl FnOnce(&T) + Send + 'static,
     ) {
         self.start(function, key, move || {
-            let value = {
-                let _span = profiler::span(profiler::Category::Compile, || {
-                    format!("{kind} read ahead from the disk cache").into()
-                });
-                disk_cache::load_decoded_ahead(kind, key, decode)?
-            };
-            then(&value);
-            Some(value)
+            let _span = profiler::span(profiler::Category::Compile, || {
+                format!("{kind} read ahead from the disk cache").into()
+            });
+            disk_cache::load_decoded_ahead(kind, key, decode)
         });
     }
 
@@ -223,18 +219,17 @@ impl<T: Send + 'static> Default for Prefetched<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicUsize;
-    use std::sync::Arc;
 
     #[test]
     fn a_manifest_keeps_the_most_recent_keys_first_each_once() {
         let dir = std::env::temp_dir().join(format!("kiln-recent-{}", std::process::id()));
         let recent = Recent::under(&dir, "t", &[b"DenseNet", b"default"]);
         assert_eq!(recent.keys(), Vec::<u128>::new());
-        for k in [1u128, 2, 1, 3, 4, 5, 5] {
+        for k in [1u128, 2, 1, 3, 4, 5, 5, 6, 7] {
             recent.remember(k);
         }
-        assert_eq!(recent.keys(), vec![5, 4, 3, 1]);
+        // the most recent first, each once, at most MOST_KEYS (6): key 2 fell off
+        assert_eq!(recent.keys(), vec![7, 6, 5, 4, 3, 1]);
         // another identity is another manifest
         assert_eq!(Recent::under(&dir, "t", &[b"ResNet"]).keys(), vec![]);
         assert_ne!(
@@ -249,26 +244,17 @@ mod tests {
 
     #[test]
     fn a_value_is_taken_once_under_its_key_and_the_rest_discarded() {
-        let reads = Arc::new(AtomicUsize::new(0));
-        let read = |v: u32| {
-            let reads = reads.clone();
-            move || {
-                reads.fetch_add(1, Ordering::SeqCst);
-                Some(v)
-            }
-        };
         let ahead = Prefetched::<u32>::new();
-        ahead.start("f", 1, read(10));
-        ahead.start("f", 1, read(11)); // already started: not read twice
-        ahead.start("f", 2, read(20));
-        ahead.start("g", 3, read(30));
+        ahead.start("f", 1, || Some(10));
+        ahead.start("f", 1, || Some(11)); // already started: not read again
+        ahead.start("f", 2, || Some(20));
+        ahead.start("g", 3, || Some(30));
         assert_eq!(ahead.take(9), None);
         assert_eq!(ahead.take(1), Some(Some(10)));
         assert_eq!(ahead.take(1), None);
         ahead.discard("f");
         assert_eq!(ahead.take(2), None);
         assert_eq!(ahead.take(3), Some(Some(30)));
-        assert_eq!(reads.load(Ordering::SeqCst), 3);
         // a read that found nothing says so; one that panicked is one never made
         ahead.start("f", 4, || None);
         assert_eq!(ahead.take(4), Some(None));

@@ -14,7 +14,7 @@ use crate::codegen::c::{pointwise_kernels, reduction_kernel, Kernel};
 use crate::codegen::cuda_compile::{self, CudaFlags};
 use crate::codegen::template;
 use crate::ir::lower::{small_cpu_matmul, Kind, MatmulDims};
-use crate::plan_cache::{Plan, PlanStep};
+use crate::plan_cache::{Plan, PlanStep, C_KIND};
 use crate::repeats::{self, Cone};
 use crate::runtime::cc::{self, toolchain};
 use crate::runtime::exec::{CompiledCpu, Launch};
@@ -486,38 +486,17 @@ impl Backend for CpuCodegen {
         Some(crate::plan_cache::build_and_settings())
     }
 
-    /// Unless `KILN_PREFETCH_UNITS=0`, a function traced on a CUDA device starts loading the units
-    /// its last compile loaded (`codegen/cuda_prefetch.rs`).
+    /// The plans the function's last compiles used are read ahead (`plan_cache::read_ahead_recent`),
+    /// and unless `KILN_PREFETCH_UNITS=0`, a function traced on a CUDA device starts loading
+    /// the units its last compile loaded (`codegen/cuda_prefetch.rs`).
     fn trace_starting(&self, ctx: &BackendContext, args: &[kiln_core::Tensor]) {
+        crate::plan_cache::read_ahead_recent(ctx);
         crate::codegen::cuda_prefetch::start(ctx, args)
     }
 
     /// Plans read ahead for the trace and not taken are stale: dropped.
     fn trace_finished(&self, ctx: &BackendContext) {
         crate::plan_cache::discard_read_ahead(&ctx.name);
-    }
-
-    /// A training step's two plans are read ahead (`plan_cache::read_ahead`), under the keys
-    /// `compile_pair` reads them by.
-    fn read_ahead_pair(&self, forward: &Graph, backward: &Graph, ctx: &BackendContext) {
-        let device = forward.device();
-        if backward.device() != device {
-            return;
-        }
-        if device != kiln_core::Device::Cpu {
-            if let Ok(flags) = cuda_flags(ctx) {
-                cuda_compile::read_ahead(&[forward, backward], flags, &ctx.name);
-            }
-            return;
-        }
-        let (Some(tc), Ok(c)) = (toolchain(), c_target(ctx)) else {
-            return;
-        };
-        for g in [forward, backward] {
-            if let Some(k) = crate::plan_cache::key(CPU_KIND, &c_plan_target(&c, tc), g) {
-                crate::plan_cache::read_ahead(CPU_KIND, k, &ctx.name);
-            }
-        }
     }
 
     /// On a CUDA device both graphs' kernels are built by one pool of NVRTC threads: built one
@@ -532,11 +511,10 @@ impl Backend for CpuCodegen {
     ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
         let device = forward.device();
         if device != kiln_core::Device::Cpu && backward.device() == device {
-            let manifest = crate::codegen::cuda_prefetch::manifest(ctx, device);
             let both = cuda_compile::compile_many(
                 &[forward, backward],
                 cuda_flags(ctx)?,
-                manifest.as_deref(),
+                &memo(ctx, device),
             );
             if let Ok(mut both) = both {
                 if let (Some(bc), Some(fc)) = (both.pop(), both.pop()) {
@@ -556,8 +534,8 @@ impl Backend for CpuCodegen {
 
     fn compile(&self, graph: &Graph, ctx: &BackendContext) -> Result<Arc<dyn CompiledGraph>> {
         if graph.device() != kiln_core::Device::Cpu {
-            let manifest = crate::codegen::cuda_prefetch::manifest(ctx, graph.device());
-            return match cuda_compile::compile(graph, cuda_flags(ctx)?, manifest.as_deref()) {
+            let memo = memo(ctx, graph.device());
+            return match cuda_compile::compile(graph, cuda_flags(ctx)?, &memo) {
                 Ok(compiled) => Ok(compiled),
                 Err(e) if !ctx.fullgraph => {
                     static WARN: Once = Once::new();
@@ -578,6 +556,14 @@ impl Backend for CpuCodegen {
         compiled
             .pop()
             .ok_or_else(|| kiln_core::Error::arg("kiln backend", "no graph was compiled"))
+    }
+}
+
+/// What a CUDA compile of the function `ctx` names remembers for its next warm start.
+fn memo(ctx: &BackendContext, device: kiln_core::Device) -> cuda_compile::Memo {
+    cuda_compile::Memo {
+        units: crate::codegen::cuda_prefetch::manifest(ctx, device),
+        plans: crate::plan_cache::recent(crate::plan_cache::CUDA_KIND, ctx),
     }
 }
 
@@ -633,15 +619,18 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
         horizontal: sizes.is_none(),
         ..c_target(ctx)?
     };
+    let recent = crate::plan_cache::recent(C_KIND, ctx);
+    let mut used = Vec::new();
     let plans: Vec<Plan> = graphs
         .iter()
         .map(|&graph| -> Result<Plan> {
             // a symbolic graph's kernels are fitted across sizes: not cached
             let key = match sizes {
-                None => crate::plan_cache::key(CPU_KIND, &c_plan_target(&c, tc), graph),
+                None => crate::plan_cache::key(C_KIND, &c_plan_target(&c, tc), graph),
                 Some(_) => None,
             };
-            if let Some(plan) = key.and_then(|k| crate::plan_cache::take_or_load(CPU_KIND, k)) {
+            used.push(key);
+            if let Some(plan) = key.and_then(|k| crate::plan_cache::take_or_load(C_KIND, k)) {
                 return Ok(plan);
             }
             let _span = kiln_core::profiler::span(kiln_core::profiler::Category::Compile, || {
@@ -649,11 +638,12 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
             });
             let plan = plan_c(&c, &*prepare(graph)?, sizes.as_ref());
             if let Some(k) = key {
-                crate::plan_cache::store(CPU_KIND, k, &plan);
+                crate::plan_cache::store(C_KIND, k, &plan);
             }
             Ok(plan)
         })
         .collect::<Result<_>>()?;
+    crate::plan_cache::remember(recent.as_ref(), used);
     // every distinct kernel of the graphs (a unit of a C plan holds one), loaded by name
     let wanted: Vec<cc::CKernel<'_>> = plans
         .iter()
@@ -689,9 +679,6 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
         })
         .collect()
 }
-
-/// The disk cache's kind for C plans.
-const CPU_KIND: &str = "c";
 
 /// The C plan of `graph` (rewritten for the code generators): its steps, each kernel resolved
 /// for the size context `sizes` (`codegen/template.rs`), and one unit per distinct kernel (the

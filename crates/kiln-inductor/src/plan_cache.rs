@@ -10,7 +10,8 @@
 use kiln_compile::codec::{self, Reader, Seeds, Writer};
 use kiln_compile::disk_cache;
 use kiln_compile::graph::{Graph, NodeId};
-use kiln_compile::prefetch::Prefetched;
+use kiln_compile::prefetch::{Prefetched, Recent};
+use kiln_compile::BackendContext;
 
 use kiln_core::Result;
 
@@ -112,10 +113,46 @@ pub fn key(kind: &str, target: &str, graph: &Graph) -> Option<u128> {
 /// covers its kind: one table serves both targets).
 static READ_AHEAD: Prefetched<Plan> = Prefetched::new();
 
-/// Starts reading the plan stored under (`kind`, `key`) on a thread of its own, for the
-/// function `function` (`Backend::read_ahead_pair`).
-pub fn read_ahead(kind: &'static str, key: u128, function: &str) {
-    READ_AHEAD.start_disk(function, kind, key, decode, |_| {});
+/// The disk cache's kinds of plans: the CUDA target's and the C target's.
+pub const CUDA_KIND: &str = "cuda";
+pub const C_KIND: &str = "c";
+
+/// The manifest of the plans of `kind` the function `ctx` names used (`prefetch::Recent`),
+/// under its name, its mode, and this build and its settings; `None` when nothing is cached.
+pub fn recent(kind: &str, ctx: &BackendContext) -> Option<Recent> {
+    Recent::new(
+        kind,
+        &[
+            ctx.name.as_bytes(),
+            ctx.mode.as_bytes(),
+            build_and_settings().as_bytes(),
+        ],
+    )
+}
+
+/// Starts reading ahead, each on a thread of its own, the plans (of either target) the
+/// function `ctx` names used in its last compiles: all at once, while the function is traced.
+/// Once a process for a function, as AOT autograd's splits.
+pub fn read_ahead_recent(ctx: &BackendContext) {
+    for kind in [CUDA_KIND, C_KIND] {
+        let Some(recent) = recent(kind, ctx) else {
+            return;
+        };
+        if recent.first_use() {
+            for key in recent.keys() {
+                READ_AHEAD.start_disk(&ctx.name, kind, key, decode);
+            }
+        }
+    }
+}
+
+/// Remembers the keys of the plans a compile of the function `recent` names used.
+pub fn remember(recent: Option<&Recent>, keys: impl IntoIterator<Item = Option<u128>>) {
+    if let Some(recent) = recent {
+        for key in keys.into_iter().flatten() {
+            recent.remember(key);
+        }
+    }
 }
 
 /// The plan stored under (`kind`, `key`): the one read ahead, else read now.

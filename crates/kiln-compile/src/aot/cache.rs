@@ -41,9 +41,9 @@ pub fn load(key: u128) -> Option<Split> {
 }
 
 /// Starts reading the split stored under `key` on a thread of its own for the function
-/// `function`; `then` gets it there (the inner backend reads ahead for its graphs).
-pub fn read_ahead(function: &str, key: u128, then: impl FnOnce(&Split) + Send + 'static) {
-    READ_AHEAD.start_disk(function, KIND, key, decode, then);
+/// `function`.
+pub fn read_ahead(function: &str, key: u128) {
+    READ_AHEAD.start_disk(function, KIND, key, decode);
 }
 
 /// Drops the splits read ahead for `function` that no compile took.

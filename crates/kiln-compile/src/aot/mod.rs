@@ -86,8 +86,8 @@ impl Backend for AotBackend {
         self.inner.cache_id()
     }
 
-    /// The inner backend is told first; then the splits the function's last compiles used are
-    /// read ahead (once a process), and the inner backend reads ahead for their graphs.
+    /// The inner backend is told first (it may read ahead what it stores); then the splits the
+    /// function's last compiles used are read ahead (once a process).
     fn trace_starting(&self, ctx: &BackendContext, args: &[Tensor]) {
         self.inner.trace_starting(ctx, args);
         self.read_ahead(ctx);
@@ -174,9 +174,8 @@ impl AotBackend {
     }
 
     /// Reads ahead, each on a thread of its own, the splits the function `ctx` names used in
-    /// its last compiles, and hands each split's graphs to the inner backend to read ahead for.
-    /// Once a process for a function: a later trace (a recompile, a graph break's segments)
-    /// finds what its compile needs read or in memory already.
+    /// its last compiles. Once a process for a function: a later trace (a recompile, a graph
+    /// break's segments) finds what its compile needs read or in memory already.
     fn read_ahead(&self, ctx: &BackendContext) {
         let Some(recent) = self.recent(ctx) else {
             return;
@@ -185,10 +184,7 @@ impl AotBackend {
             return;
         }
         for key in recent.keys() {
-            let (inner, ctx) = (self.inner.clone(), ctx.clone());
-            cache::read_ahead(&ctx.name.clone(), key, move |split| {
-                inner.read_ahead_pair(&split.forward, &split.backward, &ctx)
-            });
+            cache::read_ahead(&ctx.name, key);
         }
     }
 }

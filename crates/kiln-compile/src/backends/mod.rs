@@ -55,14 +55,6 @@ pub trait Backend: Send + Sync {
     fn trace_finished(&self, ctx: &BackendContext) {
         let _ = ctx;
     }
-    /// Told, on a thread of its own, while the function named `ctx.name` is being traced, that a
-    /// `compile_pair` of these graphs is likely soon (AOT autograd read ahead the split its last
-    /// compile in another process made, `prefetch.rs`): a backend may read ahead what it would
-    /// read for them (kiln's CUDA target: its plans), keyed so that only a compile of the same
-    /// graphs takes it. The default: nothing.
-    fn read_ahead_pair(&self, forward: &Graph, backward: &Graph, ctx: &BackendContext) {
-        let _ = (forward, backward, ctx);
-    }
     /// A rewrite of AOT autograd's joint graph (forward and backward in one) before it is split,
     /// so that what the forward saves for the backward is what this backend wants saved (kiln's
     /// CUDA target: activations in channels-last order). The rewrite keeps the graph's inputs and

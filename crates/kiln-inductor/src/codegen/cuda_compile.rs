@@ -22,6 +22,7 @@ use crate::runtime::autotune::{Candidate, Tuned};
 use crate::runtime::conv_warmup;
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Launch};
+use kiln_compile::prefetch::Recent;
 
 /// How a graph is compiled for CUDA (the backend reads them from the mode and options).
 #[derive(Clone, Copy, Debug)]
@@ -55,14 +56,19 @@ struct Prepared {
 /// disk says which; not for one size of a symbolic graph, whose kernels serve every size.
 /// `graph` is as the backend was handed it: the rewrites for the code generators
 /// (`backend::prepare`) happen here, unless its plan comes from the disk cache (`plan_cache.rs`).
-pub fn compile(
-    graph: &Graph,
-    flags: CudaFlags,
-    manifest: Option<&Path>,
-) -> Result<Arc<dyn CompiledGraph>> {
-    let mut out = compile_many(&[graph], flags, manifest)?;
+pub fn compile(graph: &Graph, flags: CudaFlags, memo: &Memo) -> Result<Arc<dyn CompiledGraph>> {
+    let mut out = compile_many(&[graph], flags, memo)?;
     out.pop()
         .ok_or_else(|| kiln_core::Error::arg("kiln backend", "no graph was compiled"))
+}
+
+/// What a compile remembers of the function it compiles, for that function's next warm start
+/// in another process: where its units are listed (`cuda_prefetch.rs`, when the prefetch is
+/// on) and the manifest of its plans' keys (`plan_cache::recent`).
+#[derive(Default)]
+pub struct Memo {
+    pub units: Option<std::path::PathBuf>,
+    pub plans: Option<Recent>,
 }
 
 /// Where a graph's plan comes from.
@@ -87,12 +93,11 @@ impl Source<'_> {
 /// (`runtime/conv_warmup.rs`: cuDNN's kernels load at a convolution's first execution), from
 /// the start where the convolutions are already in their final (channels-last) form, else once
 /// the graphs are rewritten.
-/// `manifest`: where the compiled function's units are remembered for the next process's
-/// prefetch (`cuda_prefetch.rs`), if it is on.
+/// `memo`: what the compiled function's next warm start will want remembered.
 pub fn compile_many(
     graphs: &[&Graph],
     flags: CudaFlags,
-    manifest: Option<&Path>,
+    memo: &Memo,
 ) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = graphs.first() else {
         return Ok(Vec::new());
@@ -104,7 +109,7 @@ pub fn compile_many(
     let target = target(&rt, device, flags, sizes.is_none())?;
     let device_key = rt.device_key(device);
     // a symbolic graph's kernels are fitted across sizes, a tuned one's chosen when it runs
-    let cache = (sizes.is_none() && !flags.autotune).then(|| cache_target(&target, &device_key));
+    let cache = (sizes.is_none() && !flags.autotune).then(|| format!("{target:?} {device_key:?}"));
     std::thread::scope(|s| {
         // graphs whose convolutions are already in their final form (a training step's
         // halves: AOT autograd rewrote the joint graph) start the warm-up before their plans
@@ -125,7 +130,8 @@ pub fn compile_many(
         };
         // a warm training step's two plans are read side by side: each is milliseconds of
         // decoding (DenseNet-121's: 3-5 ms apiece on the H200's host), unless they were read
-        // ahead while the function was traced (`read_ahead`)
+        // ahead while the function was traced (`plan_cache::read_ahead_recent`)
+        let used = keys.clone();
         let cached: Vec<Option<Plan>> = crate::parallel::map_threads(keys.clone(), |key| {
             key.and_then(|k| {
                 let _span = profiler::span(profiler::Category::Compile, || {
@@ -157,11 +163,14 @@ pub fn compile_many(
             sources,
             flags,
             sizes,
-            manifest,
+            memo.units.as_deref(),
         );
         // best effort: a failed warm-up leaves the first call to load what it needs
         if let Some(w) = warmup {
             let _ = w.join();
+        }
+        if compiled.is_ok() {
+            plan_cache::remember(memo.plans.as_ref(), used);
         }
         compiled
     })
@@ -178,38 +187,7 @@ fn spawn_warmup<'scope>(
 }
 
 /// The disk cache's kind for CUDA plans.
-const KIND: &str = "cuda";
-
-/// What a plan's key says of the target besides the graph: the target and the device's model.
-fn cache_target(target: &Cuda, device_key: &Option<String>) -> String {
-    format!("{target:?} {device_key:?}")
-}
-
-/// Reads ahead, each on a thread of its own, the plans `compile_many` would read for `graphs`
-/// (concrete sizes, `flags`), for the function `function`: a warm training step's AOT autograd
-/// hands its split's graphs here while the step is still being traced
-/// (`Backend::read_ahead_pair`). Best effort: what is not read here is read by the compile.
-pub fn read_ahead(graphs: &[&Graph], flags: CudaFlags, function: &str) {
-    let Some(first) = graphs.first() else {
-        return;
-    };
-    if flags.autotune {
-        return;
-    }
-    let device = first.device();
-    let Ok(rt) = runtime_for("compile", device) else {
-        return;
-    };
-    let Ok(target) = target(&rt, device, flags, true) else {
-        return;
-    };
-    let describe = cache_target(&target, &rt.device_key(device));
-    for &g in graphs {
-        if let Some(k) = plan_cache::key(KIND, &describe, g) {
-            plan_cache::read_ahead(KIND, k, function);
-        }
-    }
-}
+const KIND: &str = plan_cache::CUDA_KIND;
 
 /// The CUDA target for `device` under `flags`; `fused`: not one size of a symbolic graph.
 fn target(
