@@ -368,16 +368,23 @@ impl Interceptor for Tracer {
         meta: &OutMeta,
         device: Device,
     ) -> Option<Result<Tensor>> {
-        // a deferred tensor of another (finished) trace is computed before it joins this one
-        for t in inputs {
-            if t.is_deferred() && !self.lock().seg.known.contains_key(&t.id()) {
-                if let Err(e) = t.ready(prim.name(), Location::caller()) {
-                    return Some(Err(e));
-                }
-            }
-        }
         let me: Arc<dyn Deferred> = self.me.upgrade()?;
         let mut st = self.lock();
+        // a deferred tensor of another (finished) trace is computed before it joins this one;
+        // almost every operand is a value of this segment, found without taking its own lock
+        let foreign =
+            |st: &State, t: &Tensor| !st.seg.known.contains_key(&t.id()) && t.is_deferred();
+        if inputs.iter().any(|t| foreign(&st, t)) {
+            drop(st);
+            for t in inputs {
+                if foreign(&self.lock(), t) {
+                    if let Err(e) = t.ready(prim.name(), Location::caller()) {
+                        return Some(Err(e));
+                    }
+                }
+            }
+            st = self.lock();
+        }
         let seg = &mut st.seg;
         let args: Vec<NodeId> = inputs.iter().map(|t| self.value_of(seg, t)).collect();
         let prim = match prim {
@@ -403,6 +410,10 @@ impl Interceptor for Tracer {
             }
             p => p.clone(),
         };
+        let out = Tensor::deferred(&meta.shape, meta.dtype, device, me);
+        if let Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_) = &prim {
+            seg.views.record(&prim, inputs[0], &out);
+        }
         let id = seg.graph.push(Node {
             op: Op::Prim(prim),
             args,
@@ -412,19 +423,9 @@ impl Interceptor for Tracer {
             requires_grad: false,
             device,
         });
-        let out = Tensor::deferred(&meta.shape, meta.dtype, device, me);
         seg.known.insert(out.id(), id);
         seg.pending_at.insert(out.id(), seg.pending.len());
         seg.pending.push((out.downgrade(), id, out.id()));
-        let view_prim = match &seg.graph.nodes[id].op {
-            Op::Prim(
-                p @ (Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_)),
-            ) => Some(p.clone()),
-            _ => None,
-        };
-        if let Some(p) = view_prim {
-            seg.views.record(&p, inputs[0], &out);
-        }
         Some(Ok(out))
     }
 
