@@ -128,6 +128,8 @@ struct Segment {
     pending: Vec<(WeakTensor, NodeId, u64)>,
     /// Where each traced tensor's entry of `pending` is, by tensor id.
     pending_at: HashMap<u64, usize, Fast>,
+    /// The length of `pending` at which its dead entries are next dropped (`note_pending`).
+    compact_at: usize,
     mutations: Vec<(Tensor, NodeId)>,
     /// Traced tensors eager execution would have made views, for writes through them.
     views: Views,
@@ -424,8 +426,7 @@ impl Interceptor for Tracer {
             device,
         });
         seg.known.insert(out.id(), id);
-        seg.pending_at.insert(out.id(), seg.pending.len());
-        seg.pending.push((out.downgrade(), id, out.id()));
+        note_pending(seg, &out, id);
         Some(Ok(out))
     }
 
@@ -580,6 +581,23 @@ fn set_value(seg: &mut Segment, root: Root, node: NodeId) -> Result<bool> {
         rebind(seg, view_id, at);
     }
     Ok(stride_dependent)
+}
+
+/// Adds traced tensor `t`, the value of `node`, to those filled in when the segment runs. Most
+/// traced tensors are intermediates the traced code drops at once, but a weak handle keeps
+/// their allocation: the dead ones are dropped each time `pending` has doubled (amortized
+/// constant time), so the allocator hands their memory, still in cache, to the next ones.
+fn note_pending(seg: &mut Segment, t: &Tensor, node: NodeId) {
+    if seg.pending.len() >= seg.compact_at {
+        seg.pending.retain(|(w, _, _)| w.upgrade().is_some());
+        seg.pending_at.clear();
+        for (at, &(_, _, id)) in seg.pending.iter().enumerate() {
+            seg.pending_at.insert(id, at);
+        }
+        seg.compact_at = (2 * seg.pending.len()).max(256);
+    }
+    seg.pending_at.insert(t.id(), seg.pending.len());
+    seg.pending.push((t.downgrade(), node, t.id()));
 }
 
 /// Points tensor `id` at graph value `node`, for later reads and for filling it in at the end.
