@@ -81,11 +81,14 @@ impl Views {
         let Some(layout) = prim.view_layout(self.eager_layout(input)) else {
             return;
         };
-        let (root, mut chain, inherited) = match self.0.get(&input.id()) {
-            Some(v) => (v.root.clone(), v.chain.clone(), v.stride_dependent),
-            None if input.is_deferred() => (Root::Traced(input.id()), Vec::new(), false),
-            None => (Root::Real(input.clone()), Vec::new(), false),
+        let (root, parent, inherited) = match self.0.get(&input.id()) {
+            Some(v) => (v.root.clone(), &v.chain[..], v.stride_dependent),
+            None if input.is_deferred() => (Root::Traced(input.id()), &[][..], false),
+            None => (Root::Real(input.clone()), &[][..], false),
         };
+        // one allocation, of the final length
+        let mut chain = Vec::with_capacity(parent.len() + 1);
+        chain.extend_from_slice(parent);
         // views of a contiguous root follow from its shape, which the guards pin
         let stride_dependent = inherited
             || matches!(prim, Prim::Reshape(_))
