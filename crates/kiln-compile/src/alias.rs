@@ -17,6 +17,8 @@ use kiln_core::prim::Prim;
 use kiln_core::shape::Layout;
 use kiln_core::{DType, Error, Result, Tensor, WeakTensor};
 
+use crate::fast_hash::Fast;
+
 /// The tensor whose storage a view reads.
 #[derive(Clone)]
 pub(crate) enum Root {
@@ -49,37 +51,44 @@ pub(crate) struct ViewOf {
     pub stride_dependent: bool,
 }
 
-/// The views traced in one segment, by tensor id.
+/// The views traced in one segment, by tensor id (with the fast hasher: a trace records one per
+/// view prim, and `of_root`'s order, which orders re-derived views in the graph, does not then
+/// depend on a per-process hash seed).
 #[derive(Default)]
-pub(crate) struct Views(HashMap<u64, ViewOf>);
+pub(crate) struct Views(HashMap<u64, ViewOf, Fast>);
 
 impl Views {
     pub(crate) fn get(&self, id: u64) -> Option<&ViewOf> {
         self.0.get(&id)
     }
 
-    /// The layout `t` would have in eager mode: a view's computed layout, a traced value's
-    /// fresh contiguous buffer, or a real tensor's own layout.
-    fn eager_layout(&self, t: &Tensor) -> Layout {
+    /// The layout `t` would have in eager mode: a view's computed layout, else `t`'s own: a
+    /// traced value's is its fresh contiguous buffer's (`Tensor::deferred` lays it out so), a
+    /// real tensor's is its actual layout.
+    fn eager_layout<'a>(&'a self, t: &'a Tensor) -> &'a Layout {
         match self.0.get(&t.id()) {
-            Some(v) => v.layout.clone(),
-            None if t.is_deferred() => Layout::contiguous(t.shape()),
-            None => t.layout().clone(),
+            Some(v) => &v.layout,
+            None => {
+                debug_assert!(!t.is_deferred() || t.is_contiguous() && t.offset() == 0);
+                t.layout()
+            }
         }
     }
 
     /// Notes that `out = prim(input)` was traced; remembers it if eager execution would have made
     /// `out` a view.
     pub(crate) fn record(&mut self, prim: &Prim, input: &Tensor, out: &Tensor) {
-        let base = self.eager_layout(input);
-        let Some(layout) = prim.view_layout(&base) else {
+        let Some(layout) = prim.view_layout(self.eager_layout(input)) else {
             return;
         };
-        let (root, mut chain, inherited) = match self.0.get(&input.id()) {
-            Some(v) => (v.root.clone(), v.chain.clone(), v.stride_dependent),
-            None if input.is_deferred() => (Root::Traced(input.id()), Vec::new(), false),
-            None => (Root::Real(input.clone()), Vec::new(), false),
+        let (root, parent, inherited) = match self.0.get(&input.id()) {
+            Some(v) => (v.root.clone(), &v.chain[..], v.stride_dependent),
+            None if input.is_deferred() => (Root::Traced(input.id()), &[][..], false),
+            None => (Root::Real(input.clone()), &[][..], false),
         };
+        // one allocation, of the final length
+        let mut chain = Vec::with_capacity(parent.len() + 1);
+        chain.extend_from_slice(parent);
         // views of a contiguous root follow from its shape, which the guards pin
         let stride_dependent = inherited
             || matches!(prim, Prim::Reshape(_))

@@ -128,6 +128,8 @@ struct Segment {
     pending: Vec<(WeakTensor, NodeId, u64)>,
     /// Where each traced tensor's entry of `pending` is, by tensor id.
     pending_at: HashMap<u64, usize, Fast>,
+    /// The length of `pending` at which its dead entries are next dropped (`note_pending`).
+    compact_at: usize,
     mutations: Vec<(Tensor, NodeId)>,
     /// Traced tensors eager execution would have made views, for writes through them.
     views: Views,
@@ -368,16 +370,23 @@ impl Interceptor for Tracer {
         meta: &OutMeta,
         device: Device,
     ) -> Option<Result<Tensor>> {
-        // a deferred tensor of another (finished) trace is computed before it joins this one
-        for t in inputs {
-            if t.is_deferred() && !self.lock().seg.known.contains_key(&t.id()) {
-                if let Err(e) = t.ready(prim.name(), Location::caller()) {
-                    return Some(Err(e));
-                }
-            }
-        }
         let me: Arc<dyn Deferred> = self.me.upgrade()?;
         let mut st = self.lock();
+        // a deferred tensor of another (finished) trace is computed before it joins this one;
+        // almost every operand is a value of this segment, found without taking its own lock
+        let foreign =
+            |st: &State, t: &Tensor| !st.seg.known.contains_key(&t.id()) && t.is_deferred();
+        if inputs.iter().any(|t| foreign(&st, t)) {
+            drop(st);
+            for t in inputs {
+                if foreign(&self.lock(), t) {
+                    if let Err(e) = t.ready(prim.name(), Location::caller()) {
+                        return Some(Err(e));
+                    }
+                }
+            }
+            st = self.lock();
+        }
         let seg = &mut st.seg;
         let args: Vec<NodeId> = inputs.iter().map(|t| self.value_of(seg, t)).collect();
         let prim = match prim {
@@ -403,6 +412,10 @@ impl Interceptor for Tracer {
             }
             p => p.clone(),
         };
+        let out = Tensor::deferred(&meta.shape, meta.dtype, device, me);
+        if let Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_) = &prim {
+            seg.views.record(&prim, inputs[0], &out);
+        }
         let id = seg.graph.push(Node {
             op: Op::Prim(prim),
             args,
@@ -412,19 +425,8 @@ impl Interceptor for Tracer {
             requires_grad: false,
             device,
         });
-        let out = Tensor::deferred(&meta.shape, meta.dtype, device, me);
         seg.known.insert(out.id(), id);
-        seg.pending_at.insert(out.id(), seg.pending.len());
-        seg.pending.push((out.downgrade(), id, out.id()));
-        let view_prim = match &seg.graph.nodes[id].op {
-            Op::Prim(
-                p @ (Prim::Permute(_) | Prim::Expand(_) | Prim::Slice { .. } | Prim::Reshape(_)),
-            ) => Some(p.clone()),
-            _ => None,
-        };
-        if let Some(p) = view_prim {
-            seg.views.record(&p, inputs[0], &out);
-        }
+        note_pending(seg, &out, id);
         Some(Ok(out))
     }
 
@@ -579,6 +581,23 @@ fn set_value(seg: &mut Segment, root: Root, node: NodeId) -> Result<bool> {
         rebind(seg, view_id, at);
     }
     Ok(stride_dependent)
+}
+
+/// Adds traced tensor `t`, the value of `node`, to those filled in when the segment runs. Most
+/// traced tensors are intermediates the traced code drops at once, but a weak handle keeps
+/// their allocation: the dead ones are dropped each time `pending` has doubled (amortized
+/// constant time), so the allocator hands their memory, still in cache, to the next ones.
+fn note_pending(seg: &mut Segment, t: &Tensor, node: NodeId) {
+    if seg.pending.len() >= seg.compact_at {
+        seg.pending.retain(|(w, _, _)| w.upgrade().is_some());
+        seg.pending_at.clear();
+        for (at, &(_, _, id)) in seg.pending.iter().enumerate() {
+            seg.pending_at.insert(id, at);
+        }
+        seg.compact_at = (2 * seg.pending.len()).max(256);
+    }
+    seg.pending_at.insert(t.id(), seg.pending.len());
+    seg.pending.push((t.downgrade(), node, t.id()));
 }
 
 /// Points tensor `id` at graph value `node`, for later reads and for filling it in at the end.

@@ -6,12 +6,14 @@
 //! device, that device's registered runtime (`device.rs`). Operand-less prims (creation) run where
 //! `apply_on` says. The CPU path costs one comparison more than before devices existed.
 
+use smallvec::SmallVec;
+
 use crate::autograd::{self, Node, SavedOutput};
 use crate::device::runtime_for;
 use crate::prim::{OutMeta, Prim};
 use crate::shape::Layout;
 use crate::storage::{CpuStorage, Storage};
-use crate::{Device, Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 #[track_caller]
 pub fn apply(prim: Prim, inputs: &[&Tensor]) -> Result<Tensor> {
@@ -47,8 +49,9 @@ pub fn apply_on(prim: Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor
         }
         mixed = true;
     }
-    let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
-    let dtypes: Vec<_> = inputs.iter().map(|t| t.dtype()).collect();
+    // on the stack: every prim passes here, and a trace records thousands
+    let shapes: SmallVec<[&[usize]; 4]> = inputs.iter().map(|t| t.shape()).collect();
+    let dtypes: SmallVec<[DType; 4]> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = prim.infer(&shapes, &dtypes)?;
     if let Some(i) = crate::intercept::current() {
         // offered before any scalar is lifted: a tracer records the CPU scalar itself (a copy

@@ -1,10 +1,22 @@
 //! Shapes, strides and the layout of a tensor over its storage.
 
+use smallvec::SmallVec;
+
 use crate::{Error, Result};
+
+/// A layout's sizes or strides: inline up to rank 4 (an NCHW activation), so the layouts a
+/// trace makes for every value it records (`Tensor::deferred`) and every view cost no heap
+/// allocation; it derefs to `[usize]` like the `Vec` it replaces.
+pub type Dims = SmallVec<[usize; 4]>;
 
 /// Row-major strides of a contiguous tensor of this shape.
 pub fn contiguous_strides(shape: &[usize]) -> Vec<usize> {
-    let mut strides = vec![0; shape.len()];
+    contiguous_dims(shape).into_vec()
+}
+
+/// `contiguous_strides`, inline.
+fn contiguous_dims(shape: &[usize]) -> Dims {
+    let mut strides: Dims = smallvec::smallvec![0; shape.len()];
     let mut acc = 1;
     for i in (0..shape.len()).rev() {
         strides[i] = acc;
@@ -64,16 +76,16 @@ pub fn broadcast_shapes(op: &'static str, a: &[usize], b: &[usize]) -> Result<Ve
 /// Shape, strides (in elements) and offset of a tensor into its storage.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
-    pub shape: Vec<usize>,
-    pub strides: Vec<usize>,
+    pub shape: Dims,
+    pub strides: Dims,
     pub offset: usize,
 }
 
 impl Layout {
     pub fn contiguous(shape: &[usize]) -> Self {
         Layout {
-            shape: shape.to_vec(),
-            strides: contiguous_strides(shape),
+            shape: Dims::from_slice(shape),
+            strides: contiguous_dims(shape),
             offset: 0,
         }
     }
@@ -111,7 +123,7 @@ impl Layout {
             .map(|((&from, &to), &s)| if from == to { s } else { 0 })
             .collect();
         Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides,
             offset: self.offset,
         }
@@ -134,15 +146,15 @@ impl Layout {
     pub fn reshape_view(&self, shape: &[usize]) -> Option<Layout> {
         if self.is_contiguous() || self.numel() == 0 {
             return Some(Layout {
-                shape: shape.to_vec(),
-                strides: contiguous_strides(shape),
+                shape: Dims::from_slice(shape),
+                strides: contiguous_dims(shape),
                 offset: self.offset,
             });
         }
         // ATen's computeStride: split or merge only dims that are contiguous with each other, so
         // e.g. squeezing a column of a matrix (`select`) stays a view.
         let (old, old_strides) = (&self.shape, &self.strides);
-        let mut strides = vec![0; shape.len()];
+        let mut strides: Dims = smallvec::smallvec![0; shape.len()];
         let mut view_d = shape.len() as isize - 1;
         let mut chunk_base = *old_strides.last()?;
         let (mut tensor_numel, mut view_numel) = (1, 1);
@@ -165,7 +177,7 @@ impl Layout {
             }
         }
         (view_d == -1).then(|| Layout {
-            shape: shape.to_vec(),
+            shape: Dims::from_slice(shape),
             strides,
             offset: self.offset,
         })

@@ -38,6 +38,18 @@ impl Tensor {
         dtype: DType,
         grad_fn: Option<GradEdge>,
     ) -> Tensor {
+        Tensor::from_parts_deferred(storage, layout, dtype, grad_fn, None)
+    }
+
+    /// `from_parts` with the producer of a deferred tensor's values, set as it is made (not
+    /// through its lock afterwards: a trace makes one per recorded prim).
+    fn from_parts_deferred(
+        storage: Storage,
+        layout: Layout,
+        dtype: DType,
+        grad_fn: Option<GradEdge>,
+        deferred: Option<Arc<dyn Deferred>>,
+    ) -> Tensor {
         Tensor(Arc::new(TensorImpl {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             layout,
@@ -47,7 +59,7 @@ impl Tensor {
             requires_grad: AtomicBool::new(grad_fn.is_some()),
             grad: Mutex::new(None),
             grad_fn: grad_fn.map(OnceLock::from).unwrap_or_default(),
-            deferred: Mutex::new(None),
+            deferred: Mutex::new(deferred),
         }))
     }
 
@@ -488,9 +500,13 @@ impl Tensor {
                 filled: OnceLock::new(),
             })),
         };
-        let t = Tensor::from_parts(storage, Layout::contiguous(shape), dtype, None);
-        *t.0.deferred.lock().unwrap_or_else(|e| e.into_inner()) = Some(source);
-        t
+        Tensor::from_parts_deferred(
+            storage,
+            Layout::contiguous(shape),
+            dtype,
+            None,
+            Some(source),
+        )
     }
     pub fn is_deferred(&self) -> bool {
         self.0

@@ -164,8 +164,8 @@ pub(crate) fn execute(
     }
     let ((a, la), (b, lb)) = (ops[0], ops[1]);
     let matrix = |l: &Layout| Layout {
-        shape: l.shape[1..].to_vec(),
-        strides: l.strides[1..].to_vec(),
+        shape: l.shape[1..].into(),
+        strides: l.strides[1..].into(),
         offset: l.offset,
     };
     let bias = ops.get(2).copied().filter(|_| e.bias);

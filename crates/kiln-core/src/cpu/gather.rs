@@ -125,8 +125,8 @@ mod tests {
         }
         // a broadcast row and a view read at unit stride innermost are not transposes
         let row = Layout {
-            shape: vec![64, 1_000],
-            strides: vec![0, 1],
+            shape: [64, 1_000][..].into(),
+            strides: [0, 1][..].into(),
             offset: 0,
         };
         assert!(transposed(&data, &row).is_none());

@@ -252,8 +252,8 @@ fn write_positions<T: Copy>(d: &mut [T], layout: &Layout, values: &[T]) {
     match (layout.shape.split_last(), layout.strides.split_last()) {
         (Some((&row, outer)), Some((&step, outer_strides))) if row > 1 => {
             let rows = Layout {
-                shape: outer.to_vec(),
-                strides: outer_strides.to_vec(),
+                shape: outer.into(),
+                strides: outer_strides.into(),
                 offset: layout.offset,
             };
             let mut i = 0;

@@ -80,7 +80,7 @@ impl Walk {
             row,
             row_dim,
             outer: rest[..split].to_vec(),
-            shape: shape.clone(),
+            shape: shape.to_vec(),
         })
     }
 

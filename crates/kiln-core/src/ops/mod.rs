@@ -59,10 +59,13 @@ fn scalar_dtype(float_scalar: bool, like: DType) -> DType {
 /// dispatch; against a device tensor the runtime takes it by value where it can
 /// (`takes_host_scalar`; else dispatch copies it over): no device buffer and no fill launch per
 /// number, as PyTorch passes its wrapped numbers. While an interceptor records (a trace), it is
-/// a `full` on `like`'s device, so the graph holds the constant where its consumers run.
+/// a `full` on `like`'s device, so the graph holds the constant where its consumers run, made
+/// with `like`'s rank of ones: the broadcast that follows is then one `expand`, not a `reshape`
+/// of a 0-dim value and an `expand` (a third fewer prims for each number a trace records, of
+/// which batch norm's statistics have eight).
 fn scalar_operand(value: f64, dtype: DType, like: &Tensor) -> Result<Tensor> {
     match crate::intercept::current() {
-        Some(_) => Tensor::full_on(&[], value, dtype, like.device()),
+        Some(_) => Tensor::full_on(&vec![1; like.rank()], value, dtype, like.device()),
         None => Ok(Tensor::from_storage(
             CpuStorage::from_f64s(dtype, std::iter::once(value)),
             &[],

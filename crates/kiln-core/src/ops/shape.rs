@@ -190,9 +190,11 @@ impl Tensor {
                 format!("cannot broadcast {:?} to {shape:?}", self.shape()),
             ));
         }
-        let mut s = vec![1; shape.len() - self.rank()];
-        s.extend_from_slice(self.shape());
-        let x = if s.len() != self.rank() {
+        // leading size-1 dims first, when the ranks differ (a traced number already has the
+        // rank it meets: `ops::scalar_operand`)
+        let x = if shape.len() != self.rank() {
+            let mut s = vec![1; shape.len() - self.rank()];
+            s.extend_from_slice(self.shape());
             self.reshape(s)?
         } else {
             self.clone()
