@@ -69,25 +69,32 @@ impl Recent {
         true
     }
 
-    /// The keys remembered, the most recent first (none when there is no manifest).
+    /// The keys remembered, the newest first (none when there is no manifest).
     pub fn keys(&self) -> Vec<u128> {
         std::fs::read_to_string(&self.path)
             .map(|text| parse(&text))
             .unwrap_or_default()
     }
 
-    /// Remembers `key` as the most recent (moved to the front if it was there). Best effort:
-    /// a manifest that cannot be written only costs the next process its read-ahead.
+    /// Remembers `key` (`remember_all`). Best effort: a manifest that cannot be written only
+    /// costs the next process its read-ahead.
     pub fn remember(&self, key: u128) {
+        self.remember_all(&[key]);
+    }
+
+    /// Remembers `keys`, used together (a training step's two plans): a manifest that lists
+    /// them all already is left as it is (a warm start writes nothing); else they go first, in
+    /// their order, and the oldest fall off past `MOST_KEYS`.
+    pub fn remember_all(&self, new: &[u128]) {
         // one process's writers of one manifest in turn (a function compiled on two threads)
         static LOCK: Mutex<()> = Mutex::new(());
         let _turn = LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let mut keys = self.keys();
-        if keys.first() == Some(&key) {
+        if new.iter().all(|k| keys.contains(k)) {
             return;
         }
-        keys.retain(|&k| k != key);
-        keys.insert(0, key);
+        keys.retain(|k| !new.contains(k));
+        keys.splice(0..0, new.iter().copied());
         keys.truncate(MOST_KEYS);
         let text: String = keys.iter().map(|k| format!("{k:032x}\n")).collect();
         let _ = kiln_core::cache::write_atomically(&self.path, text.as_bytes());
@@ -228,8 +235,14 @@ mod tests {
         for k in [1u128, 2, 1, 3, 4, 5, 5, 6, 7] {
             recent.remember(k);
         }
-        // the most recent first, each once, at most MOST_KEYS (6): key 2 fell off
-        assert_eq!(recent.keys(), vec![7, 6, 5, 4, 3, 1]);
+        // new keys first, each once, at most MOST_KEYS (6); a key listed already stays where
+        // it is (a warm start writes nothing), so key 1 fell off
+        assert_eq!(recent.keys(), vec![7, 6, 5, 4, 3, 2]);
+        // keys used together: listed already, nothing changes; else first, in their order
+        recent.remember_all(&[3, 6]);
+        assert_eq!(recent.keys(), vec![7, 6, 5, 4, 3, 2]);
+        recent.remember_all(&[1, 5]);
+        assert_eq!(recent.keys(), vec![1, 5, 7, 6, 4, 3]);
         // another identity is another manifest
         assert_eq!(Recent::under(&dir, "t", &[b"ResNet"]).keys(), vec![]);
         assert_ne!(

@@ -149,9 +149,7 @@ pub fn read_ahead_recent(ctx: &BackendContext) {
 /// Remembers the keys of the plans a compile of the function `recent` names used.
 pub fn remember(recent: Option<&Recent>, keys: impl IntoIterator<Item = Option<u128>>) {
     if let Some(recent) = recent {
-        for key in keys.into_iter().flatten() {
-            recent.remember(key);
-        }
+        recent.remember_all(&keys.into_iter().flatten().collect::<Vec<_>>());
     }
 }
 

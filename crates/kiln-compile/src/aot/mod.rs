@@ -67,7 +67,7 @@ impl Backend for AotBackend {
         let (forward, backward) = self
             .inner
             .compile_pair(&split.forward, &split.backward, ctx)?;
-        Ok(Arc::new(AotCompiled {
+        let compiled = AotCompiled {
             forward,
             backward,
             rng_span: graph.rng_span,
@@ -79,7 +79,9 @@ impl Backend for AotBackend {
             saved_bytes: split.saved_bytes,
             forward_draws: split.forward.rng_span > 0,
             backward_draws: split.backward.rng_span > 0,
-        }))
+        };
+        drop_off_the_path(split.forward, split.backward);
+        Ok(Arc::new(compiled))
     }
 
     fn cache_id(&self) -> Option<String> {
@@ -187,6 +189,22 @@ impl AotBackend {
             cache::read_ahead(&ctx.name, key);
         }
     }
+}
+
+/// Drops the split's graphs (the compiled pair keeps what it runs) on a thread of its own:
+/// thousands of nodes, each with vectors of its own, freed between the compile and the first
+/// launch otherwise.
+fn drop_off_the_path(forward: Graph, backward: Graph) {
+    let drop_both = move || {
+        let _span = profiler::span(profiler::Category::Compile, || {
+            "aot autograd: the split's graphs dropped".into()
+        });
+        drop((forward, backward));
+    };
+    // where no thread can be started, the graphs are dropped here (the closure with them)
+    let _ = std::thread::Builder::new()
+        .name("kiln-drop".into())
+        .spawn(drop_both);
 }
 
 /// A compiled forward and backward pair.

@@ -183,7 +183,12 @@ fn spawn_warmup<'scope>(
     list: impl FnOnce() -> Vec<conv_warmup::Conv> + Send + 'scope,
     flags: CudaFlags,
 ) -> std::thread::ScopedJoinHandle<'scope, Result<()>> {
-    s.spawn(move || conv_warmup::run(&list(), flags.autotune))
+    s.spawn(move || {
+        let convs = list();
+        // after the units' prefetch: its module loads and the warm-up's would take turns
+        super::cuda_prefetch::wait();
+        conv_warmup::run(&convs, flags.autotune)
+    })
 }
 
 /// The disk cache's kind for CUDA plans.
@@ -270,7 +275,12 @@ fn compile_graphs(
         cuda_units::load(rt, device, &all_units)?
     };
     if let Some(path) = manifest {
-        super::cuda_prefetch::remember(path, rt, device, &all_units);
+        // off the first launch's path: the units' ids hash every source, and the manifest is
+        // written; best effort, as the manifest itself
+        let (path, rt) = (path.to_path_buf(), rt.clone());
+        let _ = std::thread::Builder::new()
+            .name("kiln-prefetch-memo".into())
+            .spawn(move || super::cuda_prefetch::remember(&path, &rt, device, &all_units));
     }
     // each graph's executor made side by side: a training step's two lie between the units'
     // load and the first launch (DenseNet-121's: 0.7-0.9 ms on the H200's host, side by side)

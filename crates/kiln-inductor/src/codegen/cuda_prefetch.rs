@@ -13,8 +13,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Condvar, Mutex};
 
 use kiln_compile::{disk_cache, BackendContext};
 use kiln_core::device::{runtime_for, DeviceRuntime};
@@ -25,8 +24,9 @@ pub fn enabled() -> bool {
     std::env::var_os("KILN_PREFETCH_UNITS").map_or(true, |v| v != "0")
 }
 
-/// Prefetch threads not yet waited for.
-static PENDING: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+/// Prefetch threads still loading, counted, for `wait` (which several threads may call).
+static RUNNING: Mutex<usize> = Mutex::new(0);
+static FINISHED: Condvar = Condvar::new();
 
 /// Units by id, each with its kernels' names.
 type UnitIds = Vec<(String, Vec<String>)>;
@@ -98,28 +98,38 @@ fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, path: &Path) {
     if units.is_empty() {
         return;
     }
+    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) += 1;
     let thread = std::thread::Builder::new()
         .name("kiln-prefetch".into())
         .spawn(move || {
+            // counted off however the load ends, a panic included
+            struct Done;
+            impl Drop for Done {
+                fn drop(&mut self) {
+                    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
+                    FINISHED.notify_all();
+                }
+            }
+            let _done = Done;
             let _span = profiler::span(profiler::Category::Compile, || {
                 format!("inductor: {} units prefetched", units.len()).into()
             });
             // best effort: what fails here is loaded (or reported) by the compile itself
             let _ = rt.prefetch_units(device, &units);
         });
-    if let Ok(handle) = thread {
-        PENDING
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(handle);
+    if thread.is_err() {
+        *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
     }
 }
 
-/// Waits for every prefetch started so far (before a compile loads its units).
+/// Waits until every prefetch started so far has ended: before a compile loads its units (what
+/// a prefetch is loading is then found loaded, not loaded twice), and before the convolutions'
+/// warm-up loads their modules (the driver loads one module at a time: two threads loading at
+/// once only slow each other).
 pub(crate) fn wait() {
-    let pending = std::mem::take(&mut *PENDING.lock().unwrap_or_else(|e| e.into_inner()));
-    for handle in pending {
-        let _ = handle.join();
+    let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+    while *running > 0 {
+        running = FINISHED.wait(running).unwrap_or_else(|e| e.into_inner());
     }
 }
 
