@@ -1,7 +1,7 @@
 //! Warm starts: disk-cache entries read ahead, while the function that needs them is traced.
 //!
 //! A new process that finds a compiled function's work on disk spends its first milliseconds
-//! recording the user's code (DenseNet-121's training step: 10-16 ms on the H200's host) before
+//! recording the user's code (DenseNet-121's training step: 8-10 ms on the H200's host) before
 //! it knows the graph, and so the keys, of the entries it will read; then reading and decoding
 //! them (AOT autograd's split, the code generator's plans: 5-10 ms there) waits for the
 //! recording. Each compile therefore remembers, under the function's name, the keys it read
@@ -21,7 +21,7 @@ use kiln_core::profiler;
 
 use crate::disk_cache;
 
-/// Most keys a function's manifest keeps (the most recent): a function compiles a few graphs
+/// Most keys a function's manifest keeps (the newest): a function compiles a few graphs
 /// (a training step's two plans, an evaluation's, segments around graph breaks, recompiles);
 /// reading more ahead than that wastes threads.
 const MOST_KEYS: usize = 6;
