@@ -185,6 +185,9 @@ fn spawn_warmup<'scope>(
 ) -> std::thread::ScopedJoinHandle<'scope, Result<()>> {
     s.spawn(move || {
         let convs = list();
+        if convs.is_empty() {
+            return Ok(());
+        }
         // after the units' prefetch: its module loads and the warm-up's would take turns
         super::cuda_prefetch::wait();
         conv_warmup::run(&convs, flags.autotune)
