@@ -58,15 +58,21 @@ impl Recent {
         }
     }
 
-    /// True the first time this process asks for this manifest (since `kiln::reset`), false
-    /// after: read-ahead is for a function's first trace.
-    pub fn first_use(&self) -> bool {
-        let mut used = USED.lock().unwrap_or_else(|e| e.into_inner());
-        if used.contains(&self.path) {
-            return false;
+    /// The keys to read ahead now: those remembered, the first time this process asks (since
+    /// `kiln::reset`: read-ahead is for a function's first trace); none after, and none when
+    /// reading ahead is off (`enabled`).
+    pub fn to_read_ahead(&self) -> Vec<u128> {
+        if !enabled() {
+            return Vec::new();
         }
-        used.push(self.path.clone());
-        true
+        {
+            let mut used = USED.lock().unwrap_or_else(|e| e.into_inner());
+            if used.contains(&self.path) {
+                return Vec::new();
+            }
+            used.push(self.path.clone());
+        }
+        self.keys()
     }
 
     /// The keys remembered, the newest first (none when there is no manifest).
@@ -109,7 +115,13 @@ pub fn taken() -> u64 {
     TAKEN.load(Ordering::Relaxed)
 }
 
-/// Manifests `Recent::first_use` answered.
+/// Whether reading ahead is on (`KILN_READ_AHEAD=0` turns it off: each compile then reads what
+/// it needs once it knows its keys; the manifests are still kept).
+pub fn enabled() -> bool {
+    std::env::var_os("KILN_READ_AHEAD").map_or(true, |v| v != "0")
+}
+
+/// Manifests `Recent::to_read_ahead` answered.
 static USED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 /// Forgets which functions were read ahead for (`kiln::reset`: the next trace of each reads

@@ -138,10 +138,8 @@ pub fn read_ahead_recent(ctx: &BackendContext) {
         let Some(recent) = recent(kind, ctx) else {
             return;
         };
-        if recent.first_use() {
-            for key in recent.keys() {
-                READ_AHEAD.start_disk(&ctx.name, kind, key, decode);
-            }
+        for key in recent.to_read_ahead() {
+            READ_AHEAD.start_disk(&ctx.name, kind, key, decode);
         }
     }
 }

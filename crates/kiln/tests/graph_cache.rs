@@ -176,6 +176,18 @@ fn a_training_step_compiled_in_a_new_process_comes_from_the_disk_cache() -> Resu
         assert_eq!(warm, cold);
         let s4 = s6;
 
+        // KILN_READ_AHEAD=0: the same three records, read by the compile itself, the same
+        // results (this binary's only test, so the variable reaches no other)
+        std::env::set_var("KILN_READ_AHEAD", "0");
+        as_a_new_process();
+        let (s_before, taken) = (disk_cache::stats(), prefetch::taken());
+        let unread = step(&compile()?, &m, &x, &state);
+        std::env::remove_var("KILN_READ_AHEAD");
+        assert_eq!(unread?, first);
+        assert_eq!(delta(s_before, disk_cache::stats()), (3, 0, 0, 0), "3 hits");
+        assert_eq!(prefetch::taken(), taken, "nothing read ahead");
+        let s4 = disk_cache::stats();
+
         // KILN_GRAPH_CACHE=0: nothing read or stored, the same results (this binary's only
         // test, so the variable reaches no other)
         std::env::set_var("KILN_GRAPH_CACHE", "0");

@@ -182,10 +182,7 @@ impl AotBackend {
         let Some(recent) = self.recent(ctx) else {
             return;
         };
-        if !recent.first_use() {
-            return;
-        }
-        for key in recent.keys() {
+        for key in recent.to_read_ahead() {
             cache::read_ahead(&ctx.name, key);
         }
     }
