@@ -174,7 +174,6 @@ fn a_training_step_compiled_in_a_new_process_comes_from_the_disk_cache() -> Resu
         let (warm, s6) = (infer()?, disk_cache::stats());
         assert_eq!(delta(s5, s6), (1, 0, 0, 0), "inference warm: one plan read");
         assert_eq!(warm, cold);
-        let s4 = s6;
 
         // KILN_READ_AHEAD=0: the same three records, read by the compile itself, the same
         // results (this binary's only test, so the variable reaches no other)
