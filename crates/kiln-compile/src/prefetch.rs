@@ -26,15 +26,71 @@ use crate::disk_cache;
 /// reading more ahead than that wastes threads.
 const MOST_KEYS: usize = 6;
 
-/// The keys of one kind of entry a function's compiles read, kept in a small file under the
-/// cache folder (`graphs/<kind>-recent/<hash of the function's identity>.txt`, one key a line).
-pub struct Recent {
+/// A small file under the cache folder in which a function's compiles leave what the
+/// function's next warm start, in another process, should load ahead of need
+/// (`graphs/<dir>/<hash of dir and the function's identity>.txt`): the keys of AOT autograd's
+/// splits and of the code generator's plans (`Recent`), the CUDA units to load (kiln-inductor's
+/// `cuda_prefetch`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Manifest {
     path: PathBuf,
 }
 
+impl Manifest {
+    /// The manifest in `dir` for the function `identity` names (its name, its mode, anything
+    /// else that changes what it compiles to), under the cache folder.
+    pub fn new(dir: &str, identity: &[&[u8]]) -> Manifest {
+        Manifest::under(&kiln_core::cache::cache_root(), dir, identity)
+    }
+
+    /// `new` under the folder `root`.
+    pub fn under(root: &Path, dir: &str, identity: &[&[u8]]) -> Manifest {
+        let mut parts = vec![dir.as_bytes()];
+        parts.extend_from_slice(identity);
+        let key = disk_cache::key(&parts);
+        Manifest {
+            path: root
+                .join("graphs")
+                .join(dir)
+                .join(format!("{key:032x}.txt")),
+        }
+    }
+
+    /// True the first time this process asks about this manifest (since `kiln::reset`), false
+    /// after: loading ahead is for a function's first trace; a function traced on every call (a
+    /// graph break) finds what it needs loaded already.
+    pub fn first_use(&self) -> bool {
+        let mut used = USED.lock().unwrap_or_else(|e| e.into_inner());
+        if used.contains(&self.path) {
+            return false;
+        }
+        used.push(self.path.clone());
+        true
+    }
+
+    /// The manifest's text (`None` when there is none).
+    pub fn read(&self) -> Option<String> {
+        std::fs::read_to_string(&self.path).ok()
+    }
+
+    /// Writes `text`, unless the manifest holds it already (a warm start writes nothing). Best
+    /// effort: a manifest that cannot be written only costs the next process its loading ahead.
+    pub fn write(&self, text: &str) {
+        if self.read().as_deref() != Some(text) {
+            let _ = kiln_core::cache::write_atomically(&self.path, text.as_bytes());
+        }
+    }
+}
+
+/// The keys of one kind of entry a function's compiles read, one a line in a manifest of their
+/// own (`graphs/<kind>-recent/`).
+pub struct Recent {
+    file: Manifest,
+}
+
 impl Recent {
-    /// The manifest of `kind` for the function `identity` names (its name, its mode, anything
-    /// else that changes what it compiles to); `None` when the disk cache is off.
+    /// The manifest of `kind` for the function `identity` names; `None` when the disk cache is
+    /// off.
     pub fn new(kind: &str, identity: &[&[u8]]) -> Option<Recent> {
         if !disk_cache::enabled() {
             return None;
@@ -47,37 +103,25 @@ impl Recent {
     }
 
     fn under(root: &Path, kind: &str, identity: &[&[u8]]) -> Recent {
-        let mut parts = vec![kind.as_bytes()];
-        parts.extend_from_slice(identity);
-        let key = disk_cache::key(&parts);
         Recent {
-            path: root
-                .join("graphs")
-                .join(format!("{kind}-recent"))
-                .join(format!("{key:032x}.txt")),
+            file: Manifest::under(root, &format!("{kind}-recent"), identity),
         }
     }
 
-    /// The keys to read ahead now: those remembered, the first time this process asks (since
-    /// `kiln::reset`: read-ahead is for a function's first trace); none after, and none when
-    /// reading ahead is off (`enabled`).
+    /// The keys to read ahead now: those remembered, at the manifest's first use in this
+    /// process (`Manifest::first_use`); none after, and none when reading ahead is off
+    /// (`enabled`).
     pub fn to_read_ahead(&self) -> Vec<u128> {
-        if !enabled() {
+        if !enabled() || !self.file.first_use() {
             return Vec::new();
-        }
-        {
-            let mut used = USED.lock().unwrap_or_else(|e| e.into_inner());
-            if used.contains(&self.path) {
-                return Vec::new();
-            }
-            used.push(self.path.clone());
         }
         self.keys()
     }
 
     /// The keys remembered, the newest first (none when there is no manifest).
     pub fn keys(&self) -> Vec<u128> {
-        std::fs::read_to_string(&self.path)
+        self.file
+            .read()
             .map(|text| parse(&text))
             .unwrap_or_default()
     }
@@ -103,7 +147,7 @@ impl Recent {
         keys.splice(0..0, new.iter().copied());
         keys.truncate(MOST_KEYS);
         let text: String = keys.iter().map(|k| format!("{k:032x}\n")).collect();
-        let _ = kiln_core::cache::write_atomically(&self.path, text.as_bytes());
+        self.file.write(&text);
     }
 }
 
@@ -121,10 +165,10 @@ pub fn enabled() -> bool {
     std::env::var_os("KILN_READ_AHEAD").map_or(true, |v| v != "0")
 }
 
-/// Manifests `Recent::to_read_ahead` answered.
+/// Manifests `Manifest::first_use` answered.
 static USED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
-/// Forgets which functions were read ahead for (`kiln::reset`: the next trace of each reads
+/// Forgets which manifests were used (`kiln::reset`: the next trace of each function loads
 /// ahead again, as a new process would).
 pub(crate) fn forget_uses() {
     USED.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -258,12 +302,29 @@ mod tests {
         // another identity is another manifest
         assert_eq!(Recent::under(&dir, "t", &[b"ResNet"]).keys(), vec![]);
         assert_ne!(
-            recent.path,
-            Recent::under(&dir, "u", &[b"DenseNet", b"default"]).path
+            recent.file,
+            Recent::under(&dir, "u", &[b"DenseNet", b"default"]).file
         );
         // damaged lines are skipped
-        std::fs::write(&recent.path, "zz\n7\n\n8\n").unwrap();
+        std::fs::write(&recent.file.path, "zz\n7\n\n8\n").unwrap();
         assert_eq!(recent.keys(), vec![7, 8]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_manifest_is_used_once_until_a_reset_and_reads_back_what_was_written() {
+        let dir = std::env::temp_dir().join(format!("kiln-manifest-{}", std::process::id()));
+        let m = Manifest::under(&dir, "t", &[b"DenseNet"]);
+        assert_ne!(m, Manifest::under(&dir, "t", &[b"ResNet"]));
+        assert_eq!(m.read(), None);
+        m.write("a\n");
+        m.write("a\n"); // unchanged: left as it is
+        assert_eq!(m.read().as_deref(), Some("a\n"));
+        assert!(m.path.starts_with(dir.join("graphs").join("t")));
+        assert!(m.first_use());
+        assert!(!m.first_use());
+        forget_uses();
+        assert!(m.first_use());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -6,7 +6,6 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
 use kiln_compile::graph::Graph;
@@ -22,7 +21,7 @@ use crate::runtime::autotune::{Candidate, Tuned};
 use crate::runtime::conv_warmup;
 use crate::runtime::cudagraph::CudaGraphed;
 use crate::runtime::exec::{CompiledCpu, Launch};
-use kiln_compile::prefetch::Recent;
+use kiln_compile::prefetch::{Manifest, Recent};
 
 /// How a graph is compiled for CUDA (the backend reads them from the mode and options).
 #[derive(Clone, Copy, Debug)]
@@ -67,7 +66,7 @@ pub fn compile(graph: &Graph, flags: CudaFlags, memo: &Memo) -> Result<Arc<dyn C
 /// on) and the manifest of its plans' keys (`plan_cache::recent`).
 #[derive(Default)]
 pub struct Memo {
-    pub units: Option<std::path::PathBuf>,
+    pub units: Option<Manifest>,
     pub plans: Option<Recent>,
 }
 
@@ -163,7 +162,7 @@ pub fn compile_many(
             sources,
             flags,
             sizes,
-            memo.units.as_deref(),
+            memo.units.as_ref(),
         );
         // best effort: a failed warm-up leaves the first call to load what it needs
         if let Some(w) = warmup {
@@ -220,7 +219,7 @@ fn compile_graphs(
     sources: Vec<Source<'_>>,
     flags: CudaFlags,
     sizes: Option<symbolic::context::SizeContext>,
-    manifest: Option<&Path>,
+    manifest: Option<&Manifest>,
 ) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = sources.first() else {
         return Ok(Vec::new());
@@ -277,13 +276,13 @@ fn compile_graphs(
         });
         cuda_units::load(rt, device, &all_units)?
     };
-    if let Some(path) = manifest {
+    if let Some(manifest) = manifest {
         // off the first launch's path: the units' ids hash every source, and the manifest is
         // written; best effort, as the manifest itself
-        let (path, rt) = (path.to_path_buf(), rt.clone());
+        let (manifest, rt) = (manifest.clone(), rt.clone());
         let _ = std::thread::Builder::new()
             .name("kiln-prefetch-memo".into())
-            .spawn(move || super::cuda_prefetch::remember(&path, &rt, device, &all_units));
+            .spawn(move || super::cuda_prefetch::remember(&manifest, &rt, device, &all_units));
     }
     // each graph's executor made side by side: a training step's two lie between the units'
     // load and the first launch (DenseNet-121's: 0.7-0.9 ms on the H200's host, side by side)

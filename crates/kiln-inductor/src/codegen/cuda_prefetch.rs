@@ -12,10 +12,10 @@
 //! the H200, generated convolutions, 82.6 → 70.5 ms median (BENCHMARKS.md).
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex};
 
-use kiln_compile::{disk_cache, BackendContext};
+use kiln_compile::prefetch::Manifest;
+use kiln_compile::BackendContext;
 use kiln_core::device::{runtime_for, DeviceRuntime};
 use kiln_core::{profiler, Device, Tensor};
 
@@ -33,19 +33,19 @@ type UnitIds = Vec<(String, Vec<String>)>;
 
 /// Each manifest's units as this process has remembered them so far (a function compiles
 /// several graphs: a forward and a backward, the segments around a graph break).
-fn remembered() -> &'static Mutex<HashMap<PathBuf, UnitIds>> {
-    static R: std::sync::OnceLock<Mutex<HashMap<PathBuf, UnitIds>>> = std::sync::OnceLock::new();
+fn remembered() -> &'static Mutex<HashMap<Manifest, UnitIds>> {
+    static R: std::sync::OnceLock<Mutex<HashMap<Manifest, UnitIds>>> = std::sync::OnceLock::new();
     R.get_or_init(Default::default)
 }
 
 /// Where the units of the function `ctx` names, compiled on `device`, are remembered; `None`
 /// when the prefetch is off or the device's runtime cannot name its model.
-pub(crate) fn manifest(ctx: &BackendContext, device: Device) -> Option<PathBuf> {
+pub(crate) fn manifest(ctx: &BackendContext, device: Device) -> Option<Manifest> {
     if !enabled() || device == Device::Cpu {
         return None;
     }
     let rt = runtime_for("prefetch", device).ok()?;
-    Some(manifest_path(
+    Some(manifest_under(
         &kiln_core::cache::cache_root(),
         &ctx.name,
         &ctx.mode,
@@ -53,17 +53,17 @@ pub(crate) fn manifest(ctx: &BackendContext, device: Device) -> Option<PathBuf> 
     ))
 }
 
-fn manifest_path(root: &Path, name: &str, mode: &str, device_key: &str) -> PathBuf {
-    let key = disk_cache::key(&[
-        b"cuda units",
-        name.as_bytes(),
-        mode.as_bytes(),
-        device_key.as_bytes(),
-        crate::plan_cache::build_and_settings().as_bytes(),
-    ]);
-    root.join("graphs")
-        .join("cuda-units")
-        .join(format!("{key:032x}.txt"))
+fn manifest_under(root: &std::path::Path, name: &str, mode: &str, device_key: &str) -> Manifest {
+    Manifest::under(
+        root,
+        "cuda-units",
+        &[
+            name.as_bytes(),
+            mode.as_bytes(),
+            device_key.as_bytes(),
+            crate::plan_cache::build_and_settings().as_bytes(),
+        ],
+    )
 }
 
 /// Starts loading, on a thread of its own, the units the function `ctx` names loaded when it
@@ -72,26 +72,20 @@ pub(crate) fn start(ctx: &BackendContext, args: &[Tensor]) {
     let Some(device) = args.iter().map(Tensor::device).find(|&d| d != Device::Cpu) else {
         return;
     };
-    let Some(path) = manifest(ctx, device) else {
+    let Some(manifest) = manifest(ctx, device) else {
         return;
     };
-    // once a process: a function traced on every call (a graph break) finds its units loaded
-    static STARTED: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-    {
-        let mut started = STARTED.lock().unwrap_or_else(|e| e.into_inner());
-        if started.contains(&path) {
-            return;
-        }
-        started.push(path.clone());
+    if !manifest.first_use() {
+        return;
     }
     let Ok(rt) = runtime_for("prefetch", device) else {
         return;
     };
-    start_from(rt, device, &path);
+    start_from(rt, device, &manifest);
 }
 
-fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, path: &Path) {
-    let Ok(text) = std::fs::read_to_string(path) else {
+fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifest) {
+    let Some(text) = manifest.read() else {
         return;
     };
     let units = parse(&text);
@@ -133,17 +127,17 @@ pub(crate) fn wait() {
     }
 }
 
-/// Remembers `units` (source, kernel names), loaded on `device`, in the manifest at `path`,
-/// with the units this process remembered there before.
+/// Remembers `units` (source, kernel names), loaded on `device`, in `manifest`, with the units
+/// this process remembered there before.
 pub(crate) fn remember(
-    path: &Path,
+    manifest: &Manifest,
     rt: &Arc<dyn DeviceRuntime>,
     device: Device,
     units: &[(String, Vec<String>)],
 ) {
     let text = {
         let mut all = remembered().lock().unwrap_or_else(|e| e.into_inner());
-        let list = all.entry(path.to_path_buf()).or_default();
+        let list = all.entry(manifest.clone()).or_default();
         for (src, names) in units {
             if let Some(id) = rt.unit_id(device, src) {
                 if !list.iter().any(|(known, _)| *known == id) {
@@ -153,8 +147,7 @@ pub(crate) fn remember(
         }
         format(list)
     };
-    // a manifest that cannot be written only costs the next process its prefetch
-    let _ = kiln_core::cache::write_atomically(path, text.as_bytes());
+    manifest.write(&text);
 }
 
 /// One line a unit: its id, a tab, its kernels' names separated by spaces.
@@ -185,7 +178,7 @@ mod tests {
     #[test]
     fn remembered_units_are_prefetched_by_the_next_start() {
         let dir = std::env::temp_dir().join(format!("kiln-prefetch-{}", std::process::id()));
-        let path = dir.join("graphs").join("cuda-units").join("m.txt");
+        let path = manifest_under(&dir, "DenseNet", "default", "H200");
         let runtime = Arc::new(Units::default());
         let rt: Arc<dyn DeviceRuntime> = runtime.clone();
         let device = Device::Cuda(0);
@@ -211,7 +204,11 @@ mod tests {
         ];
         assert_eq!(got, want);
         // no manifest: nothing started
-        start_from(rt, device, &dir.join("none.txt"));
+        start_from(
+            rt,
+            device,
+            &manifest_under(&dir, "ResNet", "default", "H200"),
+        );
         wait();
         assert_eq!(runtime.prefetched.lock().unwrap().len(), 3);
         let _ = std::fs::remove_dir_all(&dir);
@@ -234,8 +231,8 @@ mod tests {
 
     #[test]
     fn a_manifest_is_keyed_by_function_mode_and_device() {
-        let root = Path::new("/cache");
-        let p = |n, m, d| manifest_path(root, n, m, d);
+        let root = std::path::Path::new("/cache");
+        let p = |n, m, d| manifest_under(root, n, m, d);
         let base = p("DenseNet", "default", "H200 compute_90 132sm");
         assert_ne!(base, p("ResNet", "default", "H200 compute_90 132sm"));
         assert_ne!(
@@ -244,6 +241,18 @@ mod tests {
         );
         assert_ne!(base, p("DenseNet", "default", "H100 compute_90 132sm"));
         assert_eq!(base, p("DenseNet", "default", "H200 compute_90 132sm"));
-        assert!(base.starts_with("/cache/graphs/cuda-units"));
+        assert_eq!(
+            base,
+            Manifest::under(
+                root,
+                "cuda-units",
+                &[
+                    b"DenseNet",
+                    b"default",
+                    b"H200 compute_90 132sm",
+                    crate::plan_cache::build_and_settings().as_bytes()
+                ]
+            )
+        );
     }
 }
