@@ -345,7 +345,17 @@ fn sm(dev: &CudaDevice, src: &str) -> String {
 
 /// The key of `src`'s machine code for `dev` in the disk cache (`cubin_paths`).
 fn cubin_key(dev: &CudaDevice, src: &str) -> String {
-    checksum(format!("{src}|{}|{}|cubin", sm(dev, src), nvrtc_version()).as_bytes())
+    cubin_key_of(src, &sm(dev, src), &nvrtc_version())
+}
+
+/// The checksum of "`src`|`sm`|`version`|cubin", hashed in parts: a unit's source is up to a
+/// few hundred KB, not worth copying to hash.
+fn cubin_key_of(src: &str, sm: &str, version: &str) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for part in [src, "|", sm, "|", version, "|cubin"] {
+        h.update(part.as_bytes());
+    }
+    format!("{:032x}", h.digest128())
 }
 
 /// Where the cubin kept under `key` and its checksum are.
@@ -517,6 +527,16 @@ pub(crate) fn store(path: &Path, sum_path: &Path, bytes: &[u8]) -> std::io::Resu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The key hashed in parts is the checksum of the whole text: cubins on disk keep their keys.
+    #[test]
+    fn a_cubin_key_is_the_checksum_of_its_parts_joined() {
+        let src = "extern \"C\" __global__ void k() {}\n".repeat(1000);
+        assert_eq!(
+            cubin_key_of(&src, "sm_90a", "13.0"),
+            checksum(format!("{src}|sm_90a|13.0|cubin").as_bytes())
+        );
+    }
 
     /// Results come in the items' order for any count of items and threads, and a thread that
     /// panics leaves `None` for the items it had not done.
