@@ -130,7 +130,6 @@ pub fn compile_many(
         // a warm training step's two plans are read side by side: each is milliseconds of
         // decoding (DenseNet-121's: 3-5 ms apiece on the H200's host), unless they were read
         // ahead while the function was traced (`plan_cache::read_ahead_recent`)
-        let used = keys.clone();
         let cached: Vec<Option<Plan>> = crate::parallel::map_threads(keys.clone(), |key| {
             key.and_then(|k| {
                 let _span = profiler::span(profiler::Category::Compile, || {
@@ -141,7 +140,7 @@ pub fn compile_many(
         });
         let sources: Vec<Source<'_>> = graphs
             .iter()
-            .zip(keys)
+            .zip(keys.iter().copied())
             .zip(cached)
             .map(|((&g, key), cached)| -> Result<Source<'_>> {
                 Ok(match cached {
@@ -169,7 +168,7 @@ pub fn compile_many(
             let _ = w.join();
         }
         if compiled.is_ok() {
-            plan_cache::remember(memo.plans.as_ref(), used);
+            plan_cache::remember(memo.plans.as_ref(), keys);
         }
         compiled
     })
