@@ -160,6 +160,8 @@ struct FnState {
     epoch: u64,
     entries: Vec<Arc<Entry>>,
     has_breaks: bool,
+    /// Whether the backend was told of a trace of this function (`Backend::trace_starting`).
+    announced: bool,
     stats: FnStats,
 }
 
@@ -316,18 +318,22 @@ impl<'f> CompiledFn<'f> {
         }
     }
 
-    /// A tracer of a call with `args`; the backend is told first (`Backend::trace_starting`),
-    /// unless the trace is a probe on stand-in arguments, and told again when the returned
-    /// guard drops (`Backend::trace_finished`): the caller keeps it until the trace's graphs
-    /// are compiled.
+    /// A tracer of a call with `args`. Before the function's first trace (since `kiln::reset`;
+    /// a probe on stand-in arguments does not count) the backend is told
+    /// (`Backend::trace_starting`), and told again when the returned guard drops
+    /// (`Backend::trace_finished`): the caller keeps it until the trace's graphs are compiled.
+    /// Only the first: what the backend starts then serves the later traces too, and a
+    /// function with a graph break is traced on every call.
     fn new_tracer(&self, args: &[Tensor], mode: TraceMode) -> (Arc<Tracer>, TraceEnd) {
         let ctx = self.backend_context();
-        let end = match mode {
-            TraceMode::Probe => TraceEnd(None),
-            _ => {
+        let first =
+            mode != TraceMode::Probe && !std::mem::replace(&mut self.lock().announced, true);
+        let end = match first {
+            true => {
                 self.backend.trace_starting(&ctx, args);
                 TraceEnd(Some((self.backend.clone(), ctx.clone())))
             }
+            false => TraceEnd(None),
         };
         let tracer = Tracer::new(
             &self.name,

@@ -43,13 +43,15 @@ pub trait Backend: Send + Sync {
     ) -> Result<(Arc<dyn CompiledGraph>, Arc<dyn CompiledGraph>)> {
         Ok((self.compile(forward, ctx)?, self.compile(backward, ctx)?))
     }
-    /// Told before the function named `ctx.name` is traced with `args` (the trace's graphs come
-    /// to `compile` after it; not for a dynamic-shape probe's stand-in arguments): a backend may start work that does not need the graphs, such as
-    /// loading what the function's last compile in another process built. The default: nothing.
+    /// Told before the function named `ctx.name` is first traced, with `args` (once per
+    /// compiled function, again after `kiln::reset`; the trace's graphs come to `compile` after
+    /// it; not for a dynamic-shape probe's stand-in arguments): a backend may start work that
+    /// does not need the graphs, such as loading what the function's last compile in another
+    /// process built. The default: nothing.
     fn trace_starting(&self, ctx: &BackendContext, args: &[Tensor]) {
         let _ = (ctx, args);
     }
-    /// Told when a trace `trace_starting` announced has ended and its graphs are compiled: what
+    /// Told when the trace `trace_starting` announced has ended and its graphs are compiled: what
     /// the backend started for it and no compile took (values read ahead for graphs that
     /// changed) can go. The default: nothing.
     fn trace_finished(&self, ctx: &BackendContext) {
