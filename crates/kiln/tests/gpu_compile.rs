@@ -585,9 +585,9 @@ fn tiny_mlp_one_launch() -> Outcome {
 
 /// `codegen/cuda_literals.rs` on the device, sharing forced on (`KILN_SHARE_KERNELS_FROM=0`):
 /// three stages of a pointwise chain, a layer norm (a block per row, 256 threads at each size)
-/// and a row sum of squares, each stage at another size and reading the one before (so no launch holds two
-/// stages side by side). The later stages' kernels share builds (`shared_kernels` counts them;
-/// none without the override) and every output equals eager.
+/// and a row sum of squares, each stage at another size and reading the one before (so no launch
+/// holds two stages side by side). The later stages' kernels share builds (`shared_kernels`
+/// counts them; none without the override) and every output equals eager.
 fn literal_sharing_matches_eager() -> Outcome {
     let shapes: [&[usize]; 3] = [&[256, 512], &[384, 640], &[128, 768]];
     let f = |x: &[Tensor]| -> Result<Vec<Tensor>> {
@@ -604,27 +604,78 @@ fn literal_sharing_matches_eager() -> Outcome {
         }
         Ok(out)
     };
-    let shared = |share: Option<&str>| -> std::result::Result<u64, String> {
+    let (single, _) = shared_when_forced("literal_sharing_matches_eager", &shapes, f)?;
+    if single < 2 {
+        return Err(format!(
+            "{single} single kernels given shared builds with sharing forced (want 2 or more)"
+        ));
+    }
+    Ok(())
+}
+
+/// Launches of several members share builds too: four stages of two chains side by side
+/// (`exp(x) + c` and `tanh(y) * c` at two widths), each stage at another row count and reading
+/// the one before through `c`, a sum of its first chain. The stages' launches share one
+/// dispatcher and its device functions, and every output equals eager.
+fn launch_sharing_matches_eager() -> Outcome {
+    let shapes: [&[usize]; 8] = [
+        &[256, 512],
+        &[256, 96],
+        &[384, 640],
+        &[384, 96],
+        &[128, 768],
+        &[128, 96],
+        &[192, 320],
+        &[192, 96],
+    ];
+    let f = |x: &[Tensor]| -> Result<Vec<Tensor>> {
+        let (mut out, mut carry) = (Vec::new(), x[0].mean(&[0, 1], false)?);
+        for pair in x.chunks(2) {
+            let a = pair[0].exp()?.add(&carry)?;
+            let b = pair[1].tanh()?.mul(&carry)?;
+            carry = a.mean(&[0, 1], false)?.mul(1e-2)?;
+            out.extend([a, b]);
+        }
+        Ok(out)
+    };
+    let (_, launches) = shared_when_forced("launch_sharing_matches_eager", &shapes, f)?;
+    if launches < 3 {
+        return Err(format!(
+            "{launches} launches of several members given shared builds with sharing forced \
+             (want 3 or more)"
+        ));
+    }
+    Ok(())
+}
+
+/// `f` compiled and checked against eager (`differential`) with sharing forced on, then with
+/// the default threshold (which the small graphs here stay under): the kernels given shared
+/// builds with it forced, single and launches of several members (`shared_kernels`); an error
+/// if any were shared without it.
+fn shared_when_forced(
+    name: &str,
+    shapes: &[&[usize]],
+    f: fn(&[Tensor]) -> Result<Vec<Tensor>>,
+) -> std::result::Result<(u64, u64), String> {
+    let shared = |share: Option<&str>| -> std::result::Result<(u64, u64), String> {
         if let Some(v) = share {
             std::env::set_var("KILN_SHARE_KERNELS_FROM", v);
         }
         let before = kiln::inductor::shared_kernels();
         // a fresh cache: sharing happens where plans are made, and a warm disk cache (this
         // binary run twice on one machine) would hand both compiles their plans
-        let r = kiln::inductor::with_fresh_cache(|| {
-            differential("literal_sharing_matches_eager", &shapes, 1e-4, f)
-        });
+        let r = kiln::inductor::with_fresh_cache(|| differential(name, shapes, 1e-4, f));
         std::env::remove_var("KILN_SHARE_KERNELS_FROM");
-        r.map(|()| kiln::inductor::shared_kernels() - before)
+        let after = kiln::inductor::shared_kernels();
+        r.map(|()| (after.0 - before.0, after.1 - before.1))
     };
     let (forced, default) = (shared(Some("0"))?, shared(None)?);
-    if forced < 2 || default != 0 {
+    if default != (0, 0) {
         return Err(format!(
-            "kernels given shared builds: {forced} with sharing forced (want 2 or more), \
-             {default} without (want none)"
+            "{name}: kernels given shared builds without sharing forced: {default:?} (want none)"
         ));
     }
-    Ok(())
+    Ok(forced)
 }
 
 /// NVRTC compilations plus disk-cache hits so far: how many translation units were not found in
@@ -766,7 +817,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 36] = [
+    let tests: [(&str, Check); 37] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -791,6 +842,7 @@ fn main() {
             "literal_sharing_matches_eager",
             literal_sharing_matches_eager,
         ),
+        ("launch_sharing_matches_eager", launch_sharing_matches_eager),
         ("column_reductions", reductions::column_reductions),
         (
             "vector_lanes_share_outer_indices",

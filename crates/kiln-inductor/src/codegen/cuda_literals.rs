@@ -11,8 +11,15 @@
 //! checks that a member's values give back its text). Literals that C needs as constants — the
 //! size of a `__shared__` array, an unroll count, launch bounds — are part of the key, never a
 //! parameter. A parameter every member fits in 32 bits is read as an `int`, so a kernel's
-//! narrowed index arithmetic stays 32-bit. Kernels with device functions (horizontal launches)
-//! keep their own text.
+//! narrowed index arithmetic stays 32-bit.
+//!
+//! A launch of several members (side by side, `horizontal.rs`, or in sequence) is its
+//! dispatcher and its members' device functions: one text for the key. Most of DenseNet-121's
+//! training-step launches are such dispatchers (195 of 255 kernels: two dense layers' batch-norm
+//! passes side by side, ...), and they repeat at other channel counts as the single kernels do
+//! (61 texts). A shared dispatcher takes every parameter and passes each device function (its
+//! own copy, named after the dispatcher) the ones its text reads. Fewer kernels also means a
+//! faster warm start: the driver loads modules and looks up functions one at a time.
 //!
 //! A divisor that became a parameter costs a division sequence per element where a constant
 //! cost a multiply and a shift (DenseNet-121's training step 39.3 → 41.2 ms with plain runtime
@@ -23,9 +30,10 @@ use std::collections::HashMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::c::Kernel;
+use kiln_core::device::MAX_KERNEL_PARAMS;
+
 use super::cuda_sizes::Resolved;
-use super::template::{split_literals, HOLE};
+use super::template::{split_text, HOLE};
 
 /// Lines whose literals C reads as constant expressions: they key a group, never vary in it.
 const CONSTANT_CONTEXTS: [&str; 3] = ["__shared__", "#pragma", "__launch_bounds__"];
@@ -43,10 +51,16 @@ pub(crate) const SHARE_FROM_KERNELS: usize = 100;
 /// Kernels launched through a shared build so far in this process.
 static SHARED: AtomicU64 = AtomicU64::new(0);
 
+/// Launches of several members (horizontal or sequential) launched through a shared build.
+static SHARED_WITH_MEMBERS: AtomicU64 = AtomicU64::new(0);
+
 /// How many planned kernels so far were given a shared build instead of their own (each member
-/// of each group counted once per compile).
-pub fn shared_kernels() -> u64 {
-    SHARED.load(Ordering::Relaxed)
+/// of each group counted once per compile): single kernels, then launches of several members.
+pub fn shared_kernels() -> (u64, u64) {
+    (
+        SHARED.load(Ordering::Relaxed),
+        SHARED_WITH_MEMBERS.load(Ordering::Relaxed),
+    )
 }
 
 /// `SHARE_FROM_KERNELS`, or `KILN_SHARE_KERNELS_FROM` (0 shares in every static graph: how the
@@ -106,14 +120,38 @@ fn magic_splits(body: &str, divisors: &[usize]) -> String {
     out
 }
 
-/// A resolved kernel's text split at its integer literals (`template::split_literals`).
-fn split(r: &Resolved) -> (String, Vec<i64>) {
-    split_literals(&Kernel {
-        name: r.name.clone(),
-        source: r.source.clone(),
-        inputs: Vec::new(),
-        member: None,
-    })
+/// A resolved kernel's texts split at their integer literals (`template::split_text`): the
+/// definitions of the device functions it calls (a horizontal or sequential launch's members,
+/// each renamed `KNAME_f<i>` in order), then its `__global__` definition (renamed `KNAME`). A
+/// single kernel is one text. `None` for a kernel whose device functions call each other (a
+/// call is rewritten only in the `__global__` definition).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Split {
+    texts: Vec<String>,
+    /// Each text's literals, in order.
+    lits: Vec<Vec<i64>>,
+}
+
+fn split(r: &Resolved) -> Option<Split> {
+    let rename = |s: &str| {
+        let mut s = s.to_string();
+        for (i, (name, _)) in r.device_fns.iter().enumerate() {
+            s = s.replace(name.as_str(), &format!("KNAME_f{i}"));
+        }
+        s.replace(&r.name, "KNAME")
+    };
+    let (texts, lits): (Vec<String>, Vec<Vec<i64>>) = r
+        .device_fns
+        .iter()
+        .map(|(_, def)| def.as_str())
+        .chain([r.source.as_str()])
+        .map(|s| split_text(&rename(s)))
+        .unzip();
+    let (defs, kernel) = texts.split_at(texts.len() - 1);
+    // each definition names itself once and calls nothing; the kernel calls each of them
+    let leaf = |d: &String| d.matches("KNAME").count() == 1;
+    let calls = (0..defs.len()).all(|i| kernel[0].contains(&format!("KNAME_f{i}(")));
+    (defs.iter().all(leaf) && calls).then_some(Split { texts, lits })
 }
 
 /// Where a hole of a split kernel sits.
@@ -165,71 +203,170 @@ fn fill(text: &str, literal: impl Fn(usize) -> String) -> String {
     out
 }
 
-/// The shared kernel of a group: `text` with each hole of `param` read from its parameter
-/// (`param[i] = Some(j)`: `s<j>`), the others filled from `lits` (equal in every member);
-/// `narrow[j]`: parameter `j` is read as an `int`. Flat-index splits by a narrow parameter in a
-/// 32-bit kernel go through magic numbers, passed after the parameters (`s<j>_m`, `s<j>_l` for
-/// each parameter of the returned list, in order). Named by the hash of its text; `None` for a
-/// text with no `KNAME(...)` definition to add parameters to.
+/// A group's shared kernel: its `__global__` definition and its device functions (name,
+/// definition), named by the hash of all of them, and the parameters whose magic numbers its
+/// launches pass after the sizes, in order.
+struct Shared {
+    name: String,
+    source: String,
+    device_fns: Vec<(String, String)>,
+    divisors: Vec<usize>,
+}
+
+/// The shared kernel of a group: its texts (`Split::texts`) with each hole of `param` read from
+/// its parameter (`param[i] = Some(j)`: `s<j>`, holes numbered across the texts in order), the
+/// others filled from `lits` (equal in every member); `narrow[j]`: parameter `j` is read as an
+/// `int`. Flat-index splits by a narrow parameter in a 32-bit function go through magic numbers.
+/// The `__global__` function takes every parameter by value after its buffers (`s<j>_arg`,
+/// then `s<j>_m`, `s<j>_l` for each divisor); each device function takes the ones its own text
+/// reads after its own parameters, and the kernel's calls pass them along. `None` for a text
+/// whose definitions could not take parameters (no `NAME(...)` to add them to).
 fn shared_kernel(
-    text: &str,
+    texts: &[String],
     lits: &[i64],
     param: &[Option<usize>],
     narrow: &[bool],
-) -> Option<(String, String, Vec<usize>)> {
-    let body = fill(text, |i| match param[i] {
-        Some(j) => format!("s{j}"),
-        None => lits[i].to_string(),
-    });
-    // a 32-bit kernel (`Cuda::narrow_index`) splits `int` indices, which are below 2^31
-    let divisors: Vec<usize> = match body.contains("long long rem") {
-        true => Vec::new(),
-        false => (0..narrow.len())
-            .filter(|&j| narrow[j] && body.contains(&format!("% s{j}; ")))
-            .collect(),
+) -> Option<Shared> {
+    // each text filled: (body, the parameters it reads, those it divides by)
+    let mut filled: Vec<(String, Vec<usize>, Vec<usize>)> = Vec::with_capacity(texts.len());
+    let mut first = 0;
+    for text in texts {
+        let n = text.matches(HOLE).count();
+        let holes = param.get(first..first + n)?;
+        let body = fill(text, |i| match holes[i] {
+            Some(j) => format!("s{j}"),
+            None => lits[first + i].to_string(),
+        });
+        first += n;
+        let mut reads: Vec<usize> = holes.iter().flatten().copied().collect();
+        reads.sort_unstable();
+        reads.dedup();
+        // a 32-bit function (`Cuda::narrow_index`) splits `int` indices, which are below 2^31
+        let divisors: Vec<usize> = match body.contains("long long rem") {
+            true => Vec::new(),
+            false => reads
+                .iter()
+                .copied()
+                .filter(|&j| narrow[j] && body.contains(&format!("% s{j}; ")))
+                .collect(),
+        };
+        let body = magic_splits(&body, &divisors);
+        filled.push((body, reads, divisors));
+    }
+    let (kernel, defs) = filled.split_last()?;
+    let locals = |reads: &mut dyn Iterator<Item = usize>| {
+        let mut prologue = String::new();
+        for j in reads {
+            let t = if narrow[j] { "int" } else { "long long" };
+            let _ = write!(prologue, "\n  const {t} s{j} = ({t})s{j}_arg;");
+        }
+        prologue
     };
-    let body = magic_splits(&body, &divisors);
-    // the parameters go by value after the buffers, as `long long` (what the launch passes);
-    // each is read into a local of the type its members fit
-    let mut params: String = (0..narrow.len())
-        .map(|j| format!(", const long long s{j}_arg"))
-        .collect();
-    for j in &divisors {
-        let _ = write!(params, ", const long long s{j}_m, const long long s{j}_l");
-    }
-    let mut prologue = String::new();
-    for (j, &n) in narrow.iter().enumerate() {
-        let t = if n { "int" } else { "long long" };
-        let _ = write!(prologue, "\n  const {t} s{j} = ({t})s{j}_arg;");
-    }
-    let open = body.find("KNAME(")?;
-    let close = open + body[open..].find(')')?;
-    let brace = close + body[close..].find('{')? + 1;
-    let helpers = match divisors.is_empty() {
+    let helpers = |divisors: &[usize]| match divisors.is_empty() {
         true => "",
         false => DIVISION_HELPERS,
     };
-    let source = format!(
-        "{helpers}{}{params}{}{prologue}{}",
+    let mut device_fns = Vec::with_capacity(defs.len());
+    let mut body = kernel.0.clone();
+    for (i, (def, reads, divisors)) in defs.iter().enumerate() {
+        let f = format!("KNAME_f{i}");
+        let (params, args) = passed(reads, divisors);
+        let def = with_params(def, &f, &params, &locals(&mut reads.iter().copied()))?;
+        device_fns.push((f.clone(), format!("{}{def}", helpers(divisors))));
+        body = with_call_args(&body, &format!("{f}("), &args)?;
+    }
+    // the kernel takes every parameter, and the magic numbers of every divisor of any text
+    let mut divisors: Vec<usize> = filled.iter().flat_map(|f| f.2.iter().copied()).collect();
+    divisors.sort_unstable();
+    divisors.dedup();
+    let all: Vec<usize> = (0..narrow.len()).collect();
+    let (params, _) = passed(&all, &divisors);
+    let body = with_params(&body, "KNAME", &params, &locals(&mut all.iter().copied()))?;
+    let source = format!("{}{body}", helpers(&kernel.2));
+    let mut hashed = source.clone();
+    for (_, def) in &device_fns {
+        hashed.push_str(def);
+    }
+    let name = format!("kl_{:016x}", xxhash_rust::xxh3::xxh3_64(hashed.as_bytes()));
+    Some(Shared {
+        source: source.replace("KNAME", &name),
+        device_fns: device_fns
+            .into_iter()
+            .map(|(f, def)| (f.replace("KNAME", &name), def.replace("KNAME", &name)))
+            .collect(),
+        name,
+        divisors,
+    })
+}
+
+/// The parameters a function reading `reads` and dividing by `divisors` takes (`, const long
+/// long s<j>_arg`..., then `, const long long s<j>_m, const long long s<j>_l`...) and the
+/// arguments a call passes them with.
+fn passed(reads: &[usize], divisors: &[usize]) -> (String, String) {
+    let (mut params, mut args) = (String::new(), String::new());
+    for j in reads {
+        let _ = write!(params, ", const long long s{j}_arg");
+        let _ = write!(args, ", s{j}_arg");
+    }
+    for j in divisors {
+        let _ = write!(params, ", const long long s{j}_m, const long long s{j}_l");
+        let _ = write!(args, ", s{j}_m, s{j}_l");
+    }
+    (params, args)
+}
+
+/// `body` with `params` after the last parameter of `name(...)`'s definition (its parameters
+/// hold no parentheses: types and names only) and `prologue` first in its body.
+fn with_params(body: &str, name: &str, params: &str, prologue: &str) -> Option<String> {
+    let open = body.find(&format!("{name}("))?;
+    let close = open + body[open..].find(')')?;
+    let brace = close + body[close..].find('{')? + 1;
+    Some(format!(
+        "{}{params}{}{prologue}{}",
         &body[..close],
         &body[close..brace],
         &body[brace..]
-    );
-    let name = format!("kl_{:016x}", xxhash_rust::xxh3::xxh3_64(source.as_bytes()));
-    let source = source.replace("KNAME", &name);
-    Some((name, source, divisors))
+    ))
+}
+
+/// `body` with `args` after the last argument of every call that opens with `call` (`f(`);
+/// arguments may hold parentheses (a sequential launch's casts). `None` if a call never closes.
+fn with_call_args(body: &str, call: &str, args: &str) -> Option<String> {
+    let mut out = String::with_capacity(body.len() + args.len() * 2);
+    let mut rest = body;
+    while let Some(at) = rest.find(call) {
+        let inner = at + call.len();
+        let mut depth = 1usize;
+        let close = rest[inner..].char_indices().find_map(|(i, c)| {
+            match c {
+                '(' => depth += 1,
+                ')' => depth -= 1,
+                _ => {}
+            }
+            (depth == 0).then_some(inner + i)
+        })?;
+        out.push_str(&rest[..close]);
+        out.push_str(args);
+        rest = &rest[close..];
+    }
+    out.push_str(rest);
+    Some(out)
 }
 
 /// Rewrites `resolved` (a static graph's kernels, in order) so that kernels of one text but for
 /// some integer literals name one shared kernel, each with its values of those literals as its
 /// size arguments — when the graph has `min_kernels` distinct single kernels or more
-/// (`SHARE_FROM_KERNELS`). Kernels with device functions, size-generic ones and texts with
-/// fewer than `MIN_MEMBERS` distinct members are left as they are.
+/// (`SHARE_FROM_KERNELS`). A launch of several members (horizontal or sequential) is one text
+/// with its members' device functions: launches whose members differ only in literals (the
+/// dense layers' batch-norm passes side by side, at each layer's channel count) share a
+/// dispatcher and its device functions. Size-generic kernels and texts with fewer than
+/// `MIN_MEMBERS` distinct members are left as they are.
 pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
-    let single = |r: &&Resolved| r.device_fns.is_empty() && r.sizes.is_empty();
+    let fixed_sizes = |r: &&Resolved| r.sizes.is_empty();
     let mut names: Vec<&str> = resolved
         .iter()
-        .filter(single)
+        .filter(fixed_sizes)
+        .filter(|r| r.device_fns.is_empty())
         .map(|r| r.name.as_str())
         .collect();
     names.sort_unstable();
@@ -237,12 +374,15 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
     if names.len() < min_kernels {
         return;
     }
-    // (text, literals in constant contexts) -> (member indices, each member's literals)
-    type Key = (String, Vec<i64>);
+    // (texts, literals that key the group) -> (member indices, each member's literals)
+    type Key = (Vec<String>, Vec<i64>);
     let mut groups: HashMap<Key, Vec<(usize, Vec<i64>)>> = HashMap::new();
-    for (i, r) in resolved.iter().enumerate().filter(|(_, r)| single(r)) {
-        let (text, lits) = split(r);
-        let kinds = holes(&text);
+    for (i, r) in resolved.iter().enumerate().filter(|(_, r)| fixed_sizes(r)) {
+        let Some(Split { texts, lits }) = split(r) else {
+            continue;
+        };
+        let kinds: Vec<Hole> = texts.iter().flat_map(|t| holes(t)).collect();
+        let lits: Vec<i64> = lits.concat();
         if kinds.len() != lits.len() {
             continue;
         }
@@ -257,9 +397,9 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
             })
             .flat_map(|(h, (&v, _))| [h as i64, v])
             .collect();
-        groups.entry((text, fixed)).or_default().push((i, lits));
+        groups.entry((texts, fixed)).or_default().push((i, lits));
     }
-    for ((text, _), members) in groups {
+    for ((texts, _), members) in groups {
         let mut distinct: Vec<&Vec<i64>> = members.iter().map(|(_, l)| l).collect();
         distinct.sort();
         distinct.dedup();
@@ -290,24 +430,43 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
             .iter()
             .map(|c| c.iter().all(|&v| i32::try_from(v).is_ok()))
             .collect();
-        let Some((name, source, divisors)) = shared_kernel(&text, first, &param, &narrow) else {
+        let Some(shared) = shared_kernel(&texts, first, &param, &narrow) else {
             continue;
         };
-        SHARED.fetch_add(members.len() as u64, Ordering::Relaxed);
+        // a launch's parameters stay within what every driver accepts
+        let buffers = param_count(&resolved[members[0].0]);
+        if buffers + columns.len() + 2 * shared.divisors.len() > MAX_KERNEL_PARAMS {
+            continue;
+        }
+        let counter = match texts.len() {
+            1 => &SHARED,
+            _ => &SHARED_WITH_MEMBERS,
+        };
+        counter.fetch_add(members.len() as u64, Ordering::Relaxed);
         for (m, (i, _)) in members.iter().enumerate() {
             let mut sizes: Vec<i64> = columns.iter().map(|c| c[m]).collect();
-            for &j in &divisors {
+            for &j in &shared.divisors {
                 let (mul, shift) = magic(columns[j][m]);
                 sizes.extend([mul, shift]);
             }
             resolved[*i] = Resolved {
-                name: name.clone(),
-                source: source.clone(),
-                device_fns: Vec::new(),
+                name: shared.name.clone(),
+                source: shared.source.clone(),
+                device_fns: shared.device_fns.clone(),
                 sizes,
             };
         }
     }
+}
+
+/// How many parameters a kernel's `__global__` definition takes (`NAME(...)`, no parentheses
+/// inside); 0 where its definition is not found.
+fn param_count(r: &Resolved) -> usize {
+    let Some(open) = r.source.find(&format!("{}(", r.name)) else {
+        return 0;
+    };
+    let sig = &r.source[open + r.name.len() + 1..];
+    sig[..sig.find(')').unwrap_or(0)].split(',').count()
 }
 
 #[cfg(test)]
@@ -360,9 +519,91 @@ mod tests {
         assert!(sizes.iter().all(|s| !s.is_empty()));
         assert_ne!(sizes[0], sizes[1]);
         for b in &before {
-            let (text, lits) = split(b);
-            let back = fill(&text, |i| lits[i].to_string()).replace("KNAME", &b.name);
-            assert_eq!(back, b.source);
+            assert_eq!(filled_back(b), vec![b.source.clone()]);
+        }
+    }
+
+    /// A kernel's texts (`split`) filled with its own literals, names given back: its device
+    /// functions' definitions, then its own.
+    fn filled_back(r: &Resolved) -> Vec<String> {
+        let Some(Split { texts, lits }) = split(r) else {
+            panic!("{} does not split", r.name);
+        };
+        texts
+            .iter()
+            .zip(&lits)
+            .map(|(t, l)| {
+                let mut back = fill(t, |i| l[i].to_string());
+                for (i, (name, _)) in r.device_fns.iter().enumerate().rev() {
+                    back = back.replace(&format!("KNAME_f{i}"), name);
+                }
+                back.replace("KNAME", &r.name)
+            })
+            .collect()
+    }
+
+    /// Stages of two chains side by side (`exp(x) + c` over [r, 96] and `tanh(y) * c` over
+    /// [r, 160]), each at its own row count `r` and reading the stage before through `c`, the
+    /// sum of its first output: a horizontal launch per stage.
+    fn side_by_side(rows: &[usize]) -> Graph {
+        let mut g = Graph::default();
+        let mut c = input(&mut g, &[]);
+        for &r in rows {
+            let x = input(&mut g, &[r, 96]);
+            let y = input(&mut g, &[r, 160]);
+            let cx = crate::test_graphs::expand(&mut g, c, &[r, 96]);
+            let cy = crate::test_graphs::expand(&mut g, c, &[r, 160]);
+            let e = unary(&mut g, UnaryOp::Exp, x);
+            let a = binary(&mut g, BinaryOp::Add, e, cx);
+            let t = unary(&mut g, UnaryOp::Tanh, y);
+            let b = binary(&mut g, BinaryOp::Mul, t, cy);
+            g.outputs.extend([a, b]);
+            c = crate::test_graphs::sum(&mut g, a, &[0, 1]);
+        }
+        g.outputs.push(c);
+        g
+    }
+
+    /// Launches of several members whose texts differ only in literals share one dispatcher
+    /// and its device functions, named after it; each launch passes its own sizes, and each
+    /// original launch's texts are its split texts filled with its own literals.
+    #[test]
+    fn launches_of_members_differing_in_sizes_share_one_build() {
+        let g = side_by_side(&[64, 128, 192, 256]);
+        let before: Vec<Resolved> = kernels(&Cuda::new(132), &g)
+            .iter()
+            .map(|(k, _)| Resolved::of(k))
+            .collect();
+        let launches: Vec<&Resolved> = before.iter().filter(|r| r.device_fns.len() == 2).collect();
+        assert!(launches.len() >= 3, "{}", before.len());
+        let mut after = before.clone();
+        let counted = shared_kernels().1;
+        share_literals(&mut after, 0);
+        assert!(shared_kernels().1 >= counted + 3);
+        let shared: Vec<&Resolved> = after.iter().filter(|r| r.device_fns.len() == 2).collect();
+        assert_eq!(shared.len(), launches.len());
+        let name = &shared[1].name;
+        assert!(name.starts_with("kl_"), "{name}");
+        let mut sizes: Vec<&Vec<i64>> = Vec::new();
+        for r in shared.iter().skip(1) {
+            assert_eq!(&r.name, name, "one build");
+            assert!(!r.sizes.is_empty());
+            for (i, (f, def)) in r.device_fns.iter().enumerate() {
+                assert_eq!(f, &format!("{name}_f{i}"));
+                assert!(def.contains(&format!("void {f}(")), "{def}");
+                assert!(def.contains("_arg"), "{def}");
+                // the dispatcher passes the device function its parameters
+                assert!(r.source.contains(&format!("{f}(")), "{}", r.source);
+            }
+            sizes.push(&r.sizes);
+        }
+        sizes.dedup();
+        assert!(sizes.len() >= 2, "{sizes:?}");
+        for r in &launches {
+            let mut originals = vec![];
+            originals.extend(r.device_fns.iter().map(|(_, d)| d.clone()));
+            originals.push(r.source.clone());
+            assert_eq!(filled_back(r), originals);
         }
     }
 

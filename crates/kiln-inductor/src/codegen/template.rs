@@ -32,7 +32,12 @@ pub(crate) const HOLE: char = '\u{1}';
 /// A kernel's text split at its integer literals: the text with each literal replaced by `HOLE`
 /// (and the kernel's own name by `KNAME`), and the literals in order.
 pub fn split_literals(k: &Kernel) -> (String, Vec<i64>) {
-    let src = k.source.replace(&k.name, "KNAME");
+    split_text(&k.source.replace(&k.name, "KNAME"))
+}
+
+/// `src` split at its integer literals: the text with each literal replaced by `HOLE`, and the
+/// literals in order.
+pub fn split_text(src: &str) -> (String, Vec<i64>) {
     let b = src.as_bytes();
     let (mut text, mut lits) = (String::with_capacity(src.len()), Vec::new());
     let ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.';
