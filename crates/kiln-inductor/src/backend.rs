@@ -562,7 +562,7 @@ impl Backend for CpuCodegen {
 /// What a CUDA compile of the function `ctx` names remembers for its next warm start.
 fn memo(ctx: &BackendContext, device: kiln_core::Device) -> cuda_compile::Memo {
     cuda_compile::Memo {
-        units: crate::codegen::cuda_prefetch::manifest(ctx, device),
+        prefetch: crate::codegen::cuda_prefetch::manifest(ctx, device),
         plans: crate::plan_cache::recent(crate::plan_cache::CUDA_KIND, ctx),
     }
 }

@@ -14,6 +14,7 @@ use kiln_core::device::{runtime_for, DeviceKernel, DeviceRuntime};
 use kiln_core::{profiler, Device, Result};
 
 use super::cuda::{plan, Cuda, CudaKernel, PRELUDE};
+use super::cuda_prefetch::Manifests;
 use super::{cuda_literals, cuda_sizes, cuda_tune, cuda_units};
 use crate::backend::Planned;
 use crate::plan_cache::{self, Plan, PlanStep};
@@ -62,11 +63,11 @@ pub fn compile(graph: &Graph, flags: CudaFlags, memo: &Memo) -> Result<Arc<dyn C
 }
 
 /// What a compile remembers of the function it compiles, for that function's next warm start
-/// in another process: where its units are listed (`cuda_prefetch.rs`, when the prefetch is
-/// on) and the manifest of its plans' keys (`plan_cache::recent`).
+/// in another process: where its units and convolutions are listed (`cuda_prefetch.rs`, when
+/// the prefetch is on) and the manifest of its plans' keys (`plan_cache::recent`).
 #[derive(Default)]
 pub struct Memo {
-    pub units: Option<Manifest>,
+    pub(crate) prefetch: Option<Manifests>,
     pub plans: Option<Recent>,
 }
 
@@ -115,7 +116,12 @@ pub fn compile_many(
         // are read or made, their convolutions listed on its thread
         let early = !graphs.iter().any(|g| crate::channels_last::wanted(g));
         let mut warmup = match early {
-            true => Some(spawn_warmup(s, || conv_warmup::distinct(graphs), flags)),
+            true => Some(spawn_warmup(
+                s,
+                || conv_warmup::distinct(graphs),
+                flags,
+                memo,
+            )),
             false => None,
         };
         let keys: Vec<Option<u128>> = {
@@ -152,7 +158,7 @@ pub fn compile_many(
         if !early {
             let rewritten: Vec<&Graph> = sources.iter().map(Source::graph).collect();
             let convs = conv_warmup::distinct(&rewritten);
-            warmup = Some(spawn_warmup(s, || convs, flags));
+            warmup = Some(spawn_warmup(s, || convs, flags, memo));
         }
         let compiled = compile_graphs(
             &rt,
@@ -161,7 +167,7 @@ pub fn compile_many(
             sources,
             flags,
             sizes,
-            memo.units.as_ref(),
+            memo.prefetch.as_ref().map(|m| &m.units),
         );
         // best effort: a failed warm-up leaves the first call to load what it needs
         if let Some(w) = warmup {
@@ -175,16 +181,26 @@ pub fn compile_many(
 }
 
 /// The warm-up (`runtime/conv_warmup.rs`) of the convolutions `list` gives, on a thread of the
-/// scope `s`: listing them walks the graphs, work kept off the compile's own thread.
+/// scope `s`: listing them walks the graphs, work kept off the compile's own thread. The list
+/// is remembered for the function's next warm start (`memo`; not under max-autotune, whose
+/// convolutions are tuned by running), written on a thread of its own.
 fn spawn_warmup<'scope>(
     s: &'scope std::thread::Scope<'scope, '_>,
     list: impl FnOnce() -> Vec<conv_warmup::Conv> + Send + 'scope,
     flags: CudaFlags,
+    memo: &Memo,
 ) -> std::thread::ScopedJoinHandle<'scope, Result<()>> {
+    let manifest = memo.prefetch.as_ref().map(|m| m.convs.clone());
     s.spawn(move || {
         let convs = list();
         if convs.is_empty() {
             return Ok(());
+        }
+        if let Some(manifest) = manifest.filter(|_| !flags.autotune) {
+            let lines = conv_warmup::encode(&convs);
+            let _ = std::thread::Builder::new()
+                .name("kiln-prefetch-memo".into())
+                .spawn(move || super::cuda_prefetch::remember_convs(&manifest, lines));
         }
         // after the units' prefetch: its module loads and the warm-up's would take turns
         super::cuda_prefetch::wait();

@@ -10,6 +10,12 @@
 //!
 //! On by default (`KILN_PREFETCH_UNITS=0` turns it off): DenseNet-121's training warm start on
 //! the H200, generated convolutions, 82.6 → 70.5 ms median (BENCHMARKS.md).
+//!
+//! The function's convolutions are remembered beside its units (a manifest of their own), and
+//! the same thread readies them once the units are loaded (`conv_warmup::prepare`: the modules
+//! of those on kiln's generated kernels). The compile's loads wait for the units only
+//! (`wait_units`); the convolutions' warm-up, whose module loads would take turns with these,
+//! waits for everything (`wait`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
@@ -19,14 +25,48 @@ use kiln_compile::BackendContext;
 use kiln_core::device::{runtime_for, DeviceRuntime};
 use kiln_core::{profiler, Device, Tensor};
 
+use crate::runtime::conv_warmup;
+
 /// Whether the prefetch is on (`KILN_PREFETCH_UNITS=0` turns it off).
 pub fn enabled() -> bool {
     std::env::var_os("KILN_PREFETCH_UNITS").map_or(true, |v| v != "0")
 }
 
-/// Prefetch threads still loading, counted, for `wait` (which several threads may call).
-static RUNNING: Mutex<usize> = Mutex::new(0);
+/// Prefetch threads still loading, counted, for `wait` and `wait_units` (which several threads
+/// may call).
+static RUNNING: Mutex<Running> = Mutex::new(Running { units: 0, all: 0 });
 static FINISHED: Condvar = Condvar::new();
+
+/// Prefetch threads still loading units, and still running at all (units or convolutions).
+struct Running {
+    units: usize,
+    all: usize,
+}
+
+/// Counts a prefetch thread's phase off however it ends, a panic included.
+struct Phase(fn(&mut Running) -> &mut usize);
+
+impl Phase {
+    fn start(count: fn(&mut Running) -> &mut usize) -> Phase {
+        *count(&mut RUNNING.lock().unwrap_or_else(|e| e.into_inner())) += 1;
+        Phase(count)
+    }
+}
+
+impl Drop for Phase {
+    fn drop(&mut self) {
+        *(self.0)(&mut RUNNING.lock().unwrap_or_else(|e| e.into_inner())) -= 1;
+        FINISHED.notify_all();
+    }
+}
+
+fn units_phase(r: &mut Running) -> &mut usize {
+    &mut r.units
+}
+
+fn all_phases(r: &mut Running) -> &mut usize {
+    &mut r.all
+}
 
 /// Units by id, each with its kernels' names.
 type UnitIds = Vec<(String, Vec<String>)>;
@@ -38,9 +78,25 @@ fn remembered() -> &'static Mutex<HashMap<Manifest, UnitIds>> {
     R.get_or_init(Default::default)
 }
 
-/// Where the units of the function `ctx` names, compiled on `device`, are remembered; `None`
-/// when the prefetch is off or the device's runtime cannot name its model.
-pub(crate) fn manifest(ctx: &BackendContext, device: Device) -> Option<Manifest> {
+/// Each manifest's convolutions (`conv_warmup::encode`'s lines) as this process has
+/// remembered them so far.
+fn remembered_convs() -> &'static Mutex<HashMap<Manifest, Vec<String>>> {
+    static R: std::sync::OnceLock<Mutex<HashMap<Manifest, Vec<String>>>> =
+        std::sync::OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// Where a function's warm start is remembered: the units its compiles loaded, and the
+/// convolutions its graphs run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Manifests {
+    pub units: Manifest,
+    pub convs: Manifest,
+}
+
+/// Where the units and convolutions of the function `ctx` names, compiled on `device`, are
+/// remembered; `None` when the prefetch is off or the device's runtime cannot name its model.
+pub(crate) fn manifest(ctx: &BackendContext, device: Device) -> Option<Manifests> {
     if !enabled() || device == Device::Cpu {
         return None;
     }
@@ -53,17 +109,18 @@ pub(crate) fn manifest(ctx: &BackendContext, device: Device) -> Option<Manifest>
     ))
 }
 
-fn manifest_under(root: &std::path::Path, name: &str, mode: &str, device_key: &str) -> Manifest {
-    Manifest::under(
-        root,
-        "cuda-units",
-        &[
-            name.as_bytes(),
-            mode.as_bytes(),
-            device_key.as_bytes(),
-            crate::plan_cache::build_and_settings().as_bytes(),
-        ],
-    )
+fn manifest_under(root: &std::path::Path, name: &str, mode: &str, device_key: &str) -> Manifests {
+    let settings = crate::plan_cache::build_and_settings();
+    let identity: [&[u8]; 4] = [
+        name.as_bytes(),
+        mode.as_bytes(),
+        device_key.as_bytes(),
+        settings.as_bytes(),
+    ];
+    Manifests {
+        units: Manifest::under(root, "cuda-units", &identity),
+        convs: Manifest::under(root, "cuda-convs", &identity),
+    }
 }
 
 /// Starts loading, on a thread of its own, the units the function `ctx` names loaded when it
@@ -75,7 +132,7 @@ pub(crate) fn start(ctx: &BackendContext, args: &[Tensor]) {
     let Some(manifest) = manifest(ctx, device) else {
         return;
     };
-    if !manifest.first_use() {
+    if !manifest.units.first_use() {
         return;
     }
     let Ok(rt) = runtime_for("prefetch", device) else {
@@ -84,45 +141,53 @@ pub(crate) fn start(ctx: &BackendContext, args: &[Tensor]) {
     start_from(rt, device, &manifest);
 }
 
-fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifest) {
-    let Some(text) = manifest.read() else {
-        return;
-    };
-    let units = parse(&text);
-    if units.is_empty() {
+fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests) {
+    let units = manifest.units.read().map(|t| parse(&t)).unwrap_or_default();
+    let convs = manifest.convs.read().unwrap_or_default();
+    if units.is_empty() && convs.is_empty() {
         return;
     }
-    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) += 1;
-    let thread = std::thread::Builder::new()
+    // counted here, so a `wait` right after this returns finds them
+    let (all, loading) = (Phase::start(all_phases), Phase::start(units_phase));
+    let _ = std::thread::Builder::new()
         .name("kiln-prefetch".into())
         .spawn(move || {
-            // counted off however the load ends, a panic included
-            struct Done;
-            impl Drop for Done {
-                fn drop(&mut self) {
-                    *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-                    FINISHED.notify_all();
-                }
+            let _all = all;
+            {
+                let _loading = loading;
+                let _span = profiler::span(profiler::Category::Compile, || {
+                    format!("inductor: {} units prefetched", units.len()).into()
+                });
+                // best effort: what fails here is loaded (or reported) by the compile itself
+                let _ = rt.prefetch_units(device, &units);
             }
-            let _done = Done;
-            let _span = profiler::span(profiler::Category::Compile, || {
-                format!("inductor: {} units prefetched", units.len()).into()
-            });
-            // best effort: what fails here is loaded (or reported) by the compile itself
-            let _ = rt.prefetch_units(device, &units);
+            let convs = conv_warmup::decode(convs.lines(), device);
+            if !convs.is_empty() {
+                let _span = profiler::span(profiler::Category::Compile, || {
+                    format!("inductor: {} convolutions readied ahead", convs.len()).into()
+                });
+                conv_warmup::prepare(rt.as_ref(), &convs);
+            }
         });
-    if thread.is_err() {
-        *RUNNING.lock().unwrap_or_else(|e| e.into_inner()) -= 1;
-    }
+    // a thread that did not start dropped its phases with its closure
 }
 
-/// Waits until every prefetch started so far has ended: before a compile loads its units (what
-/// a prefetch is loading is then found loaded, not loaded twice), and before the convolutions'
-/// warm-up loads their modules (the driver loads one module at a time: two threads loading at
-/// once only slow each other).
+/// Waits until every prefetch started so far has ended, its convolutions readied: before the
+/// convolutions' warm-up loads their modules (the driver loads one module at a time: two
+/// threads loading at once only slow each other).
 pub(crate) fn wait() {
+    wait_for(all_phases);
+}
+
+/// Waits until every prefetch started so far has loaded its units: before a compile loads its
+/// units (what a prefetch is loading is then found loaded, not loaded twice).
+pub(crate) fn wait_units() {
+    wait_for(units_phase);
+}
+
+fn wait_for(count: fn(&mut Running) -> &mut usize) {
     let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
-    while *running > 0 {
+    while *count(&mut running) > 0 {
         running = FINISHED.wait(running).unwrap_or_else(|e| e.into_inner());
     }
 }
@@ -150,6 +215,22 @@ pub(crate) fn remember(
     manifest.write(&text);
 }
 
+/// Remembers `convs` (`conv_warmup::encode`'s lines) in `manifest`, with the convolutions this
+/// process remembered there before.
+pub(crate) fn remember_convs(manifest: &Manifest, convs: Vec<String>) {
+    let text = {
+        let mut all = remembered_convs().lock().unwrap_or_else(|e| e.into_inner());
+        let list = all.entry(manifest.clone()).or_default();
+        for line in convs {
+            if !list.contains(&line) {
+                list.push(line);
+            }
+        }
+        list.iter().map(|l| format!("{l}\n")).collect::<String>()
+    };
+    manifest.write(&text);
+}
+
 /// One line a unit: its id, a tab, its kernels' names separated by spaces.
 fn format(units: &[(String, Vec<String>)]) -> String {
     units
@@ -173,8 +254,9 @@ mod tests {
     use super::*;
     use crate::codegen::test_runtime::{unit, Units};
 
-    /// What one process's compiles remember (accumulated, each unit once) is what the next
-    /// process's trace start hands the runtime to load, ids and kernel names alike.
+    /// What one process's compiles remember (accumulated, each unit and each convolution once)
+    /// is what the next process's trace start hands the runtime to load, ids and kernel names
+    /// alike, then the convolutions to ready, once the units are loaded.
     #[test]
     fn remembered_units_are_prefetched_by_the_next_start() {
         let dir = std::env::temp_dir().join(format!("kiln-prefetch-{}", std::process::id()));
@@ -183,17 +265,20 @@ mod tests {
         let rt: Arc<dyn DeviceRuntime> = runtime.clone();
         let device = Device::Cuda(0);
         remember(
-            &path,
+            &path.units,
             &rt,
             device,
             &[unit("src a", &["a0", "a1"]), unit("src b", &["b0"])],
         );
         remember(
-            &path,
+            &path.units,
             &rt,
             device,
             &[unit("src b", &["b0"]), unit("src c", &["c0"])],
         );
+        let conv = |n: usize| conv_warmup::Conv::of(&[&[n, 8, 8, 16], &[32, 3, 3, 16]], device);
+        remember_convs(&path.convs, conv_warmup::encode(&[conv(1), conv(2)]));
+        remember_convs(&path.convs, conv_warmup::encode(&[conv(2), conv(3)]));
         start_from(rt.clone(), device, &path);
         wait();
         let got = runtime.prefetched.lock().unwrap().clone();
@@ -203,6 +288,14 @@ mod tests {
             unit("id:src c", &["c0"]),
         ];
         assert_eq!(got, want);
+        let readied: Vec<(usize, usize)> = runtime
+            .prepared
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(shapes, units)| (shapes[0][0], *units))
+            .collect();
+        assert_eq!(readied, vec![(1, 3), (2, 3), (3, 3)]);
         // no manifest: nothing started
         start_from(
             rt,
@@ -241,8 +334,9 @@ mod tests {
         );
         assert_ne!(base, p("DenseNet", "default", "H100 compute_90 132sm"));
         assert_eq!(base, p("DenseNet", "default", "H200 compute_90 132sm"));
+        assert_ne!(base.units, base.convs);
         assert_eq!(
-            base,
+            base.units,
             Manifest::under(
                 root,
                 "cuda-units",

@@ -120,7 +120,7 @@ pub(crate) fn load(
     units: &[(String, Vec<String>)],
 ) -> Result<HashMap<String, Arc<dyn DeviceKernel>>> {
     // units a prefetch is loading are found loaded, not loaded twice
-    super::cuda_prefetch::wait();
+    super::cuda_prefetch::wait_units();
     let mut out = HashMap::new();
     let mut to_build: Vec<&(String, Vec<String>)> = Vec::new();
     for (unit, built) in units.iter().zip(rt.load_built_units(device, units)?) {

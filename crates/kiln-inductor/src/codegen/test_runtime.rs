@@ -18,6 +18,9 @@ pub(crate) struct Units {
     pub compiled: Mutex<Vec<String>>,
     /// What `prefetch_units` was asked to load.
     pub prefetched: Mutex<Vec<(String, Vec<String>)>>,
+    /// The operand shapes of each convolution `prepare` was asked to ready, and how many units
+    /// had been prefetched by then.
+    pub prepared: Mutex<Vec<(Vec<Vec<usize>>, usize)>>,
 }
 
 struct NoOp;
@@ -91,6 +94,12 @@ impl DeviceRuntime for Units {
     fn prefetch_units(&self, _: Device, ids: &[(String, Vec<String>)]) -> Result<()> {
         self.prefetched.lock().unwrap().extend_from_slice(ids);
         Ok(())
+    }
+    fn prepare(&self, _: Device, _: &Prim, shapes: &[&[usize]], _: &[DType]) -> Result<bool> {
+        let prefetched = self.prefetched.lock().unwrap().len();
+        let shapes = shapes.iter().map(|s| s.to_vec()).collect();
+        self.prepared.lock().unwrap().push((shapes, prefetched));
+        Ok(true)
     }
     fn multiprocessors(&self, _: Device) -> Result<u32> {
         Ok(1)

@@ -7,7 +7,9 @@
 //! their kernels already loaded.
 //!
 //! A convolution on kiln's generated kernels (`kiln_cuda::set_generated_conv`) is only readied
-//! (`DeviceRuntime::prepare` loads its module): nothing of it loads at its first launch.
+//! (`DeviceRuntime::prepare` loads its module): nothing of it loads at its first launch. A
+//! function's convolutions are also remembered (`encode`), and its next process readies them
+//! while the function is still traced, after its units (`codegen/cuda_prefetch.rs`).
 //!
 //! In max-autotune the convolutions run tuned (`exec::execute_tuned`), as the graph's steps
 //! will: each shape's cuDNN engines are timed here, off the compile's critical path, and the
@@ -21,8 +23,9 @@
 
 use std::collections::HashSet;
 
+use kiln_compile::codec::{self, Reader, Writer};
 use kiln_compile::graph::{Graph, Op};
-use kiln_core::device::runtime_for;
+use kiln_core::device::{runtime_for, DeviceRuntime};
 use kiln_core::prim::Prim;
 use kiln_core::{DType, Device, Result, Tensor};
 
@@ -96,4 +99,103 @@ pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// Readies on `rt` (their device's runtime) each of `convs` that runs on kiln's generated
+/// kernels (loads its module), running nothing: what cuDNN runs is left to `run`. Best effort:
+/// errors are dropped.
+pub(crate) fn prepare(rt: &dyn DeviceRuntime, convs: &[Conv]) {
+    for c in convs {
+        let shapes: Vec<&[usize]> = c.operands.iter().map(|(s, _)| s.as_slice()).collect();
+        let dtypes: Vec<DType> = c.operands.iter().map(|&(_, d)| d).collect();
+        let _ = rt.prepare(c.device, &c.prim, &shapes, &dtypes);
+    }
+}
+
+/// `convs` as text, one line each: the prim and its operands' shapes and dtypes (`codec`), in
+/// hex. The device is not written: a manifest names it.
+pub(crate) fn encode(convs: &[Conv]) -> Vec<String> {
+    convs
+        .iter()
+        .map(|c| {
+            let mut w = Writer::default();
+            codec::prim(&mut w, &c.prim, codec::Seeds::Zero);
+            w.usize(c.operands.len());
+            for (shape, dtype) in &c.operands {
+                w.usizes(shape);
+                codec::dtype(&mut w, *dtype);
+            }
+            w.bytes.iter().map(|b| format!("{b:02x}")).collect()
+        })
+        .collect()
+}
+
+/// The convolutions `lines` (`encode`) on `device`; damaged lines are skipped.
+pub(crate) fn decode<'a>(lines: impl IntoIterator<Item = &'a str>, device: Device) -> Vec<Conv> {
+    let one = |line: &str| -> Option<Conv> {
+        let hex = line.trim().as_bytes();
+        if hex.is_empty() || hex.len() % 2 != 0 {
+            return None;
+        }
+        let bytes: Vec<u8> = hex
+            .chunks(2)
+            .map(|p| u8::from_str_radix(std::str::from_utf8(p).ok()?, 16).ok())
+            .collect::<Option<_>>()?;
+        let mut r = Reader::new(&bytes);
+        let prim = codec::read_prim(&mut r)?;
+        let n = r.count()?;
+        let operands = (0..n)
+            .map(|_| Some((r.usizes()?, codec::read_dtype(&mut r)?)))
+            .collect::<Option<Vec<_>>>()?;
+        r.done().then_some(Conv {
+            prim,
+            operands,
+            device,
+        })
+    };
+    lines.into_iter().filter_map(one).collect()
+}
+
+#[cfg(test)]
+impl Conv {
+    /// A stride-1, padding-1 channels-last convolution of operands `shapes` (f32) on `device`.
+    pub(crate) fn of(shapes: &[&[usize]], device: Device) -> Conv {
+        Conv {
+            prim: Prim::Conv2d(kiln_core::prim::ConvParams {
+                stride: [1, 1],
+                padding: [1, 1],
+                dilation: [1, 1],
+                groups: 1,
+                channels_last: true,
+            }),
+            operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
+            device,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Convolutions written as lines read back as written, on the device the reader names;
+    /// damaged lines are skipped.
+    #[test]
+    fn remembered_convolutions_read_back() {
+        let convs = [
+            Conv::of(&[&[2, 8, 8, 16], &[32, 3, 3, 16]], Device::Cuda(0)),
+            Conv::of(&[&[4, 7, 7, 64], &[64, 1, 1, 64]], Device::Cuda(0)),
+        ];
+        let mut lines = encode(&convs);
+        lines.insert(1, "zz".into());
+        lines.push(lines[0][..lines[0].len() - 2].to_string());
+        lines.push("abc".into());
+        let back = decode(lines.iter().map(String::as_str), Device::Cuda(1));
+        assert_eq!(back.len(), 2);
+        for (b, c) in back.iter().zip(&convs) {
+            assert_eq!(format!("{:?}", b.prim), format!("{:?}", c.prim));
+            assert_eq!(b.operands, c.operands);
+            assert_eq!(b.device, Device::Cuda(1));
+        }
+    }
 }
