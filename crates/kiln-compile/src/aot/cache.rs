@@ -29,7 +29,11 @@ pub struct Split {
 
 /// The key of `graph`'s split under an inner backend with cache id `id`.
 pub fn key(graph: &Graph, id: &str) -> u128 {
-    disk_cache::key(&[KIND.as_bytes(), id.as_bytes(), &graph.structure_key()])
+    disk_cache::key(&[
+        KIND.as_bytes(),
+        id.as_bytes(),
+        &crate::cache::structure_bytes(graph),
+    ])
 }
 
 /// Splits read ahead while their functions are traced (`prefetch.rs`), by key.
