@@ -74,19 +74,27 @@ pub fn load(kind: &str, key: u128) -> Option<Vec<u8>> {
 }
 
 /// Whether a read counts its hit or miss now, or leaves it to whoever takes what it read
-/// (`count_taken`): a read ahead of need (`prefetch.rs`) may never be used.
-#[derive(Clone, Copy, PartialEq)]
-enum Count {
+/// (`count_taken`): a read ahead of need (`prefetch.rs`) may never be used. Damage is counted
+/// (and the entry removed) at once either way.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Count {
     Now,
     WhenTaken,
+}
+
+impl Count {
+    /// Adds one to `counter` if this read counts now.
+    fn add(self, counter: &AtomicU64) {
+        if self == Count::Now {
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+    }
 }
 
 fn read(kind: &str, key: u128, count: Count) -> Option<Vec<u8>> {
     let file = path(kind, key);
     let Ok(mut bytes) = std::fs::read(&file) else {
-        if count == Count::Now {
-            MISSES.fetch_add(1, Ordering::Relaxed);
-        }
+        count.add(&MISSES);
         logs::emit(Channel::GraphCache, || {
             format!("{kind} miss {}", file.display())
         });
@@ -98,37 +106,14 @@ fn read(kind: &str, key: u128, count: Count) -> Option<Vec<u8>> {
     }
     // the payload in place: a plan holding a large graph's kernel sources is megabytes
     bytes.drain(..HEADER);
-    if count == Count::Now {
-        HITS.fetch_add(1, Ordering::Relaxed);
-    }
+    count.add(&HITS);
     logs::emit(Channel::GraphCache, || {
         format!("{kind} hit {} ({} bytes)", file.display(), bytes.len())
     });
     Some(bytes)
 }
 
-/// The record stored under (`kind`, `key`) as `decode` reads its payload, or `None` (absent,
-/// damaged, or a payload `decode` rejects: then removed as damaged).
-pub fn load_decoded<T>(
-    kind: &str,
-    key: u128,
-    decode: impl FnOnce(&[u8]) -> Option<T>,
-) -> Option<T> {
-    decoded(kind, key, decode, Count::Now)
-}
-
-/// `load_decoded` ahead of need (`prefetch.rs`): its hit or miss is counted only when the
-/// value is taken (`count_taken`), so the counters say what compiles used. Damage is
-/// counted (and the entry removed) at once.
-pub fn load_decoded_ahead<T>(
-    kind: &str,
-    key: u128,
-    decode: impl FnOnce(&[u8]) -> Option<T>,
-) -> Option<T> {
-    decoded(kind, key, decode, Count::WhenTaken)
-}
-
-/// Counts the hit (`found`) or miss of a value `load_decoded_ahead` read, as it is taken.
+/// Counts the hit (`found`) or miss of a value read with `Count::WhenTaken`, as it is taken.
 pub fn count_taken(found: bool) {
     match found {
         true => HITS.fetch_add(1, Ordering::Relaxed),
@@ -136,7 +121,11 @@ pub fn count_taken(found: bool) {
     };
 }
 
-fn decoded<T>(
+/// The record stored under (`kind`, `key`) as `decode` reads its payload, or `None` (absent,
+/// damaged, or a payload `decode` rejects: then removed as damaged); its hit or miss counted as
+/// `count` says (`Count::WhenTaken` for a read ahead of need, so the counters say what compiles
+/// used).
+pub fn load_decoded<T>(
     kind: &str,
     key: u128,
     decode: impl FnOnce(&[u8]) -> Option<T>,
@@ -160,9 +149,7 @@ fn forget_damaged(kind: &str, key: u128, count: Count) {
     });
     let _ = std::fs::remove_file(file);
     DAMAGED.fetch_add(1, Ordering::Relaxed);
-    if count == Count::Now {
-        MISSES.fetch_add(1, Ordering::Relaxed);
-    }
+    count.add(&MISSES);
 }
 
 /// Bytes before a record's payload: the magic word, then the payload's checksum.

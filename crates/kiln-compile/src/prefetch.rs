@@ -19,7 +19,7 @@ use std::thread::JoinHandle;
 
 use kiln_core::profiler;
 
-use crate::disk_cache;
+use crate::disk_cache::{self, Count};
 
 /// Most keys a function's manifest keeps (the newest): a function compiles a few graphs
 /// (a training step's two plans, an evaluation's, segments around graph breaks, recompiles);
@@ -235,7 +235,7 @@ impl<T: Send + 'static> Prefetched<T> {
     }
 
     /// Starts reading ahead the record stored under (`kind`, `key`) as `decode` reads it
-    /// (`disk_cache::load_decoded_ahead`: counted only when taken), for `function`.
+    /// (`disk_cache::load_decoded`, counted only when taken), for `function`.
     pub fn start_disk(
         &self,
         function: &str,
@@ -247,7 +247,7 @@ impl<T: Send + 'static> Prefetched<T> {
             let _span = profiler::span(profiler::Category::Compile, || {
                 format!("{kind} read ahead from the disk cache").into()
             });
-            disk_cache::load_decoded_ahead(kind, key, decode)
+            disk_cache::load_decoded(kind, key, decode, Count::WhenTaken)
         });
     }
 
@@ -262,7 +262,7 @@ impl<T: Send + 'static> Prefetched<T> {
                 }
                 found
             }
-            None => disk_cache::load_decoded(kind, key, decode),
+            None => disk_cache::load_decoded(kind, key, decode, Count::Now),
         }
     }
 
