@@ -567,23 +567,6 @@ fn memo(ctx: &BackendContext, device: kiln_core::Device) -> cuda_compile::Memo {
     }
 }
 
-/// The C target of a concrete graph compiled under `ctx`.
-fn c_target(ctx: &BackendContext) -> Result<C> {
-    Ok(C {
-        inline_matmul: inline_small_matmuls(ctx, true)?,
-        horizontal: true,
-    })
-}
-
-/// What a C plan's key says of the target besides the graph (`horizontal` follows from the key
-/// being made at all: only concrete graphs' plans are cached).
-fn c_plan_target(c: &C, tc: &cc::Toolchain) -> String {
-    format!(
-        "inline_matmul={} {} libmvec={}",
-        c.inline_matmul, tc.identity, tc.libmvec
-    )
-}
-
 /// The C kernels of `graphs` (all on the CPU), planned (or read from the disk cache) graph by
 /// graph and built together (`cc::load`: the units of all of them share the cores).
 fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn CompiledGraph>>> {
@@ -613,12 +596,18 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
     // become one size-generic kernel (`codegen/template.rs`)
     let sizes = symbolic::context::current();
     let c = C {
+        inline_matmul: inline_small_matmuls(ctx, true)?,
         // not under a size context: a horizontal kernel's member functions are named by
         // the hash of their static text, which a size-generic kernel rewrites under the same
         // names
         horizontal: sizes.is_none(),
-        ..c_target(ctx)?
     };
+    // what a plan's key says of the target besides the graph (`horizontal` follows from the
+    // key being made at all: only concrete graphs' plans are cached)
+    let target = format!(
+        "inline_matmul={} {} libmvec={}",
+        c.inline_matmul, tc.identity, tc.libmvec
+    );
     let recent = crate::plan_cache::recent(C_KIND, ctx);
     let mut used = Vec::new();
     let plans: Vec<Plan> = graphs
@@ -626,7 +615,7 @@ fn compile_c(graphs: &[&Graph], ctx: &BackendContext) -> Result<Vec<Arc<dyn Comp
         .map(|&graph| -> Result<Plan> {
             // a symbolic graph's kernels are fitted across sizes: not cached
             let key = match sizes {
-                None => crate::plan_cache::key(C_KIND, &c_plan_target(&c, tc), graph),
+                None => crate::plan_cache::key(C_KIND, &target, graph),
                 Some(_) => None,
             };
             used.push(key);
