@@ -71,19 +71,29 @@ fn all_phases(r: &mut Running) -> &mut usize {
 /// Units by id, each with its kernels' names.
 type UnitIds = Vec<(String, Vec<String>)>;
 
-/// Each manifest's units as this process has remembered them so far (a function compiles
-/// several graphs: a forward and a backward, the segments around a graph break).
-fn remembered() -> &'static Mutex<HashMap<Manifest, UnitIds>> {
-    static R: std::sync::OnceLock<Mutex<HashMap<Manifest, UnitIds>>> = std::sync::OnceLock::new();
-    R.get_or_init(Default::default)
-}
-
-/// Each manifest's convolutions (`conv_warmup::encode`'s lines) as this process has
-/// remembered them so far.
-fn remembered_convs() -> &'static Mutex<HashMap<Manifest, Vec<String>>> {
+/// Each manifest's lines (units, convolutions) as this process has remembered them so far (a
+/// function compiles several graphs: a forward and a backward, the segments around a graph
+/// break).
+fn remembered() -> &'static Mutex<HashMap<Manifest, Vec<String>>> {
     static R: std::sync::OnceLock<Mutex<HashMap<Manifest, Vec<String>>>> =
         std::sync::OnceLock::new();
     R.get_or_init(Default::default)
+}
+
+/// Writes `manifest` with the lines this process remembered there before and the new ones among
+/// `lines`, each once, in the order they came.
+fn remember_lines(manifest: &Manifest, lines: impl IntoIterator<Item = String>) {
+    let text = {
+        let mut all = remembered().lock().unwrap_or_else(|e| e.into_inner());
+        let list = all.entry(manifest.clone()).or_default();
+        for line in lines {
+            if !list.contains(&line) {
+                list.push(line);
+            }
+        }
+        list.iter().map(|l| format!("{l}\n")).collect::<String>()
+    };
+    manifest.write(&text);
 }
 
 /// Where a function's warm start is remembered: the units its compiles loaded, and the
@@ -200,43 +210,21 @@ pub(crate) fn remember(
     device: Device,
     units: &[(String, Vec<String>)],
 ) {
-    let text = {
-        let mut all = remembered().lock().unwrap_or_else(|e| e.into_inner());
-        let list = all.entry(manifest.clone()).or_default();
-        for (src, names) in units {
-            if let Some(id) = rt.unit_id(device, src) {
-                if !list.iter().any(|(known, _)| *known == id) {
-                    list.push((id, names.clone()));
-                }
-            }
-        }
-        format(list)
-    };
-    manifest.write(&text);
+    let lines = units
+        .iter()
+        .filter_map(|(src, names)| Some(unit_line(&rt.unit_id(device, src)?, names)));
+    remember_lines(manifest, lines);
 }
 
 /// Remembers `convs` (`conv_warmup::encode`'s lines) in `manifest`, with the convolutions this
 /// process remembered there before.
 pub(crate) fn remember_convs(manifest: &Manifest, convs: Vec<String>) {
-    let text = {
-        let mut all = remembered_convs().lock().unwrap_or_else(|e| e.into_inner());
-        let list = all.entry(manifest.clone()).or_default();
-        for line in convs {
-            if !list.contains(&line) {
-                list.push(line);
-            }
-        }
-        list.iter().map(|l| format!("{l}\n")).collect::<String>()
-    };
-    manifest.write(&text);
+    remember_lines(manifest, convs);
 }
 
-/// One line a unit: its id, a tab, its kernels' names separated by spaces.
-fn format(units: &[(String, Vec<String>)]) -> String {
-    units
-        .iter()
-        .map(|(id, names)| format!("{id}\t{}\n", names.join(" ")))
-        .collect()
+/// A unit's line: its id, a tab, its kernels' names separated by spaces.
+fn unit_line(id: &str, names: &[String]) -> String {
+    format!("{id}\t{}", names.join(" "))
 }
 
 fn parse(text: &str) -> UnitIds {
@@ -316,7 +304,11 @@ mod tests {
             ),
             ("cc33 dd44".to_string(), vec!["k_3".to_string()]),
         ];
-        assert_eq!(parse(&format(&units)), units);
+        let text: String = units
+            .iter()
+            .map(|(id, names)| unit_line(id, names) + "\n")
+            .collect();
+        assert_eq!(parse(&text), units);
         // damaged lines are skipped, the rest kept
         let text = "aa11 bb22\tk_1 kl_2\nno tab here\n\tk_9\ncc33 dd44\t\ncc33 dd44\tk_3\n";
         assert_eq!(parse(text), units);
