@@ -107,16 +107,19 @@ impl AotBackend {
     /// disk when the inner backend has a cache id and the graph was split before, else built
     /// (the joint graph, the inner backend's rewrite of it, the min-cut) and stored.
     fn split(&self, graph: &Graph, ctx: &BackendContext) -> Result<cache::Split> {
-        let key = match self.inner.cache_id() {
-            Some(id) if crate::disk_cache::enabled() => {
-                let _span = profiler::span(profiler::Category::Compile, || {
-                    "aot autograd: split key".into()
-                });
-                Some(cache::key(graph, &id))
-            }
-            _ => None,
-        };
-        let recent = self.recent(ctx);
+        // the inner backend's cache id is its build and settings, read from the environment:
+        // asked once a split
+        let id = self
+            .inner
+            .cache_id()
+            .filter(|_| crate::disk_cache::enabled());
+        let key = id.as_ref().map(|id| {
+            let _span = profiler::span(profiler::Category::Compile, || {
+                "aot autograd: split key".into()
+            });
+            cache::key(graph, id)
+        });
+        let recent = id.and_then(|id| recent(ctx, &id));
         if let Some(key) = key {
             let found = {
                 let _span = profiler::span(profiler::Category::Compile, || {
@@ -165,27 +168,26 @@ impl AotBackend {
         Ok(split)
     }
 
-    /// The manifest of the splits the function `ctx` names used (`prefetch::Recent`), under
-    /// its name, its mode and the inner backend's cache id; `None` when nothing is cached.
-    fn recent(&self, ctx: &BackendContext) -> Option<Recent> {
-        let id = self.inner.cache_id()?;
-        Recent::new(
-            "aot",
-            &[ctx.name.as_bytes(), ctx.mode.as_bytes(), id.as_bytes()],
-        )
-    }
-
     /// Reads ahead, each on a thread of its own, the splits the function `ctx` names used in
     /// its last compiles. Once a process for a function: a later trace (a recompile, a graph
     /// break's segments) finds what its compile needs read or in memory already.
     fn read_ahead(&self, ctx: &BackendContext) {
-        let Some(recent) = self.recent(ctx) else {
+        let Some(recent) = self.inner.cache_id().and_then(|id| recent(ctx, &id)) else {
             return;
         };
         for key in recent.to_read_ahead() {
             cache::read_ahead(&ctx.name, key);
         }
     }
+}
+
+/// The manifest of the splits the function `ctx` names used (`prefetch::Recent`), under its
+/// name, its mode and the inner backend's cache id `id`; `None` when nothing is cached.
+fn recent(ctx: &BackendContext, id: &str) -> Option<Recent> {
+    Recent::new(
+        "aot",
+        &[ctx.name.as_bytes(), ctx.mode.as_bytes(), id.as_bytes()],
+    )
 }
 
 /// Drops the split's graphs (the compiled pair keeps what it runs) on a thread of its own:
