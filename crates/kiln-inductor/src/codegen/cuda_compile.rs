@@ -68,7 +68,7 @@ pub fn compile(graph: &Graph, flags: CudaFlags, memo: &Memo) -> Result<Arc<dyn C
 #[derive(Default)]
 pub struct Memo {
     pub(crate) prefetch: Option<Manifests>,
-    pub plans: Option<Recent>,
+    pub(crate) plans: Option<Recent>,
 }
 
 /// Where a graph's plan comes from.
