@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kiln_core::device::MAX_KERNEL_PARAMS;
 
 use super::cuda_sizes::Resolved;
-use super::template::{split_text, HOLE};
+use super::template::{split_text, with_params, HOLE};
 
 /// Lines whose literals C reads as constant expressions: they key a group, never vary in it.
 const CONSTANT_CONTEXTS: [&str; 3] = ["__shared__", "#pragma", "__launch_bounds__"];
@@ -313,20 +313,6 @@ fn passed(reads: &[usize], divisors: &[usize]) -> (String, String) {
         let _ = write!(args, ", s{j}_m, s{j}_l");
     }
     (params, args)
-}
-
-/// `body` with `params` after the last parameter of `name(...)`'s definition (its parameters
-/// hold no parentheses: types and names only) and `prologue` first in its body.
-fn with_params(body: &str, name: &str, params: &str, prologue: &str) -> Option<String> {
-    let open = body.find(&format!("{name}("))?;
-    let close = open + body[open..].find(')')?;
-    let brace = close + body[close..].find('{')? + 1;
-    Some(format!(
-        "{}{params}{}{prologue}{}",
-        &body[..close],
-        &body[close..brace],
-        &body[brace..]
-    ))
 }
 
 /// `body` with `args` after the last argument of every call that opens with `call` (`f(`);

@@ -251,19 +251,27 @@ fn with_size_array(body: &str, num_syms: usize) -> String {
     body.replacen("(void **args) {", &format!("(void **args) {{{prologue}"), 1)
 }
 
-/// `s0`, `s1`, ... as `long long` parameters after the last parameter of `KNAME(...)` (the
-/// parameters hold no parentheses: types and names only).
+/// `s0`, `s1`, ... as `long long` parameters after the last parameter of `KNAME(...)`.
 fn with_size_params(body: &str, num_syms: usize) -> String {
     let params: String = (0..num_syms)
         .map(|s| format!(", const long long s{s}"))
         .collect();
-    let Some(close) = body
-        .find("KNAME(")
-        .and_then(|at| body[at..].find(')').map(|c| at + c))
-    else {
-        return body.to_string();
-    };
-    format!("{}{params}{}", &body[..close], &body[close..])
+    with_params(body, "KNAME", &params, "").unwrap_or_else(|| body.to_string())
+}
+
+/// `body` with `params` after the last parameter of `name(...)`'s definition (its parameters
+/// hold no parentheses: types and names only) and `prologue` first in its body; `None` when
+/// `body` defines no `name(...) {`.
+pub(crate) fn with_params(body: &str, name: &str, params: &str, prologue: &str) -> Option<String> {
+    let open = body.find(&format!("{name}("))?;
+    let close = open + body[open..].find(')')?;
+    let brace = close + body[close..].find('{')? + 1;
+    Some(format!(
+        "{}{params}{}{prologue}{}",
+        &body[..close],
+        &body[close..brace],
+        &body[brace..]
+    ))
 }
 
 #[cfg(test)]
