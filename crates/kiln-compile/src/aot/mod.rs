@@ -148,8 +148,12 @@ impl AotBackend {
         // the partition takes the joint graph's nodes
         let g = std::mem::take(&mut joint.graph);
         let mut part = partition::partition(g, joint.num_primals, joint.num_fwd_outputs)?;
-        // the forward's inputs are the graph's, in order; the backward's are its own buffers
+        // the forward's inputs are the graph's, in order, and its first outputs are the graph's:
+        // the graph's in-place writes (batch norm's running statistics) are the forward's, which
+        // the inner backend may then write into their inputs instead of the caller copying each
+        // new value over its old one afterwards; the backward's inputs are its own buffers
         part.forward.static_inputs = graph.static_inputs.clone();
+        part.forward.mutated_inputs = graph.mutated_inputs.clone();
         let split = cache::Split {
             forward: part.forward,
             backward: part.backward,

@@ -27,6 +27,8 @@ use crate::split_reduction::split_reductions;
 /// routes through libmvec.
 pub(crate) const PRELUDE: &str = r#"#define int64_t long long
 #define int32_t int
+#define uint64_t unsigned long long
+#define uint32_t unsigned int
 #define uint8_t unsigned char
 #undef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -520,6 +522,27 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::test_graphs::{binary, expand, input, kernels, push, slice, unary};
+
+    /// NVRTC has no C headers: every integer type the builder's C names is the prelude's (a
+    /// type missing there fails its whole unit's compile, on the GPU only).
+    #[test]
+    fn the_prelude_defines_every_integer_type_the_generated_code_names() {
+        use kiln_core::DType;
+        let mut names = vec![];
+        for d in DType::ALL {
+            names.extend(crate::ir::lower::c_dtype(d).filter(|n| n.contains("int")));
+            if let Some((s, u)) = crate::ir::lower::wrapping_c(d) {
+                names.extend([s, u]);
+            }
+        }
+        assert!(names.contains(&"uint64_t"), "{names:?}");
+        for n in names {
+            assert!(
+                PRELUDE.contains(&format!("#define {n} ")),
+                "{n} is not in the CUDA prelude"
+            );
+        }
+    }
 
     /// Every kind of kernel the generator writes: a vectorized and unrolled pointwise chain,
     /// reductions by a thread, a warp and a block per output element, and in-place updates of

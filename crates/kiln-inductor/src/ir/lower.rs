@@ -108,9 +108,16 @@ pub fn kind(g: &Graph, n: &Node) -> Kind {
         Prim::Unary(UnaryOp::Not) => Kind::Pointwise,
         Prim::Unary(_) if float_in => Kind::Pointwise,
         Prim::Binary(b) if b.is_logical() => Kind::Pointwise,
-        // a comparison is exact on any dtype (integer arithmetic is not generated: C's overflow
-        // and division differ from the core's)
+        // a comparison is exact on any dtype
         Prim::Binary(b) if b.is_comparison() => Kind::Pointwise,
+        // integer sums and products wrap in the core as in `binary_c`'s unsigned arithmetic (a
+        // batch norm's step count: its `+ 1` then written in place); C's integer division and
+        // powers differ from the core's and are not generated
+        Prim::Binary(BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul)
+            if wrapping_c(arg_dtype.unwrap_or(n.dtype)).is_some() =>
+        {
+            Kind::Pointwise
+        }
         Prim::Binary(_) if float_in => Kind::Pointwise,
         Prim::Where => Kind::Pointwise,
         // float -> int conversion saturates in Rust and is undefined out of range in C
@@ -252,9 +259,28 @@ pub fn unary_c(op: UnaryOp, a: &str, d: DType) -> String {
     }
 }
 
+/// The signed and unsigned C types of an integer dtype whose sums and products the generated code
+/// computes: in the unsigned type, where C defines them to wrap as the core's do (signed overflow
+/// is undefined in C), converted back (two's complement on every compiler kiln drives).
+pub(crate) fn wrapping_c(d: DType) -> Option<(&'static str, &'static str)> {
+    match d {
+        DType::I32 => Some(("int32_t", "uint32_t")),
+        DType::I64 => Some(("int64_t", "uint64_t")),
+        _ => None,
+    }
+}
+
 /// C for a binary op on values of dtype `d` (the operands' dtype).
 pub fn binary_c(op: BinaryOp, a: &str, b: &str, d: DType) -> String {
     let f = fsuffix(d);
+    if let (Some((s, u)), BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul) = (wrapping_c(d), op) {
+        let sign = match op {
+            BinaryOp::Add => '+',
+            BinaryOp::Sub => '-',
+            _ => '*',
+        };
+        return format!("({s})(({u}){a} {sign} ({u}){b})");
+    }
     match op {
         BinaryOp::Add => format!("{a} + {b}"),
         BinaryOp::Sub => format!("{a} - {b}"),

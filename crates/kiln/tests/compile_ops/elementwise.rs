@@ -209,6 +209,35 @@ fn binary_with_scalars_and_mixed_dtypes() {
     }
 }
 
+/// Integer sums, differences and products wrap on overflow, compiled (generated in unsigned
+/// arithmetic) as eagerly; the values sit at the ends of each dtype's range.
+#[test]
+fn integer_arithmetic_wraps() {
+    let mut rng = Rng::new(7);
+    let ends: [i64; 6] = [i64::MAX, i64::MIN, -1, 3, i64::MAX / 2 + 7, -(1 << 40)];
+    for (name, op) in &binary_ops()[..3] {
+        let op = *op;
+        Case::new(format!("{name} i64 at the range's ends")).run(
+            &mut rng,
+            move |a| one(op(&a[0], &a[1])),
+            move |_| {
+                let a = Tensor::from_vec(ends.to_vec(), &[2, 3]).unwrap();
+                let b = Tensor::from_vec(vec![2i64, i64::MAX, 5, i64::MIN, 4, 1 << 30], &[2, 3]);
+                vec![In::val(a), In::val(b.unwrap())]
+            },
+        );
+        Case::new(format!("{name} i32 at the range's ends")).run(
+            &mut rng,
+            move |a| one(op(&a[0], &a[1])),
+            |_| {
+                let a = Tensor::from_vec(vec![i32::MAX, i32::MIN, -1, 1 << 20], &[4]).unwrap();
+                let b = Tensor::from_vec(vec![1i32, -1, i32::MIN, 1 << 12], &[4]).unwrap();
+                vec![In::val(a), In::val(b)]
+            },
+        );
+    }
+}
+
 #[test]
 fn where_and_clamp() {
     let mut rng = Rng::new(5);
