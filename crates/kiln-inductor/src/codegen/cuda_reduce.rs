@@ -25,10 +25,24 @@ const OUTER_ROWS_PER_SM: usize = 128;
 /// shared memory stops at 48 KiB), counting each at 8 bytes (the widest: `double`, `int64_t`).
 const COLUMN_SHARED_BYTES: usize = 32 << 10;
 
-/// Rows (kept elements) per block of a column reduction; a warp covers them at `32 /
-/// COLUMN_ROWS` reduced positions (its loads are runs of 16 bytes: half a sector). Few rows per
-/// block make many blocks: 64 channels are 16 of them.
+/// Most rows (kept elements) per block of a column reduction; a warp covers them at `32 / cols`
+/// reduced positions (its loads are runs of `4 * cols` bytes). Few rows per block make many
+/// blocks: `column_rows` takes fewer where the rows would not give every multiprocessor a block.
 const COLUMN_ROWS: usize = 4;
+
+/// Rows per block of a column reduction of `rows` rows: the most (up to `COLUMN_ROWS`, a power
+/// of two) that still give each of `sm_count` multiprocessors a block. DenseNet-121's backward
+/// sums 128 channels over 3136 positions, their operands computed on the way: four rows a block
+/// were 32 blocks on 132 multiprocessors (46 µs under ncu), one row a block 128 blocks. A warp
+/// then reads its row's elements a row apart, from L2: at these sizes the launch's width is what
+/// counts, not the sectors.
+fn column_rows(rows: usize, sm_count: usize) -> usize {
+    let mut cols = COLUMN_ROWS;
+    while cols > 1 && rows.div_ceil(cols) < sm_count {
+        cols /= 2;
+    }
+    cols
+}
 
 /// One accumulator of a reduction kernel, with its output's C type and the names of its
 /// register and output.
@@ -126,7 +140,8 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
         && rows >= COLUMN_ROWS
         && warps * 32 * 8 * accs.len() <= COLUMN_SHARED_BYTES;
     let (grid, block) = if columns {
-        let (cols, depth) = (COLUMN_ROWS, 32 / COLUMN_ROWS);
+        let cols = column_rows(rows, t.sm_count as usize);
+        let depth = 32 / cols;
         for a in &accs {
             let _ = writeln!(
                 text,
@@ -154,22 +169,32 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
         text.push_str(&each(&|a| {
             format!("    col_{r}[w][lane] = {r};\n", r = a.reg)
         }));
-        // one thread per row sums the block's partials for it, in a fixed order
-        let _ = writeln!(
-            text,
-            "    __syncthreads();\n    if (w == 0 && lane < {cols} && row < {rows}) {{"
-        );
+        // the first warp sums the block's partials in a fixed order: each lane its position's
+        // over the warps, then shuffles down to the lanes that own the rows (a thread per row
+        // walking all 32 / cols positions of every warp made a serial chain of 256 shared-memory
+        // adds at one row a block)
+        let _ = writeln!(text, "    __syncthreads();\n    if (w == 0) {{");
         text.push_str(&declare("      "));
-        let _ = writeln!(
-            text,
-            "      for (int k = 0; k < {warps}; k++)\n      for (int j = lane; j < 32; j += {cols}) {{"
-        );
+        let _ = writeln!(text, "      for (int k = 0; k < {warps}; k++) {{");
         text.push_str(&each(&|a| {
-            let other = format!("col_{}[k][j]", a.reg);
+            let other = format!("col_{}[k][lane]", a.reg);
             format!("        {} = {};\n", a.reg, (a.a.step)(&a.reg, &other))
         }));
         let _ = writeln!(text, "      }}");
-        text.push_str(&store("      "));
+        text.push_str(&each(&|a| {
+            format!(
+                "      for (int s = 16; s >= {cols}; s >>= 1) {{ {} other = \
+                 __shfl_down_sync(0xffffffffu, {r}, s); {r} = {}; }}\n",
+                a.a.acc_t,
+                (a.a.step)(&a.reg, "other"),
+                r = a.reg
+            )
+        }));
+        text.push_str(&guarded(
+            "      ",
+            &format!("lane < {cols} && row < {rows}"),
+            &store("        "),
+        ));
         let _ = writeln!(text, "    }}\n    __syncthreads();\n  }}");
         (t.blocks(rows, cols), t.cfg.block)
     } else if red < WARP_FROM || outer {
@@ -263,4 +288,19 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
     );
     let params = parameters(&b, g, &outputs);
     finish(b.params, params, text, grid, block)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn column_reductions_take_fewer_rows_a_block_where_blocks_are_few() {
+        // on an H200's 132 multiprocessors
+        assert_eq!(column_rows(128, 132), 1);
+        assert_eq!(column_rows(300, 132), 2);
+        assert_eq!(column_rows(528, 132), 4);
+        assert_eq!(column_rows(4096, 132), COLUMN_ROWS);
+        assert_eq!(column_rows(4, 132), 1);
+    }
 }
