@@ -36,6 +36,17 @@ pub(crate) struct Conv {
     device: Device,
 }
 
+impl Conv {
+    /// Readies this convolution on `rt` (its device's runtime) without running it: true where
+    /// it runs on kiln's generated kernels, whose module is now loaded; false where a run is
+    /// what readies it (cuDNN loads its kernels at their first run).
+    fn ready(&self, rt: &dyn DeviceRuntime) -> Result<bool> {
+        let shapes: Vec<&[usize]> = self.operands.iter().map(|(s, _)| s.as_slice()).collect();
+        let dtypes: Vec<DType> = self.operands.iter().map(|&(_, d)| d).collect();
+        rt.prepare(self.device, &self.prim, &shapes, &dtypes)
+    }
+}
+
 /// The distinct convolutions (prim and operand shapes) `graphs` run on a device, in graph order.
 pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
     let mut seen: HashSet<String> = HashSet::new();
@@ -80,11 +91,7 @@ pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
     for c in convs {
         // a convolution on kiln's generated kernels needs its module loaded, not a run (which
         // would queue a step's worth of convolutions ahead of the graph's first call)
-        let shapes: Vec<&[usize]> = c.operands.iter().map(|(s, _)| s.as_slice()).collect();
-        let dtypes: Vec<DType> = c.operands.iter().map(|&(_, d)| d).collect();
-        if !tuned
-            && runtime_for("conv2d", c.device)?.prepare(c.device, &c.prim, &shapes, &dtypes)?
-        {
+        if !tuned && c.ready(runtime_for("conv2d", c.device)?.as_ref())? {
             continue;
         }
         let operands = c
@@ -106,9 +113,7 @@ pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
 /// errors are dropped.
 pub(crate) fn prepare(rt: &dyn DeviceRuntime, convs: &[Conv]) {
     for c in convs {
-        let shapes: Vec<&[usize]> = c.operands.iter().map(|(s, _)| s.as_slice()).collect();
-        let dtypes: Vec<DType> = c.operands.iter().map(|&(_, d)| d).collect();
-        let _ = rt.prepare(c.device, &c.prim, &shapes, &dtypes);
+        let _ = c.ready(rt);
     }
 }
 
