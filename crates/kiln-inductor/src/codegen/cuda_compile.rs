@@ -200,9 +200,9 @@ fn spawn_warmup<'scope>(
         }
         if let Some(manifest) = manifest.filter(|_| !flags.autotune) {
             let lines = conv_warmup::encode(&convs);
-            let _ = std::thread::Builder::new()
-                .name("kiln-prefetch-memo".into())
-                .spawn(move || super::cuda_prefetch::remember_convs(&manifest, lines));
+            super::cuda_prefetch::off_the_path(move || {
+                super::cuda_prefetch::remember_convs(&manifest, lines)
+            });
         }
         // after the units' prefetch: its module loads and the warm-up's would take turns
         super::cuda_prefetch::wait();
@@ -294,12 +294,11 @@ fn compile_graphs(
         cuda_units::load(rt, device, &all_units)?
     };
     if let Some(manifest) = manifest {
-        // off the first launch's path: the units' ids hash every source, and the manifest is
-        // written; best effort, as the manifest itself
+        // off the first launch's path: the units' ids hash every source
         let (manifest, rt) = (manifest.clone(), rt.clone());
-        let _ = std::thread::Builder::new()
-            .name("kiln-prefetch-memo".into())
-            .spawn(move || super::cuda_prefetch::remember(&manifest, &rt, device, &all_units));
+        super::cuda_prefetch::off_the_path(move || {
+            super::cuda_prefetch::remember(&manifest, &rt, device, &all_units)
+        });
     }
     // each graph's executor made side by side: a training step's two lie between the units'
     // load and the first launch (DenseNet-121's: 0.7-0.9 ms on the H200's host, side by side)

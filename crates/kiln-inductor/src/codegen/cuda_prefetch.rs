@@ -222,6 +222,15 @@ pub(crate) fn remember_convs(manifest: &Manifest, convs: Vec<String>) {
     remember_lines(manifest, convs);
 }
 
+/// Runs `remember`ing work (hashing sources, writing a manifest) on a thread of its own, off
+/// the compile's path to its first launch. Best effort, as the manifests themselves: where no
+/// thread can be started, nothing is remembered.
+pub(crate) fn off_the_path(work: impl FnOnce() + Send + 'static) {
+    let _ = std::thread::Builder::new()
+        .name("kiln-prefetch-memo".into())
+        .spawn(work);
+}
+
 /// A unit's line: its id, a tab, its kernels' names separated by spaces.
 fn unit_line(id: &str, names: &[String]) -> String {
     format!("{id}\t{}", names.join(" "))
