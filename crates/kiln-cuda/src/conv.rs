@@ -281,19 +281,24 @@ pub(crate) fn run(
         zero(dev, &out)?;
         return Ok(Some(Arc::new(out)));
     }
-    let a = contiguous(dev, inputs[0])?;
-    let b = contiguous(dev, inputs[1])?;
     // kiln's generated kernel: where it is switched on, or where max-autotune times it faster
     let eligible = (crate::conv_generated::generated_conv() || tuned)
         && crate::conv_generated::eligible(dtype, p, [x, w, y], epilogue.is_some());
-    let generated = || {
-        let aligned = alignment(&[a.ptr(), b.ptr(), out.ptr]) >= 16;
-        crate::conv_generated::launch(dev, kind, p, [x, w, y], a.ptr(), b.ptr(), out.ptr, aligned)
-    };
     if eligible && crate::conv_generated::generated_conv() {
-        generated()?;
+        generated(dev, kind, p, [x, w, y], inputs, &out)?;
         return Ok(Some(Arc::new(out)));
     }
+    let a = contiguous(dev, inputs[0])?;
+    let b = contiguous(dev, inputs[1])?;
+    let generated = || {
+        let aligned = alignment(&[a.ptr(), b.ptr(), out.ptr]) >= 16;
+        let packed = |o: &Operand| crate::conv_generated::Pixels {
+            ptr: o.ptr(),
+            slice_row: None,
+        };
+        let (pa, pb) = (packed(&a), packed(&b));
+        crate::conv_generated::launch(dev, kind, p, [x, w, y], pa, pb, out.ptr, aligned)
+    };
     // cuDNN from here on: probed at its first use (a process whose convolutions are all
     // generated never loads it)
     if let Err(msg) = crate::probe::probe_cudnn() {
@@ -538,19 +543,87 @@ fn graph_spec(key: &PlanKey) -> crate::conv_graph::Spec {
 }
 
 /// An operand packed in its own order (NCHW, or NHWC when channels-last): its own memory when it
-/// is one, else a copy.
+/// is one, else a copy; or, for the generated kernels, a channel slice of a wider channels-last
+/// tensor in place (`conv_generated::Pixels`).
 enum Operand<'a> {
     Borrowed(&'a CudaBuffer, usize),
     Copied(CudaBuffer),
+    /// The buffer, the slice's offset and its pixels' stride in elements.
+    Slice(&'a CudaBuffer, usize, usize),
 }
 
 impl Operand<'_> {
     fn ptr(&self) -> u64 {
         match self {
-            Operand::Borrowed(b, offset) => b.at(*offset),
+            Operand::Borrowed(b, offset) | Operand::Slice(b, offset, _) => b.at(*offset),
             Operand::Copied(b) => b.ptr,
         }
     }
+
+    fn pixels(&self) -> crate::conv_generated::Pixels {
+        crate::conv_generated::Pixels {
+            ptr: self.ptr(),
+            slice_row: match self {
+                Operand::Slice(_, _, row) => Some(*row),
+                _ => None,
+            },
+        }
+    }
+}
+
+/// Runs a convolution on kiln's generated kernels (`conv_generated.rs`; `xwy` its shapes in
+/// NCHW order) into `out`: an operand the kernel walks pixel by pixel is read in place when it
+/// is a channel slice of a wider channels-last tensor, the rest packed.
+fn generated(
+    dev: &Arc<CudaDevice>,
+    kind: Kind,
+    p: &ConvParams,
+    xwy: [[usize; 4]; 3],
+    inputs: &[&Tensor],
+    out: &CudaBuffer,
+) -> Result<()> {
+    let in_place = crate::conv_generated::in_place(dev, kind, p, xwy);
+    let mut ops = Vec::with_capacity(2);
+    for (t, slice_ok) in inputs[..2].iter().zip(in_place) {
+        ops.push(match slice_ok {
+            true => channel_slice(dev, t)?,
+            false => contiguous(dev, t)?,
+        });
+    }
+    let mut aligned = alignment(&[ops[0].ptr(), ops[1].ptr(), out.ptr]) >= 16;
+    if !aligned && ops.iter().any(|o| matches!(o, Operand::Slice(..))) {
+        // `in_place` holds for aligned operands only: an unaligned one packs them all
+        ops = vec![contiguous(dev, inputs[0])?, contiguous(dev, inputs[1])?];
+        aligned = alignment(&[ops[0].ptr(), ops[1].ptr(), out.ptr]) >= 16;
+    }
+    let (a, b) = (ops[0].pixels(), ops[1].pixels());
+    crate::conv_generated::launch(dev, kind, p, xwy, a, b, out.ptr, aligned)
+}
+
+/// `t` in place when it is a channel slice of a wider channels-last tensor: rank 4 in NHWC
+/// order, its channels adjacent and its pixels evenly `row` elements apart, `row` a multiple of
+/// 4 and its start 16-byte aligned (the tensor maps' rules); else as `contiguous` gives it.
+fn channel_slice<'a>(dev: &Arc<CudaDevice>, t: &'a Tensor) -> Result<Operand<'a>> {
+    let (buf, layout) = crate::runtime::operand("conv2d", t)?;
+    if layout.is_contiguous() {
+        return Ok(Operand::Borrowed(buf, layout.offset));
+    }
+    let (shape, strides) = (&layout.shape, &layout.strides);
+    // the pixels' stride: the innermost pixel dim's of more than one element (pixel p of the
+    // walk lies p * row elements in; a dim of one element may have any stride)
+    let row = (0..3)
+        .rev()
+        .find(|&d| shape.len() == 4 && shape[d] > 1)
+        .map(|d| strides[d]);
+    if let Some(row) = row.filter(|_| shape[3] > 1 && strides[3] == 1) {
+        let evenly = (0..3).all(|d| {
+            shape[d] == 1 || strides[d] == row * shape[d + 1..3].iter().product::<usize>()
+        });
+        if evenly && row >= shape[3] && row % 4 == 0 && buf.at(layout.offset) % 16 == 0 {
+            return Ok(Operand::Slice(buf, layout.offset, row));
+        }
+    }
+    contiguous(dev, t)
 }
 
 fn contiguous<'a>(dev: &Arc<CudaDevice>, t: &'a Tensor) -> Result<Operand<'a>> {

@@ -31,6 +31,7 @@ use crate::device::CudaDevice;
 
 static LAUNCHED: AtomicUsize = AtomicUsize::new(0);
 static HOPPER: AtomicUsize = AtomicUsize::new(0);
+static SLICES: AtomicUsize = AtomicUsize::new(0);
 
 /// Convolutions this process ran on kiln's generated kernels (forward and gradients, either
 /// family).
@@ -42,6 +43,12 @@ pub fn generated_convs() -> usize {
 /// gradients, `conv_wgmma_wgrad.rs`'s weight gradients).
 pub fn hopper_convs() -> usize {
     HOPPER.load(Ordering::Relaxed)
+}
+
+/// Operands of generated convolutions this process read in place as channel slices of wider
+/// channels-last tensors (`Pixels`), where they were copied first.
+pub fn slices_read_in_place() -> usize {
+    SLICES.load(Ordering::Relaxed)
 }
 
 /// Whether channels-last TF32 convolutions run on kiln's generated kernels or on cuDNN (the
@@ -87,33 +94,86 @@ pub(crate) fn eligible(
         && shapes.iter().all(fits)
 }
 
+/// An operand of the generated kernels: its address, and how many elements apart its pixels
+/// lie when that is not its channel count. A channel slice of a wider channels-last tensor (a
+/// DenseNet layer's new features within the gradient of the concatenations they joined) is read
+/// in place by the kernels that walk it through a tensor map (`in_place`), where it took a
+/// copy per convolution (two a dense layer: its 3x3 convolution's data and weight gradients).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pixels {
+    pub ptr: u64,
+    /// The pixels' stride in elements, for a slice; `None` when packed.
+    pub slice_row: Option<usize>,
+}
+
+impl Pixels {
+    /// The pixels' stride in elements of an operand with `channels` channels.
+    pub(crate) fn row(&self, channels: usize) -> usize {
+        self.slice_row.unwrap_or(channels)
+    }
+}
+
+/// Which of a convolution's two operands (the prim's inputs in its order) the kernel that runs it
+/// reads in place when it is a channel slice (`Pixels`): those its tensor maps walk pixel by
+/// pixel (the input or output gradient on Hopper's kernels; never the filter, never on the
+/// mma.sync kernels).
+pub(crate) fn in_place(
+    dev: &CudaDevice,
+    kind: Kind,
+    p: &ConvParams,
+    shapes: [[usize; 4]; 3],
+) -> [bool; 2] {
+    family(dev, kind, p, shapes, true).in_place()
+}
+
 /// Runs the convolution `kind` (`x`, `w`, `y` in NCHW order, as cuDNN names them) on the
-/// operands at `a` and `b` (the prim's inputs in its order, contiguous channels-last: x and w,
-/// dy and w, or dy and x) into `out`, on Hopper's kernel where it fits. `aligned`: every address
-/// is 16-byte aligned.
+/// operands `a` and `b` (the prim's inputs in its order, channels-last: x and w, dy and w, or dy
+/// and x; slices only where `in_place` allows them) into `out`, on Hopper's kernel where it fits.
+/// `aligned`: every address is 16-byte aligned.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch(
     dev: &Arc<CudaDevice>,
     kind: Kind,
     p: &ConvParams,
     shapes: [[usize; 4]; 3],
-    a: u64,
-    b: u64,
+    a: Pixels,
+    b: Pixels,
     out: u64,
     aligned: bool,
 ) -> Result<()> {
     let family = family(dev, kind, p, shapes, aligned);
     let hopper = !matches!(family, Family::MmaSync);
-    match family {
-        Family::Hopper(fwd) => crate::conv_wgmma::launch(dev, kind, fwd, a, b, out)?,
-        Family::HopperWgrad => crate::conv_wgmma_wgrad::launch(dev, p, shapes, a, b, out)?,
-        Family::MmaSync => crate::conv_igemm::launch(dev, kind, p, shapes, a, b, out, aligned)?,
+    let sliced = [a, b].map(|o| o.slice_row.is_some());
+    if sliced
+        .iter()
+        .zip(family.in_place())
+        .any(|(&s, ok)| s && !ok)
+    {
+        return Err(not_in_place(dev));
     }
+    match family {
+        Family::Hopper(fwd) => crate::conv_wgmma::launch(dev, kind, fwd, a, b.ptr, out)?,
+        Family::HopperWgrad => crate::conv_wgmma_wgrad::launch(dev, p, shapes, a, b, out)?,
+        Family::MmaSync => {
+            crate::conv_igemm::launch(dev, kind, p, shapes, a.ptr, b.ptr, out, aligned)?
+        }
+    }
+    SLICES.fetch_add(sliced.iter().filter(|&&s| s).count(), Ordering::Relaxed);
     LAUNCHED.fetch_add(1, Ordering::Relaxed);
     if hopper {
         HOPPER.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
+}
+
+/// A slice handed to a kernel that reads its operands packed: the caller broke `in_place`'s rule.
+fn not_in_place(dev: &CudaDevice) -> kiln_core::Error {
+    kiln_core::Error::Device {
+        op: "conv2d",
+        lhs: kiln_core::Device::Cuda(dev.ordinal),
+        rhs: kiln_core::Device::Cuda(dev.ordinal),
+        msg: "internal error: a channel slice reached a kernel that reads packed operands".into(),
+    }
 }
 
 /// Loads the kernel `launch` would run the convolution on (operands 16-byte aligned, as the
@@ -140,6 +200,18 @@ enum Family {
     HopperWgrad,
     /// The mma.sync kernels: the rest.
     MmaSync,
+}
+
+impl Family {
+    /// Which operands (the prim's inputs in its order) the family's tensor maps walk pixel by
+    /// pixel, so that it reads them in place as channel slices (`Pixels`).
+    fn in_place(&self) -> [bool; 2] {
+        match self {
+            Family::Hopper(_) => [true, false],
+            Family::HopperWgrad => [true, true],
+            Family::MmaSync => [false, false],
+        }
+    }
 }
 
 /// The kernel that runs the convolution `kind` of `p` on `dev`: Hopper's where they fit, else

@@ -23,6 +23,7 @@ use kiln_core::prim::ConvParams;
 use kiln_core::{DType, Result};
 
 use crate::conv::Kind;
+use crate::conv_generated::Pixels;
 use crate::conv_modules::ConvKernel;
 use crate::device::CudaDevice;
 
@@ -108,14 +109,14 @@ struct WgmmaGeo {
     ktiles: i32,
 }
 
-/// Runs the convolution `kind` as the forward `fits` gave for it (`fwd`) on the operands at `a`
-/// and `b` (the prim's inputs in its order, contiguous channels-last: x and w, or dy and w) into
-/// `out`.
+/// Runs the convolution `kind` as the forward `fits` gave for it (`fwd`) on the operands `a` and
+/// `b` (the prim's inputs in its order, channels-last: x and w, or dy and w; the filter packed,
+/// the other's pixels where `a` says) into `out`.
 pub(crate) fn launch(
     dev: &Arc<CudaDevice>,
     kind: Kind,
     (p, [x, w, y]): Forward,
-    a: u64,
+    a: Pixels,
     b: u64,
     out: u64,
 ) -> Result<()> {
@@ -135,7 +136,7 @@ pub(crate) fn launch(
         _ => None,
     };
     let filter = flipped.as_ref().map_or(b, |f| f.ptr);
-    let xmap = crate::tensor_maps::im2col(dev, &p, x, w, a, BM)?;
+    let xmap = crate::tensor_maps::im2col(dev, &p, x, w, a.ptr, a.row(x[1]), BM)?;
     // the filter (KRSC) in boxes of BK channels of `bn` output channels at one tap
     let [k, c, r, s] = w.map(|d| d as u64);
     let boxes = [BK as u32, 1, 1, spec.bn as u32];

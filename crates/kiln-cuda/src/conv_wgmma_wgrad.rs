@@ -16,6 +16,7 @@ use std::sync::Arc;
 use kiln_core::prim::ConvParams;
 use kiln_core::{DType, Result};
 
+use crate::conv_generated::Pixels;
 use crate::conv_modules::{ConvKernel, SPLIT_SUM};
 use crate::conv_wgmma::{hopper_module, launch_with_maps, wgmma_tile, OperandA, HOPPER_TMA};
 use crate::device::CudaDevice;
@@ -86,15 +87,15 @@ pub(crate) fn fits(
         && crate::tensor_maps::im2col_fits(p, w)
 }
 
-/// Runs the weight gradient of `p` (`x`, `w`, `y` in NCHW order) on dy at `dyp` and x at `xp`
-/// (contiguous channels-last, the prim's inputs in its order) into `out` (KRSC), where `fits`
+/// Runs the weight gradient of `p` (`x`, `w`, `y` in NCHW order) on dy and x (channels-last,
+/// the prim's inputs in its order, their pixels where they say) into `out` (KRSC), where `fits`
 /// said it fits.
 pub(crate) fn launch(
     dev: &Arc<CudaDevice>,
     p: &ConvParams,
     [x, w, y]: [[usize; 4]; 3],
-    dyp: u64,
-    xp: u64,
+    dy: Pixels,
+    xs: Pixels,
     out: u64,
 ) -> Result<()> {
     let i = |v: usize| v as i32;
@@ -108,10 +109,11 @@ pub(crate) fn launch(
     let total = k * c * taps;
     let target = WAVES * dev.sm_count as usize * loaded.resident;
     let (splits, chunk) = split(m.div_ceil(BK), blocks, target, total);
-    let xmap = crate::tensor_maps::im2col(dev, p, x, w, xp, BK)?;
+    let xmap = crate::tensor_maps::im2col(dev, p, x, w, xs.ptr, xs.row(c), BK)?;
     // dy as [M][K]: boxes of 32 output channels of BK pixels
-    let dymap =
-        crate::tensor_maps::tiled(dev, dyp, [k as u64, m as u64], [CHANNELS as u32, BK as u32])?;
+    let dims = [k as u64, m as u64];
+    let boxes = [CHANNELS as u32, BK as u32];
+    let dymap = crate::tensor_maps::matrix(dev, dy.ptr, dims, dy.row(k), boxes)?;
     let g = WgradGeo {
         c: i(c),
         k: i(k),

@@ -45,7 +45,9 @@ pub use conv::{
     set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
 pub use conv_choice::conv_engine_choices;
-pub use conv_generated::{generated_conv, generated_convs, hopper_convs, set_generated_conv};
+pub use conv_generated::{
+    generated_conv, generated_convs, hopper_convs, set_generated_conv, slices_read_in_place,
+};
 pub use conv_graph::cudnn_plans_timed;
 pub use conv_plan_cache::cudnn_plan_disk_hits;
 pub use event::Event;

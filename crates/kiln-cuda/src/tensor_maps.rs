@@ -25,8 +25,10 @@ pub(crate) fn im2col_fits(p: &ConvParams, w: [usize; 4]) -> bool {
     })
 }
 
-/// The input `x` (NCHW order of a channels-last tensor at `xp`) as the im2col map walks it for
-/// filter `w` under `p`: dims (C, W, H, N) innermost first; each copy takes CHANNELS channels of
+/// The input `x` (NCHW order of a channels-last tensor at `xp`, its pixels `row` elements apart:
+/// its channel count when packed, more for a channel slice of a wider tensor) as the im2col map
+/// walks it for filter `w` under `p`: dims (C, W, H, N) innermost first; each copy takes CHANNELS
+/// channels of
 /// `pixels` output pixels' window corners, which step by the stride through the box from
 /// (-padding) to (padding - reach) on each side, so one walk covers P x Q pixels per image and
 /// goes on into the next image; past the last one, and in the padding, it reads zeros.
@@ -36,11 +38,13 @@ pub(crate) fn im2col(
     x: [usize; 4],
     w: [usize; 4],
     xp: u64,
+    row: usize,
     pixels: usize,
 ) -> Result<sys::CUtensorMap> {
     let [n, c, h, wd] = x.map(|d| d as u64);
+    let row = row as u64;
     let dims = [c, wd, h, n];
-    let strides = [c * 4, wd * c * 4, h * wd * c * 4];
+    let strides = [row * 4, wd * row * 4, h * wd * row * 4];
     let reach = |i: usize| ((w[2 + i] - 1) * p.dilation[i]) as i32;
     let (ph, pw) = (p.padding[0] as i32, p.padding[1] as i32);
     let lower = [-pw, -ph];
@@ -90,6 +94,30 @@ pub(crate) fn tiled<const RANK: usize>(
         stride *= dims[i - 1];
         strides[i - 1] = stride;
     }
+    strided(dev, ptr, dims, strides, boxes)
+}
+
+/// A matrix of `dims[1]` rows of `dims[0]` f32 at `ptr`, its rows `row` elements apart (`row` at
+/// least `dims[0]`, a multiple of 4), in boxes of `boxes` (the innermost CHANNELS at most).
+pub(crate) fn matrix(
+    dev: &CudaDevice,
+    ptr: u64,
+    dims: [u64; 2],
+    row: usize,
+    boxes: [u32; 2],
+) -> Result<sys::CUtensorMap> {
+    strided(dev, ptr, dims, [row as u64 * 4, 0], boxes)
+}
+
+/// `tiled` and `matrix`: the map of an f32 tensor at `ptr` with `dims` (innermost first) whose
+/// dims past the first lie `strides` bytes apart (the first RANK - 1 entries).
+fn strided<const RANK: usize>(
+    dev: &CudaDevice,
+    ptr: u64,
+    dims: [u64; RANK],
+    strides: [u64; RANK],
+    boxes: [u32; RANK],
+) -> Result<sys::CUtensorMap> {
     let steps = [1u32; RANK];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     use sys::*;

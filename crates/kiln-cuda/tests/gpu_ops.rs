@@ -916,6 +916,10 @@ fn main() {
             gpu::conv::generated_channels_last,
         ),
         (
+            "conv_generated_channel_slices",
+            gpu::conv::generated_channel_slices,
+        ),
+        (
             "module_to_cuda_and_back",
             gpu::modules::module_to_cuda_and_back,
         ),

@@ -378,3 +378,98 @@ pub fn generated_channels_last() -> Outcome {
     }
     Ok(())
 }
+
+/// A channel slice of a wider channels-last tensor (a dense layer's new features within the
+/// gradient of the concatenations they joined) is read in place by the generated kernels that
+/// walk their operands through tensor maps: the forward's input, the data gradient's output
+/// gradient and both operands of the weight gradient give the bits a packed copy gives. On
+/// compute capability 9.0 the four are read in place (`slices_read_in_place`); elsewhere the
+/// mma.sync kernels take packed copies, with the same check of the bits.
+pub fn generated_channel_slices() -> Outcome {
+    use kiln_core::dispatch::apply;
+    use kiln_core::prim::Prim;
+    let e = |x: kiln_core::Error| x.to_string();
+    // (n, h, w), the wide tensor's channels, the slice's first channel and channels, the
+    // filter's other channels, its size: a 3x3 at an offset of 8 channels, then a 1x1 whose
+    // 36 channels cut a channel block short
+    let cases = [
+        ([2usize, 6, 5], 100usize, 8usize, 32usize, 16usize, 3usize),
+        ([3, 4, 7], 72, 4, 36, 8, 1),
+    ];
+    kiln_cuda::set_cudnn_allow_tf32(true);
+    kiln_cuda::set_generated_conv(true);
+    let before = kiln_cuda::slices_read_in_place();
+    let run = || -> Outcome {
+        for (i, &([n, h, w], wide_c, start, c, other, k)) in cases.iter().enumerate() {
+            let what = format!("channel slice case {i}");
+            let mut rng = Rng::new(4100 + i as u64);
+            let params = ConvParams {
+                stride: [1, 1],
+                padding: [k / 2, k / 2],
+                dilation: [1, 1],
+                groups: 1,
+                channels_last: true,
+            };
+            let wide = |rng: &mut Rng| -> Result<Tensor> {
+                input(rng, &[n, h, w, wide_c], -1.0, 1.0, false)?.to(CUDA)
+            };
+            let slice = wide(&mut rng).map_err(e)?.narrow(3, start, c).map_err(e)?;
+            if slice.is_contiguous() {
+                return Err(format!("{what}: the slice is contiguous"));
+            }
+            let packed = slice.contiguous().map_err(e)?;
+            // filters in channels-last order (K, R, S, C): the slice as the forward's input,
+            // then as the data gradient's output gradient
+            let w_in = input(&mut rng, &[other, k, k, c], -0.5, 0.5, false)
+                .and_then(|t| t.to(CUDA))
+                .map_err(e)?;
+            let w_out = input(&mut rng, &[c, k, k, other], -0.5, 0.5, false)
+                .and_then(|t| t.to(CUDA))
+                .map_err(e)?;
+            let x2 = wide(&mut rng).map_err(e)?.narrow(3, start, c).map_err(e)?;
+            let x2_packed = x2.contiguous().map_err(e)?;
+            let prims = [
+                Prim::Conv2d(params),
+                Prim::Conv2dGradInput {
+                    params,
+                    input_shape: [n, h, w, other],
+                },
+                Prim::Conv2dGradWeight {
+                    params,
+                    weight_shape: [c, k, k, c],
+                },
+            ];
+            let operands: [[&Tensor; 4]; 3] = [
+                [&slice, &w_in, &packed, &w_in],
+                [&slice, &w_out, &packed, &w_out],
+                [&slice, &x2, &packed, &x2_packed],
+            ];
+            for (prim, [a, b, pa, pb]) in prims.iter().zip(operands) {
+                let bits = |x: &Tensor, y: &Tensor| -> Result<Vec<f32>> {
+                    apply(prim.clone(), &[x, y])?.to_vec::<f32>()
+                };
+                let (sliced, packed) = (bits(a, b).map_err(e)?, bits(pa, pb).map_err(e)?);
+                if sliced != packed {
+                    return Err(format!(
+                        "{what}: {} differs from a packed copy's",
+                        prim.name()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    };
+    let r = run();
+    kiln_cuda::set_cudnn_allow_tf32(false);
+    kiln_cuda::set_generated_conv(false);
+    r?;
+    let read = kiln_cuda::slices_read_in_place() - before;
+    let want = match kiln_cuda::compute_capability(CUDA).map_err(e)? {
+        (9, 0) => 4 * cases.len(),
+        _ => 0,
+    };
+    if read != want {
+        return Err(format!("{read} slices read in place, want {want}"));
+    }
+    Ok(())
+}

@@ -11,6 +11,7 @@ use kiln_compile::graph::{Graph, NodeId};
 use super::builder::ty;
 use super::c::{reduce_accumulator, reduction_parts, split_index, Accumulator, ReductionParts};
 use super::cuda::{finish, parameters, Cuda, CudaKernel};
+use super::cuda_rows::UNROLL;
 use crate::schedule::Schedule;
 use crate::split_reduction::is_outer;
 
@@ -158,10 +159,12 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
         // the kept variables of a row past the end are computed but never used to load or store
         split_index(&mut text, "row", &kept, "    ", "rem_row");
         text.push_str(&declare("    "));
+        // unrolled: the block is one of few on its multiprocessor, and a rolled walk waited a
+        // round trip to memory for each position (`cuda_rows::UNROLL`)
         let _ = writeln!(
             text,
-            "    if (row < {rows}) {{\n      for (long long r = w * {depth} + lane / {cols}; r < \
-             {red}; r += {}) {{",
+            "    if (row < {rows}) {{\n      {UNROLL}\n      for (long long r = w * {depth} + \
+             lane / {cols}; r < {red}; r += {}) {{",
             warps * depth
         );
         split_index(&mut text, "r", &reduced, "        ", "rem");
@@ -293,6 +296,41 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::{plan_graph, Planned};
+    use crate::test_graphs::{input, push};
+    use kiln_compile::graph::Op;
+    use kiln_core::prim::{Prim, ReduceOp};
+
+    /// A column reduction's block walks its reduced positions unrolled, so that a thread has
+    /// several loads in flight: its blocks are few per multiprocessor, too few to hide the
+    /// round trips of a rolled walk.
+    #[test]
+    fn column_reductions_unroll_their_walk() {
+        let mut g = Graph::default();
+        let m = input(&mut g, &[512, 100]);
+        let sum = Op::Prim(Prim::Reduce {
+            op: ReduceOp::Sum,
+            dims: vec![0],
+        });
+        let s = push(&mut g, sum, vec![m], &[1, 100]);
+        g.outputs.push(s);
+        let kernels: Vec<String> = plan_graph(&Cuda::new(132), &g)
+            .into_iter()
+            .filter_map(|p| match p {
+                Planned::Kernel { kernel, .. } => Some(kernel.source),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kernels.len(), 1);
+        let src = &kernels[0];
+        assert!(src.contains("col_acc"), "not a column reduction:\n{src}");
+        let walk = src
+            .find(" r = w * ")
+            .and_then(|i| src[..i].rfind("for ("))
+            .expect("the reduced walk");
+        let unroll = src[..walk].rfind(UNROLL).expect("an unroll pragma");
+        assert!(src[unroll..walk].trim() == UNROLL, "{src}");
+    }
 
     #[test]
     fn column_reductions_take_fewer_rows_a_block_where_blocks_are_few() {

@@ -27,7 +27,7 @@ use crate::schedule::Schedule;
 /// A thread's walk over its row issues the loads of this many elements before it adds the
 /// first: rolled, each iteration waited a round trip to memory for one element, since the
 /// accumulation chains the iterations and the trip count depends on the thread.
-const UNROLL: &str = "#pragma unroll 8";
+pub(super) const UNROLL: &str = "#pragma unroll 8";
 
 /// Most elements of a row a thread keeps in registers (`ROW_CACHE`): layer norm over 768
 /// features on a warp keeps 24, softmax over 128 positions 4.
