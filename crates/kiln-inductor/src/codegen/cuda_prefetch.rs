@@ -16,8 +16,15 @@
 //! of those on kiln's generated kernels). The compile's loads wait for the units only
 //! (`wait_units`); the convolutions' warm-up, whose module loads would take turns with these,
 //! waits for everything (`wait`).
+//!
+//! Staged: a compile of several graphs (a training step's forward and backward) remembers its
+//! first graph's units apart (`GRAPH_END`). The next start loads them first, then readies the
+//! forward convolutions, then loads the rest and readies the other convolutions; its compile
+//! waits for nothing (`staged`): its kernels resolve at their first launch, the first graph's
+//! after the first stage (`wait_first`), the others' after all units (`cuda_pending.rs`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use kiln_compile::prefetch::Manifest;
@@ -34,11 +41,19 @@ pub fn enabled() -> bool {
 
 /// Prefetch threads still loading, counted, for `wait` and `wait_units` (which several threads
 /// may call).
-static RUNNING: Mutex<Running> = Mutex::new(Running { units: 0, all: 0 });
+static RUNNING: Mutex<Running> = Mutex::new(Running {
+    first: 0,
+    units: 0,
+    all: 0,
+});
 static FINISHED: Condvar = Condvar::new();
+/// Whether a prefetch of this process loads in stages (`staged`).
+static STAGED: AtomicBool = AtomicBool::new(false);
 
-/// Prefetch threads still loading units, and still running at all (units or convolutions).
+/// Prefetch threads still in their first stage (the first graph's units and the forward
+/// convolutions), still loading units, and still running at all (units or convolutions).
 struct Running {
+    first: usize,
     units: usize,
     all: usize,
 }
@@ -58,6 +73,10 @@ impl Drop for Phase {
         *(self.0)(&mut RUNNING.lock().unwrap_or_else(|e| e.into_inner())) -= 1;
         FINISHED.notify_all();
     }
+}
+
+fn first_phase(r: &mut Running) -> &mut usize {
+    &mut r.first
 }
 
 fn units_phase(r: &mut Running) -> &mut usize {
@@ -152,34 +171,81 @@ pub(crate) fn start(ctx: &BackendContext, args: &[Tensor]) {
 }
 
 fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests) {
-    let units = manifest.units.read().map(|t| parse(&t)).unwrap_or_default();
+    let (first, rest) = manifest.units.read().map(|t| parse(&t)).unwrap_or_default();
     let convs = manifest.convs.read().unwrap_or_default();
-    if units.is_empty() && convs.is_empty() {
+    if first.is_empty() && rest.is_empty() && convs.is_empty() {
         return;
     }
+    let staged = !rest.is_empty();
+    if staged {
+        STAGED.store(true, Ordering::Relaxed);
+    }
     // counted here, so a `wait` right after this returns finds them
-    let (all, loading) = (Phase::start(all_phases), Phase::start(units_phase));
+    let phases = (
+        Phase::start(all_phases),
+        Phase::start(units_phase),
+        Phase::start(first_phase),
+    );
     let _ = std::thread::Builder::new()
         .name("kiln-prefetch".into())
         .spawn(move || {
-            let _all = all;
+            let (_all, loading, first_stage) = phases;
+            let mut convs = conv_warmup::decode(convs.lines(), device);
             {
                 let _loading = loading;
-                let _span = profiler::span(profiler::Category::Compile, || {
-                    format!("inductor: {} units prefetched", units.len()).into()
-                });
-                // best effort: what fails here is loaded (or reported) by the compile itself
-                let _ = rt.prefetch_units(device, &units);
+                {
+                    let _first_stage = first_stage;
+                    load_units(rt.as_ref(), device, &first, staged);
+                    if staged {
+                        // the forward's convolutions before the other graphs' units
+                        let (forward, others): (Vec<_>, Vec<_>) =
+                            convs.into_iter().partition(|c| c.is_forward());
+                        ready(rt.as_ref(), &forward);
+                        convs = others;
+                    }
+                }
+                load_units(rt.as_ref(), device, &rest, staged);
             }
-            let convs = conv_warmup::decode(convs.lines(), device);
-            if !convs.is_empty() {
-                let _span = profiler::span(profiler::Category::Compile, || {
-                    format!("inductor: {} convolutions readied ahead", convs.len()).into()
-                });
-                conv_warmup::prepare(rt.as_ref(), &convs);
-            }
+            ready(rt.as_ref(), &convs);
         });
     // a thread that did not start dropped its phases with its closure
+}
+
+/// The prefetch thread's loads of `units`; best effort: what fails here is loaded (or
+/// reported) by the compile itself.
+fn load_units(rt: &dyn DeviceRuntime, device: Device, units: &UnitIds, staged: bool) {
+    if units.is_empty() {
+        return;
+    }
+    let _span = profiler::span(profiler::Category::Compile, || {
+        let stage = if staged { " (a stage)" } else { "" };
+        format!("inductor: {} units prefetched{stage}", units.len()).into()
+    });
+    let _ = rt.prefetch_units(device, units);
+}
+
+/// The prefetch thread's readying of `convs`.
+fn ready(rt: &dyn DeviceRuntime, convs: &[conv_warmup::Conv]) {
+    if convs.is_empty() {
+        return;
+    }
+    let _span = profiler::span(profiler::Category::Compile, || {
+        format!("inductor: {} convolutions readied ahead", convs.len()).into()
+    });
+    conv_warmup::prepare(rt, convs);
+}
+
+/// Whether a prefetch of this process loads in stages (its manifest remembered a first graph's
+/// units apart): a compile then waits for nothing, its kernels resolving at their first launch
+/// (`cuda_pending.rs`), and its convolution warm-up readies the first graph's alone.
+pub(crate) fn staged() -> bool {
+    STAGED.load(Ordering::Relaxed)
+}
+
+/// Waits until every prefetch started so far has passed its first stage: the first graph's
+/// units loaded and the forward convolutions readied.
+pub(crate) fn wait_first() {
+    wait_for(first_phase);
 }
 
 /// Waits until every prefetch started so far has ended, its convolutions readied: before the
@@ -203,18 +269,32 @@ fn wait_for(count: fn(&mut Running) -> &mut usize) {
 }
 
 /// Remembers `units` (source, kernel names), loaded on `device`, in `manifest`, with the units
-/// this process remembered there before.
+/// this process remembered there before: those of the compile's first graph (`first`) first,
+/// then, where a compile had several graphs, `GRAPH_END` and the others'.
 pub(crate) fn remember(
     manifest: &Manifest,
     rt: &Arc<dyn DeviceRuntime>,
     device: Device,
     units: &[(String, Vec<String>)],
+    first: &[bool],
 ) {
-    let lines = units
-        .iter()
-        .filter_map(|(src, names)| Some(unit_line(&rt.unit_id(device, src)?, names)));
-    remember_lines(manifest, lines);
+    let line =
+        |(src, names): &(String, Vec<String>)| Some(unit_line(&rt.unit_id(device, src)?, names));
+    let of = |want: bool| {
+        let line = &line;
+        units
+            .iter()
+            .zip(first)
+            .filter(move |(_, &f)| f == want)
+            .filter_map(move |(u, _)| line(u))
+    };
+    let others: Vec<String> = of(false).collect();
+    let end = (!others.is_empty()).then(|| GRAPH_END.to_string());
+    remember_lines(manifest, of(true).chain(end).chain(others));
 }
+
+/// The line of a units manifest that ends the first graph's units.
+const GRAPH_END: &str = "-";
 
 /// Remembers `convs` (`conv_warmup::encode`'s lines) in `manifest`, with the convolutions this
 /// process remembered there before.
@@ -236,14 +316,25 @@ fn unit_line(id: &str, names: &[String]) -> String {
     format!("{id}\t{}", names.join(" "))
 }
 
-fn parse(text: &str) -> UnitIds {
-    text.lines()
-        .filter_map(|line| {
-            let (id, names) = line.split_once('\t')?;
-            let names: Vec<String> = names.split_whitespace().map(str::to_string).collect();
-            (!id.is_empty() && !names.is_empty()).then(|| (id.to_string(), names))
-        })
-        .collect()
+/// A units manifest's units: the first graph's, and the others' (after `GRAPH_END`; none
+/// where the manifest has no such line).
+fn parse(text: &str) -> (UnitIds, UnitIds) {
+    let (mut first, mut rest) = (UnitIds::new(), UnitIds::new());
+    let mut group = &mut first;
+    for line in text.lines() {
+        if line == GRAPH_END {
+            group = &mut rest;
+            continue;
+        }
+        let Some((id, names)) = line.split_once('\t') else {
+            continue;
+        };
+        let names: Vec<String> = names.split_whitespace().map(str::to_string).collect();
+        if !id.is_empty() && !names.is_empty() {
+            group.push((id.to_string(), names));
+        }
+    }
+    (first, rest)
 }
 
 #[cfg(test)]
@@ -266,12 +357,14 @@ mod tests {
             &rt,
             device,
             &[unit("src a", &["a0", "a1"]), unit("src b", &["b0"])],
+            &[true, true],
         );
         remember(
             &path.units,
             &rt,
             device,
             &[unit("src b", &["b0"]), unit("src c", &["c0"])],
+            &[true, true],
         );
         let conv = |n: usize| conv_warmup::Conv::of(&[&[n, 8, 8, 16], &[32, 3, 3, 16]], device);
         remember_convs(&path.convs, conv_warmup::encode(&[conv(1), conv(2)]));
@@ -317,10 +410,62 @@ mod tests {
             .iter()
             .map(|(id, names)| unit_line(id, names) + "\n")
             .collect();
-        assert_eq!(parse(&text), units);
+        assert_eq!(parse(&text), (units.clone(), vec![]));
         // damaged lines are skipped, the rest kept
         let text = "aa11 bb22\tk_1 kl_2\nno tab here\n\tk_9\ncc33 dd44\t\ncc33 dd44\tk_3\n";
-        assert_eq!(parse(text), units);
+        assert_eq!(parse(text), (units.clone(), vec![]));
+        // the first graph's units, then the others'
+        let text = format!("aa11 bb22\tk_1 kl_2\n{GRAPH_END}\ncc33 dd44\tk_3\n");
+        assert_eq!(parse(&text), (units[..1].to_vec(), units[1..].to_vec()));
+        let text = format!("{GRAPH_END}\ncc33 dd44\tk_3\n");
+        assert_eq!(parse(&text), (vec![], units[1..].to_vec()));
+    }
+
+    /// A compile of several graphs remembers its first graph's units apart; the next start
+    /// loads them first, readies the forward convolutions, then loads the other units and
+    /// readies the gradients' convolutions, and says it is staged. Its first stage ends before
+    /// the rest is loaded (`wait_first`).
+    #[test]
+    fn a_staged_prefetch_loads_the_first_graph_and_its_convolutions_first() {
+        let dir = std::env::temp_dir().join(format!("kiln-staged-{}", std::process::id()));
+        let path = manifest_under(&dir, "DenseNet", "default", "H200");
+        let runtime = Arc::new(Units::default());
+        let rt: Arc<dyn DeviceRuntime> = runtime.clone();
+        let device = Device::Cuda(0);
+        let units = [
+            unit("src a", &["a0"]),
+            unit("src b", &["b0"]),
+            unit("src c", &["c0", "c1"]),
+        ];
+        remember(&path.units, &rt, device, &units, &[true, false, true]);
+        let forward = |n: usize| conv_warmup::Conv::of(&[&[n, 8, 8, 16], &[32, 3, 3, 16]], device);
+        let gradient =
+            conv_warmup::Conv::data_gradient_of(&[&[2, 8, 8, 32], &[32, 3, 3, 16]], device);
+        remember_convs(
+            &path.convs,
+            conv_warmup::encode(&[forward(1), gradient, forward(3)]),
+        );
+        start_from(rt.clone(), device, &path);
+        assert!(staged());
+        wait();
+        let got = runtime.prefetched.lock().unwrap().clone();
+        let want = vec![
+            unit("id:src a", &["a0"]),
+            unit("id:src c", &["c0", "c1"]),
+            unit("id:src b", &["b0"]),
+        ];
+        assert_eq!(got, want);
+        let readied: Vec<(usize, usize)> = runtime
+            .prepared
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(shapes, units)| (shapes[0][0], *units))
+            .collect();
+        // the forward convolutions once the first graph's two units are loaded, the gradient
+        // once all three are
+        assert_eq!(readied, vec![(1, 2), (3, 2), (2, 3)]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -37,6 +37,12 @@ pub(crate) struct Conv {
 }
 
 impl Conv {
+    /// Whether this is a forward convolution (not a gradient): what a training step's first
+    /// graph runs.
+    pub(crate) fn is_forward(&self) -> bool {
+        matches!(self.prim, Prim::Conv2d(_) | Prim::Conv2dEpilogue { .. })
+    }
+
     /// Readies this convolution on `rt` (its device's runtime) without running it: true where
     /// it runs on kiln's generated kernels, whose module is now loaded; false where a run is
     /// what readies it (cuDNN loads its kernels at their first run).
@@ -173,6 +179,27 @@ impl Conv {
                 groups: 1,
                 channels_last: true,
             }),
+            operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
+            device,
+        }
+    }
+
+    /// The data gradient of such a convolution, of operands `shapes` (the output gradient and
+    /// the filter, f32) into an input of the gradient's pixels and the filter's channels, on
+    /// `device`.
+    pub(crate) fn data_gradient_of(shapes: &[&[usize]], device: Device) -> Conv {
+        let [n, h, w, _] = [0, 1, 2, 3].map(|i| shapes[0][i]);
+        Conv {
+            prim: Prim::Conv2dGradInput {
+                params: kiln_core::prim::ConvParams {
+                    stride: [1, 1],
+                    padding: [1, 1],
+                    dilation: [1, 1],
+                    groups: 1,
+                    channels_last: true,
+                },
+                input_shape: [n, h, w, shapes[1][3]],
+            },
             operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
             device,
         }
