@@ -17,11 +17,13 @@
 //! (`wait_units`); the convolutions' warm-up, whose module loads would take turns with these,
 //! waits for everything (`wait`).
 //!
-//! Staged: a compile of several graphs (a training step's forward and backward) remembers its
-//! first graph's units apart (`GRAPH_END`). The next start loads them first, then readies the
-//! forward convolutions, then loads the rest and readies the other convolutions; its compile
-//! waits for nothing (`staged`): its kernels resolve at their first launch, the first graph's
-//! after the first stage (`wait_first`), the others' after all units (`cuda_pending.rs`).
+//! Staged (`KILN_PREFETCH_STAGED=1`; off by default, since no gain was shown: `staged_on`): a
+//! compile of several graphs (a training step's forward and backward) remembers its first
+//! graph's units apart (`GRAPH_END`). The next start loads them first, then readies the forward
+//! convolutions, then loads the rest and readies the other convolutions; its compile waits for
+//! nothing (`staged`): its kernels resolve at their first launch, the first graph's after the
+//! first stage (`wait_first`), the others' after all units (`cuda_pending.rs`). Unstaged, the
+//! same manifest's units all load first, then all its convolutions.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +39,15 @@ use crate::runtime::conv_warmup;
 /// Whether the prefetch is on (`KILN_PREFETCH_UNITS=0` turns it off).
 pub fn enabled() -> bool {
     std::env::var_os("KILN_PREFETCH_UNITS").map_or(true, |v| v != "0")
+}
+
+/// Whether a prefetch loads in stages (`KILN_PREFETCH_STAGED=1`; off by default). On the H200
+/// its first launch came at 12.3 ms instead of ~14.9, but the launches then took turns with the
+/// backward's module loads, and over two calls of 8 interleaved warm starts of DenseNet-121's
+/// training step the medians went 49.3 → 47.5 ms and 49.6 → 50.1 ms, with runs up to 67 ms:
+/// no gain shown (BENCHMARKS.md, twenty-fourth session).
+fn staged_on() -> bool {
+    std::env::var_os("KILN_PREFETCH_STAGED").is_some_and(|v| v == "1")
 }
 
 /// Prefetch threads still loading, counted, for `wait` and `wait_units` (which several threads
@@ -167,16 +178,22 @@ pub(crate) fn start(ctx: &BackendContext, args: &[Tensor]) {
     let Ok(rt) = runtime_for("prefetch", device) else {
         return;
     };
-    start_from(rt, device, &manifest);
+    start_from(rt, device, &manifest, staged_on());
 }
 
-fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests) {
-    let (first, rest) = manifest.units.read().map(|t| parse(&t)).unwrap_or_default();
+/// Starts the prefetch of `manifest`'s units and convolutions: in stages where `stages` allows
+/// it and the manifest remembered a first graph's units apart, else all units, then all
+/// convolutions.
+fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests, stages: bool) {
+    let (mut first, mut rest) = manifest.units.read().map(|t| parse(&t)).unwrap_or_default();
     let convs = manifest.convs.read().unwrap_or_default();
     if first.is_empty() && rest.is_empty() && convs.is_empty() {
         return;
     }
-    let staged = !rest.is_empty();
+    let staged = stages && !rest.is_empty();
+    if !staged {
+        first.append(&mut rest);
+    }
     if staged {
         STAGED.store(true, Ordering::Relaxed);
     }
@@ -369,7 +386,7 @@ mod tests {
         let conv = |n: usize| conv_warmup::Conv::of(&[&[n, 8, 8, 16], &[32, 3, 3, 16]], device);
         remember_convs(&path.convs, conv_warmup::encode(&[conv(1), conv(2)]));
         remember_convs(&path.convs, conv_warmup::encode(&[conv(2), conv(3)]));
-        start_from(rt.clone(), device, &path);
+        start_from(rt.clone(), device, &path, false);
         wait();
         let got = runtime.prefetched.lock().unwrap().clone();
         let want = vec![
@@ -391,6 +408,7 @@ mod tests {
             rt,
             device,
             &manifest_under(&dir, "ResNet", "default", "H200"),
+            false,
         );
         wait();
         assert_eq!(runtime.prefetched.lock().unwrap().len(), 3);
@@ -421,10 +439,10 @@ mod tests {
         assert_eq!(parse(&text), (vec![], units[1..].to_vec()));
     }
 
-    /// A compile of several graphs remembers its first graph's units apart; the next start
-    /// loads them first, readies the forward convolutions, then loads the other units and
-    /// readies the gradients' convolutions, and says it is staged. Its first stage ends before
-    /// the rest is loaded (`wait_first`).
+    /// A compile of several graphs remembers its first graph's units apart; the next start, in
+    /// stages, loads them first, readies the forward convolutions, then loads the other units
+    /// and readies the gradients' convolutions, and says it is staged. Unstaged, it loads the
+    /// units, then readies the convolutions, as a manifest without the split.
     #[test]
     fn a_staged_prefetch_loads_the_first_graph_and_its_convolutions_first() {
         let dir = std::env::temp_dir().join(format!("kiln-staged-{}", std::process::id()));
@@ -445,7 +463,7 @@ mod tests {
             &path.convs,
             conv_warmup::encode(&[forward(1), gradient, forward(3)]),
         );
-        start_from(rt.clone(), device, &path);
+        start_from(rt.clone(), device, &path, true);
         assert!(staged());
         wait();
         let got = runtime.prefetched.lock().unwrap().clone();
@@ -465,6 +483,20 @@ mod tests {
         // the forward convolutions once the first graph's two units are loaded, the gradient
         // once all three are
         assert_eq!(readied, vec![(1, 2), (3, 2), (2, 3)]);
+        // unstaged, the same manifest: every unit in its order, then every convolution
+        let runtime = Arc::new(Units::default());
+        let rt: Arc<dyn DeviceRuntime> = runtime.clone();
+        start_from(rt, device, &path, false);
+        wait();
+        assert_eq!(*runtime.prefetched.lock().unwrap(), want);
+        let readied: Vec<(usize, usize)> = runtime
+            .prepared
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(shapes, units)| (shapes[0][0], *units))
+            .collect();
+        assert_eq!(readied, vec![(1, 3), (2, 3), (3, 3)]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
