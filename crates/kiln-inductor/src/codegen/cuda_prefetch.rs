@@ -359,6 +359,15 @@ mod tests {
     use super::*;
     use crate::codegen::test_runtime::{unit, Units};
 
+    /// Each convolution `runtime` readied, by its batch size, with the units loaded by then.
+    fn readied(runtime: &Units) -> Vec<(usize, usize)> {
+        let prepared = runtime.prepared.lock().unwrap();
+        prepared
+            .iter()
+            .map(|(shapes, units)| (shapes[0][0], *units))
+            .collect()
+    }
+
     /// What one process's compiles remember (accumulated, each unit and each convolution once)
     /// is what the next process's trace start hands the runtime to load, ids and kernel names
     /// alike, then the convolutions to ready, once the units are loaded.
@@ -395,14 +404,7 @@ mod tests {
             unit("id:src c", &["c0"]),
         ];
         assert_eq!(got, want);
-        let readied: Vec<(usize, usize)> = runtime
-            .prepared
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(shapes, units)| (shapes[0][0], *units))
-            .collect();
-        assert_eq!(readied, vec![(1, 3), (2, 3), (3, 3)]);
+        assert_eq!(readied(&runtime), vec![(1, 3), (2, 3), (3, 3)]);
         // no manifest: nothing started
         start_from(
             rt,
@@ -473,30 +475,16 @@ mod tests {
             unit("id:src b", &["b0"]),
         ];
         assert_eq!(got, want);
-        let readied: Vec<(usize, usize)> = runtime
-            .prepared
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(shapes, units)| (shapes[0][0], *units))
-            .collect();
         // the forward convolutions once the first graph's two units are loaded, the gradient
         // once all three are
-        assert_eq!(readied, vec![(1, 2), (3, 2), (2, 3)]);
+        assert_eq!(readied(&runtime), vec![(1, 2), (3, 2), (2, 3)]);
         // unstaged, the same manifest: every unit in its order, then every convolution
         let runtime = Arc::new(Units::default());
         let rt: Arc<dyn DeviceRuntime> = runtime.clone();
         start_from(rt, device, &path, false);
         wait();
         assert_eq!(*runtime.prefetched.lock().unwrap(), want);
-        let readied: Vec<(usize, usize)> = runtime
-            .prepared
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(shapes, units)| (shapes[0][0], *units))
-            .collect();
-        assert_eq!(readied, vec![(1, 3), (2, 3), (3, 3)]);
+        assert_eq!(readied(&runtime), vec![(1, 3), (2, 3), (3, 3)]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
