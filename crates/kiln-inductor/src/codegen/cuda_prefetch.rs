@@ -207,7 +207,9 @@ fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests, 
         .name("kiln-prefetch".into())
         .spawn(move || {
             let (_all, loading, first_stage) = phases;
-            let mut convs = conv_warmup::decode(convs.lines(), device);
+            let decode = || conv_warmup::decode(convs.lines(), device);
+            // the convolutions readied after every unit
+            let mut later = None;
             {
                 let _loading = loading;
                 {
@@ -216,14 +218,14 @@ fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests, 
                     if staged {
                         // the forward's convolutions before the other graphs' units
                         let (forward, others): (Vec<_>, Vec<_>) =
-                            convs.into_iter().partition(|c| c.is_forward());
+                            decode().into_iter().partition(|c| c.is_forward());
                         ready(rt.as_ref(), &forward);
-                        convs = others;
+                        later = Some(others);
                     }
                 }
                 load_units(rt.as_ref(), device, &rest, staged);
             }
-            ready(rt.as_ref(), &convs);
+            ready(rt.as_ref(), &later.unwrap_or_else(decode));
         });
     // a thread that did not start dropped its phases with its closure
 }
