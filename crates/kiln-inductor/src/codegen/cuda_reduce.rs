@@ -115,11 +115,12 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
         b.body,
         each(&|a| format!("      {} = {};\n", a.reg, (a.a.step)(&a.reg, &a.a.value)))
     );
-    // each accumulator's warp partials combined by shuffles
-    let shuffle = |indent: &str| {
+    // each accumulator's warp partials combined by shuffles down to the lanes `until` leaves
+    // (`s > 0`: lane 0 alone)
+    let shuffle = |indent: &str, until: &str| {
         each(&|a| {
             format!(
-                "{indent}for (int s = 16; s > 0; s >>= 1) {{ {} other = \
+                "{indent}for (int s = 16; {until}; s >>= 1) {{ {} other = \
                  __shfl_down_sync(0xffffffffu, {r}, s); {r} = {}; }}\n",
                 a.a.acc_t,
                 (a.a.step)(&a.reg, "other"),
@@ -195,15 +196,7 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
             format!("        {} = {};\n", a.reg, (a.a.step)(&a.reg, &other))
         }));
         let _ = writeln!(text, "      }}");
-        text.push_str(&each(&|a| {
-            format!(
-                "      for (int s = 16; s >= {cols}; s >>= 1) {{ {} other = \
-                 __shfl_down_sync(0xffffffffu, {r}, s); {r} = {}; }}\n",
-                a.a.acc_t,
-                (a.a.step)(&a.reg, "other"),
-                r = a.reg
-            )
-        }));
+        text.push_str(&shuffle("      ", &format!("s >= {cols}")));
         text.push_str(&guarded(
             "      ",
             &format!("lane < {cols} && row < {rows}"),
@@ -265,7 +258,7 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
         );
         split_index(&mut text, "r", &reduced, "      ", "rem");
         let _ = writeln!(text, "{accumulate}    }}");
-        text.push_str(&shuffle("    "));
+        text.push_str(&shuffle("    ", "s > 0"));
         if per_block {
             text.push_str(&guarded("    ", &format!("{lane} == 0"), &store("      ")));
         } else {
@@ -282,7 +275,7 @@ pub(super) fn reduction(t: &Cuda, g: &Graph, sched: &Schedule, roots: &[NodeId])
                     a.a.init
                 )
             }));
-            text.push_str(&shuffle("      "));
+            text.push_str(&shuffle("      ", "s > 0"));
             text.push_str(&guarded("      ", "threadIdx.x == 0", &store("        ")));
             let _ = writeln!(text, "    }}\n    __syncthreads();");
         }
