@@ -292,11 +292,7 @@ pub(crate) fn run(
     let b = contiguous(dev, inputs[1])?;
     let generated = || {
         let aligned = alignment(&[a.ptr(), b.ptr(), out.ptr]) >= 16;
-        let packed = |o: &Operand| crate::conv_generated::Pixels {
-            ptr: o.ptr(),
-            slice_row: None,
-        };
-        let (pa, pb) = (packed(&a), packed(&b));
+        let (pa, pb) = (a.pixels(), b.pixels());
         crate::conv_generated::launch(dev, kind, p, [x, w, y], pa, pb, out.ptr, aligned)
     };
     // cuDNN from here on: probed at its first use (a process whose convolutions are all
