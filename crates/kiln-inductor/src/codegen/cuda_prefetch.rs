@@ -297,19 +297,17 @@ pub(crate) fn remember(
     units: &[(String, Vec<String>)],
     first: &[bool],
 ) {
-    let line =
-        |(src, names): &(String, Vec<String>)| Some(unit_line(&rt.unit_id(device, src)?, names));
-    let of = |want: bool| {
-        let line = &line;
-        units
-            .iter()
-            .zip(first)
-            .filter(move |(_, &f)| f == want)
-            .filter_map(move |(u, _)| line(u))
-    };
-    let others: Vec<String> = of(false).collect();
-    let end = (!others.is_empty()).then(|| GRAPH_END.to_string());
-    remember_lines(manifest, of(true).chain(end).chain(others));
+    let (mut lines, mut others) = (Vec::new(), Vec::new());
+    for ((src, names), &is_first) in units.iter().zip(first) {
+        if let Some(id) = rt.unit_id(device, src) {
+            let group = if is_first { &mut lines } else { &mut others };
+            group.push(unit_line(&id, names));
+        }
+    }
+    if !others.is_empty() {
+        lines.push(GRAPH_END.to_string());
+    }
+    remember_lines(manifest, lines.into_iter().chain(others));
 }
 
 /// The line of a units manifest that ends the first graph's units.
@@ -361,6 +359,28 @@ mod tests {
     use super::*;
     use crate::codegen::test_runtime::{unit, Units};
 
+    /// A cache folder of the test's own, removed when dropped.
+    struct Folder(std::path::PathBuf);
+
+    impl Folder {
+        fn new(tag: &str) -> Folder {
+            let name = format!("kiln-{tag}-{}", std::process::id());
+            Folder(std::env::temp_dir().join(name))
+        }
+    }
+
+    impl Drop for Folder {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// A runtime with no device, and the same as the trait object the prefetch takes.
+    fn no_device() -> (Arc<Units>, Arc<dyn DeviceRuntime>) {
+        let runtime = Arc::new(Units::default());
+        (runtime.clone(), runtime)
+    }
+
     /// Each convolution `runtime` readied, by its batch size, with the units loaded by then.
     fn readied(runtime: &Units) -> Vec<(usize, usize)> {
         let prepared = runtime.prepared.lock().unwrap();
@@ -375,10 +395,9 @@ mod tests {
     /// alike, then the convolutions to ready, once the units are loaded.
     #[test]
     fn remembered_units_are_prefetched_by_the_next_start() {
-        let dir = std::env::temp_dir().join(format!("kiln-prefetch-{}", std::process::id()));
-        let path = manifest_under(&dir, "DenseNet", "default", "H200");
-        let runtime = Arc::new(Units::default());
-        let rt: Arc<dyn DeviceRuntime> = runtime.clone();
+        let dir = Folder::new("prefetch");
+        let path = manifest_under(&dir.0, "DenseNet", "default", "H200");
+        let (runtime, rt) = no_device();
         let device = Device::Cuda(0);
         remember(
             &path.units,
@@ -411,12 +430,11 @@ mod tests {
         start_from(
             rt,
             device,
-            &manifest_under(&dir, "ResNet", "default", "H200"),
+            &manifest_under(&dir.0, "ResNet", "default", "H200"),
             false,
         );
         wait();
         assert_eq!(runtime.prefetched.lock().unwrap().len(), 3);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -449,10 +467,9 @@ mod tests {
     /// units, then readies the convolutions, as a manifest without the split.
     #[test]
     fn a_staged_prefetch_loads_the_first_graph_and_its_convolutions_first() {
-        let dir = std::env::temp_dir().join(format!("kiln-staged-{}", std::process::id()));
-        let path = manifest_under(&dir, "DenseNet", "default", "H200");
-        let runtime = Arc::new(Units::default());
-        let rt: Arc<dyn DeviceRuntime> = runtime.clone();
+        let dir = Folder::new("staged");
+        let path = manifest_under(&dir.0, "DenseNet", "default", "H200");
+        let (runtime, rt) = no_device();
         let device = Device::Cuda(0);
         let units = [
             unit("src a", &["a0"]),
@@ -481,13 +498,11 @@ mod tests {
         // once all three are
         assert_eq!(readied(&runtime), vec![(1, 2), (3, 2), (2, 3)]);
         // unstaged, the same manifest: every unit in its order, then every convolution
-        let runtime = Arc::new(Units::default());
-        let rt: Arc<dyn DeviceRuntime> = runtime.clone();
+        let (runtime, rt) = no_device();
         start_from(rt, device, &path, false);
         wait();
         assert_eq!(*runtime.prefetched.lock().unwrap(), want);
         assert_eq!(readied(&runtime), vec![(1, 3), (2, 3), (3, 3)]);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
