@@ -171,14 +171,24 @@ pub(crate) fn decode<'a>(lines: impl IntoIterator<Item = &'a str>, device: Devic
 impl Conv {
     /// A stride-1, padding-1 channels-last convolution of operands `shapes` (f32) on `device`.
     pub(crate) fn of(shapes: &[&[usize]], device: Device) -> Conv {
+        Conv::test(Prim::Conv2d(Conv::test_params()), shapes, device)
+    }
+
+    /// The geometry of `of`'s convolutions.
+    fn test_params() -> kiln_core::prim::ConvParams {
+        kiln_core::prim::ConvParams {
+            stride: [1, 1],
+            padding: [1, 1],
+            dilation: [1, 1],
+            groups: 1,
+            channels_last: true,
+        }
+    }
+
+    /// `prim` on f32 operands of `shapes` on `device`.
+    fn test(prim: Prim, shapes: &[&[usize]], device: Device) -> Conv {
         Conv {
-            prim: Prim::Conv2d(kiln_core::prim::ConvParams {
-                stride: [1, 1],
-                padding: [1, 1],
-                dilation: [1, 1],
-                groups: 1,
-                channels_last: true,
-            }),
+            prim,
             operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
             device,
         }
@@ -189,20 +199,11 @@ impl Conv {
     /// `device`.
     pub(crate) fn data_gradient_of(shapes: &[&[usize]], device: Device) -> Conv {
         let [n, h, w, _] = [0, 1, 2, 3].map(|i| shapes[0][i]);
-        Conv {
-            prim: Prim::Conv2dGradInput {
-                params: kiln_core::prim::ConvParams {
-                    stride: [1, 1],
-                    padding: [1, 1],
-                    dilation: [1, 1],
-                    groups: 1,
-                    channels_last: true,
-                },
-                input_shape: [n, h, w, shapes[1][3]],
-            },
-            operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
-            device,
-        }
+        let prim = Prim::Conv2dGradInput {
+            params: Conv::test_params(),
+            input_shape: [n, h, w, shapes[1][3]],
+        };
+        Conv::test(prim, shapes, device)
     }
 }
 
