@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kiln_core::device::MAX_KERNEL_PARAMS;
 
 use super::cuda_sizes::Resolved;
-use super::template::{split_text, with_params, HOLE};
+use super::template::{param_list, split_text, with_params, HOLE};
 
 /// Lines whose literals C reads as constant expressions: they key a group, never vary in it.
 const CONSTANT_CONTEXTS: [&str; 3] = ["__shared__", "#pragma", "__launch_bounds__"];
@@ -445,14 +445,10 @@ pub(crate) fn share_literals(resolved: &mut [Resolved], min_kernels: usize) {
     }
 }
 
-/// How many parameters a kernel's `__global__` definition takes (`NAME(...)`, no parentheses
-/// inside); 0 where its definition is not found.
+/// How many parameters a kernel's `__global__` definition takes; 0 where its definition is
+/// not found.
 fn param_count(r: &Resolved) -> usize {
-    let Some(open) = r.source.find(&format!("{}(", r.name)) else {
-        return 0;
-    };
-    let sig = &r.source[open + r.name.len() + 1..];
-    sig[..sig.find(')').unwrap_or(0)].split(',').count()
+    param_list(&r.source, &r.name).map_or(0, |at| r.source[at].split(',').count())
 }
 
 #[cfg(test)]

@@ -259,12 +259,18 @@ fn with_size_params(body: &str, num_syms: usize) -> String {
     with_params(body, "KNAME", &params, "").unwrap_or_else(|| body.to_string())
 }
 
+/// Where the parameters of the first `name(...)` in `body` lie: the bytes between its
+/// parentheses (a definition's parameters hold none: types and names only).
+pub(crate) fn param_list(body: &str, name: &str) -> Option<std::ops::Range<usize>> {
+    let open = body.find(&format!("{name}("))? + name.len() + 1;
+    Some(open..open + body[open..].find(')')?)
+}
+
 /// `body` with `params` after the last parameter of `name(...)`'s definition (its parameters
 /// hold no parentheses: types and names only) and `prologue` first in its body; `None` when
 /// `body` defines no `name(...) {`.
 pub(crate) fn with_params(body: &str, name: &str, params: &str, prologue: &str) -> Option<String> {
-    let open = body.find(&format!("{name}("))?;
-    let close = open + body[open..].find(')')?;
+    let close = param_list(body, name)?.end;
     let brace = close + body[close..].find('{')? + 1;
     Some(format!(
         "{}{params}{}{prologue}{}",
