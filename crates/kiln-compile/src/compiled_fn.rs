@@ -330,6 +330,8 @@ impl<'f> CompiledFn<'f> {
             mode != TraceMode::Probe && !std::mem::replace(&mut self.lock().announced, true);
         let end = match first {
             true => {
+                // before the backend's read-ahead threads start allocating
+                kiln_core::host_memory::tune_malloc();
                 self.backend.trace_starting(&ctx, args);
                 TraceEnd(Some((self.backend.clone(), ctx.clone())))
             }

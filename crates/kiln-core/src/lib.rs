@@ -13,6 +13,7 @@ pub mod dispatch;
 mod display;
 mod dtype;
 mod error;
+pub mod host_memory;
 pub mod intercept;
 pub mod ops;
 mod owned;

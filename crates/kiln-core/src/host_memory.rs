@@ -1,0 +1,99 @@
+//! glibc's malloc, set once for a compile's warm start (`tune_malloc`).
+//!
+//! A warm start traces the user's code on one thread while others read the compiled graphs and
+//! kernels ahead from the disk cache. Each of those threads allocates in an arena of its own,
+//! new to the process, and glibc grows such an arena a page at a time, one `mprotect` a page:
+//! decoding a training step's graphs took ~850 of them on three threads (strace, CPU warm start
+//! of DenseNet-121). Each takes the process's memory-map lock for writing, so every other
+//! thread's page faults (the trace's, the driver's module loads) wait for it. With the pad
+//! below, an arena grows 64 MiB at a time (24 `mprotect`s in that warm start), and
+//! DenseNet-121's training warm start on the H200 went from a median of 48.6 to 46.3 ms (8
+//! interleaved runs each; the slowest 49.9 → 47.0 ms), its driver work from 6.8 to 5.0 ms of
+//! module loads; on a busier host, the pad alone (`MALLOC_TOP_PAD_`) took the median from 59.1
+//! to 49.3 ms (BENCHMARKS.md). The pad is address space: pages never touched cost no memory.
+//!
+//! Setting the pad turns off glibc's dynamic mmap threshold, which otherwise rises (up to 32
+//! MiB) as large blocks are freed; it is set to that ceiling here, so blocks below 32 MiB keep
+//! coming from the arenas, as they would once the dynamic threshold had risen.
+//!
+//! Process-wide, so it is done once, and not at all where the user chose otherwise: with
+//! `MALLOC_TOP_PAD_` or `MALLOC_MMAP_THRESHOLD_` in the environment, or `KILN_MALLOC=0`.
+//! Elsewhere than glibc on Linux it does nothing.
+
+use std::sync::Once;
+
+/// The pad an arena grows by.
+pub const TOP_PAD: i32 = 64 << 20;
+/// Blocks from this size on are mapped on their own (glibc's dynamic threshold's ceiling).
+pub const MMAP_THRESHOLD: i32 = 32 << 20;
+
+/// Whether `tune_malloc` changes anything, given the environment: not when the user set glibc's
+/// own variables for these, or `KILN_MALLOC=0`.
+fn wanted(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> bool {
+    var("KILN_MALLOC").map_or(true, |v| v != "0")
+        && var("MALLOC_TOP_PAD_").is_none()
+        && var("MALLOC_MMAP_THRESHOLD_").is_none()
+}
+
+/// Sets glibc's top pad and mmap threshold (see the module's comment), once per process.
+pub fn tune_malloc() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if wanted(|k| std::env::var_os(k)) {
+            set();
+        }
+    });
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn set() {
+    // glibc's <malloc.h>
+    const M_TOP_PAD: i32 = -2;
+    const M_MMAP_THRESHOLD: i32 = -3;
+    extern "C" {
+        fn mallopt(param: i32, value: i32) -> i32;
+    }
+    // SAFETY: mallopt takes two ints and changes allocator parameters only; glibc serializes it
+    // with the arenas' locks
+    unsafe {
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+        mallopt(M_TOP_PAD, TOP_PAD);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn set() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The user's own settings, and `KILN_MALLOC=0`, leave malloc alone.
+    #[test]
+    fn only_where_the_user_set_nothing() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| {
+                pairs
+                    .iter()
+                    .find(|(name, _)| *name == k)
+                    .map(|(_, v)| std::ffi::OsString::from(v))
+            }
+        };
+        assert!(wanted(env(&[])));
+        assert!(wanted(env(&[("KILN_MALLOC", "1")])));
+        assert!(!wanted(env(&[("KILN_MALLOC", "0")])));
+        assert!(!wanted(env(&[("MALLOC_TOP_PAD_", "0")])));
+        assert!(!wanted(env(&[("MALLOC_MMAP_THRESHOLD_", "131072")])));
+    }
+
+    /// Tuning twice is tuning once, and allocations of every size still work after it.
+    #[test]
+    fn allocations_work_after_tuning() {
+        tune_malloc();
+        tune_malloc();
+        for size in [16usize, 4096, 200 << 10, 40 << 20] {
+            let v = vec![7u8; size];
+            assert_eq!(v.iter().map(|&b| b as usize).sum::<usize>(), 7 * size);
+        }
+    }
+}
