@@ -5,12 +5,17 @@
 //! new to the process, and glibc grows such an arena a page at a time, one `mprotect` a page:
 //! decoding a training step's graphs took ~850 of them on three threads (strace, CPU warm start
 //! of DenseNet-121). Each takes the process's memory-map lock for writing, so every other
-//! thread's page faults (the trace's, the driver's module loads) wait for it. With the pad
-//! below, an arena grows 64 MiB at a time (24 `mprotect`s in that warm start), and
-//! DenseNet-121's training warm start on the H200 went from a median of 48.6 to 46.3 ms (8
-//! interleaved runs each; the slowest 49.9 → 47.0 ms), its driver work from 6.8 to 5.0 ms of
-//! module loads; on a busier host, the pad alone (`MALLOC_TOP_PAD_`) took the median from 59.1
-//! to 49.3 ms (BENCHMARKS.md). The pad is address space: pages never touched cost no memory.
+//! thread's page faults (the trace's, the driver's module loads) wait for it. With a pad, an
+//! arena grows by the pad at a time: 21-22 `mprotect`s in that warm start with a pad of 8 or 64
+//! MiB (132 with 1 MiB). With 64 MiB, DenseNet-121's training warm start on the H200 went from a
+//! median of 48.6 to 46.3 ms and from 48.5 to 45.8 ms in two calls (8 interleaved runs each),
+//! its driver work from 6.8 to 5.0 ms of module loads; on a busier machine the pad alone
+//! (`MALLOC_TOP_PAD_`) took the median from 59.1 to 49.3 ms (BENCHMARKS.md).
+//!
+//! The pad is 8 MiB, not the 64 MiB measured on the GPU: an arena keeps up to a pad of memory it
+//! touched after its blocks are freed (eight threads that each allocated and freed 64 MiB in 1
+//! MiB blocks left 512 MB resident with a 64 MiB pad, 64 MB with 8 MiB, 1 MB without), and 8 MiB
+//! already grows each of a warm start's arenas in one step (the strace counts above).
 //!
 //! Setting the pad turns off glibc's dynamic mmap threshold, which otherwise rises (up to 32
 //! MiB) as large blocks are freed; it is set to that ceiling here, so blocks below 32 MiB keep
@@ -23,7 +28,7 @@
 use std::sync::Once;
 
 /// The pad an arena grows by.
-const TOP_PAD: i32 = 64 << 20;
+const TOP_PAD: i32 = 8 << 20;
 /// Blocks from this size on are mapped on their own (glibc's dynamic threshold's ceiling).
 const MMAP_THRESHOLD: i32 = 32 << 20;
 
@@ -89,8 +94,8 @@ mod tests {
     }
 
     /// With the settings, a thread's 2 MiB block comes from an arena grown by the pad (its
-    /// mapping in /proc/self/maps spans at least 32 MiB); without them glibc maps such a block
-    /// on its own (2 MiB and a page), or grows an arena by the block and 128 KiB.
+    /// mapping in /proc/self/maps spans at least the pad); without them glibc maps such a
+    /// block on its own (2 MiB and a page), or grows an arena by the block and 128 KiB.
     #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn a_thread_s_arena_grows_by_the_pad() {
@@ -101,7 +106,10 @@ mod tests {
         })
         .join()
         .unwrap();
-        assert!(span >= 32 << 20, "the block's mapping spans {span} bytes");
+        assert!(
+            span >= TOP_PAD as usize,
+            "the block's mapping spans {span} bytes"
+        );
     }
 
     /// The size of the mapping of this process that holds `address` (0 if none).
