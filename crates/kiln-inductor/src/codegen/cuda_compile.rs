@@ -119,7 +119,6 @@ pub fn compile_many(
             true => Some(spawn_warmup(
                 s,
                 || conv_warmup::distinct(graphs),
-                graphs.len(),
                 flags,
                 memo,
             )),
@@ -161,7 +160,7 @@ pub fn compile_many(
         if !early {
             let rewritten: Vec<&Graph> = sources.iter().map(Source::graph).collect();
             let convs = conv_warmup::distinct(&rewritten);
-            warmup = Some(spawn_warmup(s, || convs, graphs.len(), flags, memo));
+            warmup = Some(spawn_warmup(s, || convs, flags, memo));
         }
         let compiled = compile_graphs(
             &rt,
@@ -186,14 +185,10 @@ pub fn compile_many(
 /// The warm-up (`runtime/conv_warmup.rs`) of the convolutions `list` gives, on a thread of the
 /// scope `s`: listing them walks the graphs, work kept off the compile's own thread. The list
 /// is remembered for the function's next warm start (`memo`; not under max-autotune, whose
-/// convolutions are tuned by running), written on a thread of its own. A staged prefetch
-/// (`staged`) of a compile of `graphs` graphs, several, readies the forward convolutions in its
-/// first stage and the others later: the warm-up waits for that stage and takes the forward
-/// ones alone, so that the first launch waits for no module of the backward's.
+/// convolutions are tuned by running), written on a thread of its own.
 fn spawn_warmup<'scope>(
     s: &'scope std::thread::Scope<'scope, '_>,
     list: impl FnOnce() -> Vec<conv_warmup::Conv> + Send + 'scope,
-    graphs: usize,
     flags: CudaFlags,
     memo: &Memo,
 ) -> std::thread::ScopedJoinHandle<'scope, Result<()>> {
@@ -208,12 +203,6 @@ fn spawn_warmup<'scope>(
             super::cuda_prefetch::off_the_path(move || {
                 super::cuda_prefetch::remember_convs(&manifest, lines)
             });
-        }
-        if staged(flags) && graphs > 1 {
-            super::cuda_prefetch::wait_first();
-            let forward: Vec<conv_warmup::Conv> =
-                convs.into_iter().filter(|c| c.is_forward()).collect();
-            return conv_warmup::run(&forward, flags.autotune);
         }
         // after the units' prefetch: its module loads and the warm-up's would take turns
         super::cuda_prefetch::wait();
@@ -286,20 +275,13 @@ fn compile_graphs(
             .into_iter()
             .collect::<Result<Vec<_>>>()?,
     };
-    // the sources are only built: moved out, not copied; each with whether it is the first
-    // graph's (what a training step's forward runs)
-    let mut all_units: Vec<((String, Vec<String>), bool)> = prepared
+    // the sources are only built: moved out, not copied
+    let mut all_units: Vec<(String, Vec<String>)> = prepared
         .iter_mut()
-        .enumerate()
-        .flat_map(|(i, p)| {
-            let units = std::mem::take(&mut p.plan.units);
-            units.into_iter().map(move |u| (u, i == 0))
-        })
+        .flat_map(|p| std::mem::take(&mut p.plan.units))
         .collect();
     // the threads take units in order: the largest first, so none is left for the end alone
-    all_units.sort_by_key(|((src, _), _)| std::cmp::Reverse(src.len()));
-    let (all_units, first): (Vec<_>, Vec<bool>) = all_units.into_iter().unzip();
-    let all_units = Arc::new(all_units);
+    all_units.sort_by_key(|(src, _)| std::cmp::Reverse(src.len()));
     let loaded = {
         let _span = profiler::span(profiler::Category::Compile, || {
             format!(
@@ -309,17 +291,13 @@ fn compile_graphs(
             )
             .into()
         });
-        match staged(flags) {
-            // resolved at their first launches, after the prefetch's stage that loads them
-            true => super::cuda_pending::kernels(rt, device, &all_units, &first),
-            false => cuda_units::load(rt, device, &all_units)?,
-        }
+        cuda_units::load(rt, device, &all_units)?
     };
     if let Some(manifest) = manifest {
         // off the first launch's path: the units' ids hash every source
-        let (manifest, rt, all_units) = (manifest.clone(), rt.clone(), all_units.clone());
+        let (manifest, rt) = (manifest.clone(), rt.clone());
         super::cuda_prefetch::off_the_path(move || {
-            super::cuda_prefetch::remember(&manifest, &rt, device, &all_units, &first)
+            super::cuda_prefetch::remember(&manifest, &rt, device, &all_units)
         });
     }
     // each graph's executor made side by side: a training step's two lie between the units'
@@ -330,13 +308,6 @@ fn compile_graphs(
     crate::parallel::map_threads(prepared, |p| finish(p, &loaded, device, device_key, &flags))
         .into_iter()
         .collect()
-}
-
-/// Whether a compile under `flags` takes its kernels from a staged prefetch
-/// (`cuda_prefetch::staged`) unresolved. Not where launches are recorded into a CUDA graph or
-/// timed at their first run (reduce-overhead, max-autotune): a unit is loaded before those.
-fn staged(flags: CudaFlags) -> bool {
-    !flags.cuda_graphs && !flags.autotune && super::cuda_prefetch::staged()
 }
 
 /// Plans `graph` (rewritten for the code generators) and generates its kernels as translation

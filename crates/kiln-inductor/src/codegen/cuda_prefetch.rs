@@ -17,16 +17,12 @@
 //! (`wait_units`); the convolutions' warm-up, whose module loads would take turns with these,
 //! waits for everything (`wait`).
 //!
-//! Staged (`KILN_PREFETCH_STAGED=1`; off by default, since no gain was shown: `staged_on`): a
-//! compile of several graphs (a training step's forward and backward) remembers its first
-//! graph's units apart (`GRAPH_END`). The next start loads them first, then readies the forward
-//! convolutions, then loads the rest and readies the other convolutions; its compile waits for
-//! nothing (`staged`): its kernels resolve at their first launch, the first graph's after the
-//! first stage (`wait_first`), the others' after all units (`cuda_pending.rs`). Unstaged, the
-//! same manifest's units all load first, then all its convolutions.
+//! Everything is loaded before the first launch: the driver's module loads and function lookups
+//! beside a running step stall it (a lookup at a kernel's first launch took up to 13 ms on the
+//! H200), and a prefetch in stages, the forward's units first and the backward's beside the
+//! forward's launches, showed no gain (BENCHMARKS.md, twenty-fourth and twenty-fifth sessions).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use kiln_compile::prefetch::Manifest;
@@ -41,30 +37,13 @@ pub fn enabled() -> bool {
     std::env::var_os("KILN_PREFETCH_UNITS").map_or(true, |v| v != "0")
 }
 
-/// Whether a prefetch loads in stages (`KILN_PREFETCH_STAGED=1`; off by default). On the H200
-/// its first launch came at 12.3 ms instead of ~14.9, but the launches then took turns with the
-/// backward's module loads, and over two calls of 8 interleaved warm starts of DenseNet-121's
-/// training step the medians went 49.3 → 47.5 ms and 49.6 → 50.1 ms, with runs up to 67 ms:
-/// no gain shown (BENCHMARKS.md, twenty-fourth session).
-fn staged_on() -> bool {
-    std::env::var_os("KILN_PREFETCH_STAGED").is_some_and(|v| v == "1")
-}
-
 /// Prefetch threads still loading, counted, for `wait` and `wait_units` (which several threads
 /// may call).
-static RUNNING: Mutex<Running> = Mutex::new(Running {
-    first: 0,
-    units: 0,
-    all: 0,
-});
+static RUNNING: Mutex<Running> = Mutex::new(Running { units: 0, all: 0 });
 static FINISHED: Condvar = Condvar::new();
-/// Whether a prefetch of this process loads in stages (`staged`).
-static STAGED: AtomicBool = AtomicBool::new(false);
 
-/// Prefetch threads still in their first stage (the first graph's units and the forward
-/// convolutions), still loading units, and still running at all (units or convolutions).
+/// Prefetch threads still loading units, and still running at all (units or convolutions).
 struct Running {
-    first: usize,
     units: usize,
     all: usize,
 }
@@ -84,10 +63,6 @@ impl Drop for Phase {
         *(self.0)(&mut RUNNING.lock().unwrap_or_else(|e| e.into_inner())) -= 1;
         FINISHED.notify_all();
     }
-}
-
-fn first_phase(r: &mut Running) -> &mut usize {
-    &mut r.first
 }
 
 fn units_phase(r: &mut Running) -> &mut usize {
@@ -178,67 +153,39 @@ pub(crate) fn start(ctx: &BackendContext, args: &[Tensor]) {
     let Ok(rt) = runtime_for("prefetch", device) else {
         return;
     };
-    start_from(rt, device, &manifest, staged_on());
+    start_from(rt, device, &manifest);
 }
 
-/// Starts the prefetch of `manifest`'s units and convolutions: in stages where `stages` allows
-/// it and the manifest remembered a first graph's units apart, else all units, then all
-/// convolutions.
-fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests, stages: bool) {
-    let (mut first, mut rest) = manifest.units.read().map(|t| parse(&t)).unwrap_or_default();
+/// Starts the prefetch of `manifest`'s units, then its convolutions.
+fn start_from(rt: Arc<dyn DeviceRuntime>, device: Device, manifest: &Manifests) {
+    let units = manifest.units.read().map(|t| parse(&t)).unwrap_or_default();
     let convs = manifest.convs.read().unwrap_or_default();
-    if first.is_empty() && rest.is_empty() && convs.is_empty() {
+    if units.is_empty() && convs.is_empty() {
         return;
     }
-    let staged = stages && !rest.is_empty();
-    if !staged {
-        first.append(&mut rest);
-    }
-    if staged {
-        STAGED.store(true, Ordering::Relaxed);
-    }
     // counted here, so a `wait` right after this returns finds them
-    let phases = (
-        Phase::start(all_phases),
-        Phase::start(units_phase),
-        Phase::start(first_phase),
-    );
+    let (all, loading) = (Phase::start(all_phases), Phase::start(units_phase));
     let _ = std::thread::Builder::new()
         .name("kiln-prefetch".into())
         .spawn(move || {
-            let (_all, loading, first_stage) = phases;
-            let decode = || conv_warmup::decode(convs.lines(), device);
-            // the convolutions readied after every unit
-            let mut later = None;
+            let _all = all;
             {
                 let _loading = loading;
-                {
-                    let _first_stage = first_stage;
-                    load_units(rt.as_ref(), device, &first, staged);
-                    if staged {
-                        // the forward's convolutions before the other graphs' units
-                        let (forward, others): (Vec<_>, Vec<_>) =
-                            decode().into_iter().partition(|c| c.is_forward());
-                        ready(rt.as_ref(), &forward);
-                        later = Some(others);
-                    }
-                }
-                load_units(rt.as_ref(), device, &rest, staged);
+                load_units(rt.as_ref(), device, &units);
             }
-            ready(rt.as_ref(), &later.unwrap_or_else(decode));
+            ready(rt.as_ref(), &conv_warmup::decode(convs.lines(), device));
         });
     // a thread that did not start dropped its phases with its closure
 }
 
 /// The prefetch thread's loads of `units`; best effort: what fails here is loaded (or
 /// reported) by the compile itself.
-fn load_units(rt: &dyn DeviceRuntime, device: Device, units: &UnitIds, staged: bool) {
+fn load_units(rt: &dyn DeviceRuntime, device: Device, units: &UnitIds) {
     if units.is_empty() {
         return;
     }
     let _span = profiler::span(profiler::Category::Compile, || {
-        let stage = if staged { " (a stage)" } else { "" };
-        format!("inductor: {} units prefetched{stage}", units.len()).into()
+        format!("inductor: {} units prefetched", units.len()).into()
     });
     let _ = rt.prefetch_units(device, units);
 }
@@ -252,19 +199,6 @@ fn ready(rt: &dyn DeviceRuntime, convs: &[conv_warmup::Conv]) {
         format!("inductor: {} convolutions readied ahead", convs.len()).into()
     });
     conv_warmup::prepare(rt, convs);
-}
-
-/// Whether a prefetch of this process loads in stages (its manifest remembered a first graph's
-/// units apart): a compile then waits for nothing, its kernels resolving at their first launch
-/// (`cuda_pending.rs`), and its convolution warm-up readies the first graph's alone.
-pub(crate) fn staged() -> bool {
-    STAGED.load(Ordering::Relaxed)
-}
-
-/// Waits until every prefetch started so far has passed its first stage: the first graph's
-/// units loaded and the forward convolutions readied.
-pub(crate) fn wait_first() {
-    wait_for(first_phase);
 }
 
 /// Waits until every prefetch started so far has ended, its convolutions readied: before the
@@ -288,30 +222,18 @@ fn wait_for(count: fn(&mut Running) -> &mut usize) {
 }
 
 /// Remembers `units` (source, kernel names), loaded on `device`, in `manifest`, with the units
-/// this process remembered there before: those of the compile's first graph (`first`) first,
-/// then, where a compile had several graphs, `GRAPH_END` and the others'.
+/// this process remembered there before.
 pub(crate) fn remember(
     manifest: &Manifest,
     rt: &Arc<dyn DeviceRuntime>,
     device: Device,
     units: &[(String, Vec<String>)],
-    first: &[bool],
 ) {
-    let (mut lines, mut others) = (Vec::new(), Vec::new());
-    for ((src, names), &is_first) in units.iter().zip(first) {
-        if let Some(id) = rt.unit_id(device, src) {
-            let group = if is_first { &mut lines } else { &mut others };
-            group.push(unit_line(&id, names));
-        }
-    }
-    if !others.is_empty() {
-        lines.push(GRAPH_END.to_string());
-    }
-    remember_lines(manifest, lines.into_iter().chain(others));
+    let lines = units
+        .iter()
+        .filter_map(|(src, names)| Some(unit_line(&rt.unit_id(device, src)?, names)));
+    remember_lines(manifest, lines);
 }
-
-/// The line of a units manifest that ends the first graph's units.
-const GRAPH_END: &str = "-";
 
 /// Remembers `convs` (`conv_warmup::encode`'s lines) in `manifest`, with the convolutions this
 /// process remembered there before.
@@ -333,25 +255,15 @@ fn unit_line(id: &str, names: &[String]) -> String {
     format!("{id}\t{}", names.join(" "))
 }
 
-/// A units manifest's units: the first graph's, and the others' (after `GRAPH_END`; none
-/// where the manifest has no such line).
-fn parse(text: &str) -> (UnitIds, UnitIds) {
-    let (mut first, mut rest) = (UnitIds::new(), UnitIds::new());
-    let mut group = &mut first;
-    for line in text.lines() {
-        if line == GRAPH_END {
-            group = &mut rest;
-            continue;
-        }
-        let Some((id, names)) = line.split_once('\t') else {
-            continue;
-        };
-        let names: Vec<String> = names.split_whitespace().map(str::to_string).collect();
-        if !id.is_empty() && !names.is_empty() {
-            group.push((id.to_string(), names));
-        }
-    }
-    (first, rest)
+/// A units manifest's units; damaged lines (an earlier build's, too) are skipped.
+fn parse(text: &str) -> UnitIds {
+    text.lines()
+        .filter_map(|line| {
+            let (id, names) = line.split_once('\t')?;
+            let names: Vec<String> = names.split_whitespace().map(str::to_string).collect();
+            (!id.is_empty() && !names.is_empty()).then(|| (id.to_string(), names))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -375,21 +287,6 @@ mod tests {
         }
     }
 
-    /// A runtime with no device, and the same as the trait object the prefetch takes.
-    fn no_device() -> (Arc<Units>, Arc<dyn DeviceRuntime>) {
-        let runtime = Arc::new(Units::default());
-        (runtime.clone(), runtime)
-    }
-
-    /// Each convolution `runtime` readied, by its batch size, with the units loaded by then.
-    fn readied(runtime: &Units) -> Vec<(usize, usize)> {
-        let prepared = runtime.prepared.lock().unwrap();
-        prepared
-            .iter()
-            .map(|(shapes, units)| (shapes[0][0], *units))
-            .collect()
-    }
-
     /// What one process's compiles remember (accumulated, each unit and each convolution once)
     /// is what the next process's trace start hands the runtime to load, ids and kernel names
     /// alike, then the convolutions to ready, once the units are loaded.
@@ -397,26 +294,25 @@ mod tests {
     fn remembered_units_are_prefetched_by_the_next_start() {
         let dir = Folder::new("prefetch");
         let path = manifest_under(&dir.0, "DenseNet", "default", "H200");
-        let (runtime, rt) = no_device();
+        let runtime = Arc::new(Units::default());
+        let rt: Arc<dyn DeviceRuntime> = runtime.clone();
         let device = Device::Cuda(0);
         remember(
             &path.units,
             &rt,
             device,
             &[unit("src a", &["a0", "a1"]), unit("src b", &["b0"])],
-            &[true, true],
         );
         remember(
             &path.units,
             &rt,
             device,
             &[unit("src b", &["b0"]), unit("src c", &["c0"])],
-            &[true, true],
         );
         let conv = |n: usize| conv_warmup::Conv::of(&[&[n, 8, 8, 16], &[32, 3, 3, 16]], device);
         remember_convs(&path.convs, conv_warmup::encode(&[conv(1), conv(2)]));
         remember_convs(&path.convs, conv_warmup::encode(&[conv(2), conv(3)]));
-        start_from(rt.clone(), device, &path, false);
+        start_from(rt.clone(), device, &path);
         wait();
         let got = runtime.prefetched.lock().unwrap().clone();
         let want = vec![
@@ -425,13 +321,20 @@ mod tests {
             unit("id:src c", &["c0"]),
         ];
         assert_eq!(got, want);
-        assert_eq!(readied(&runtime), vec![(1, 3), (2, 3), (3, 3)]);
+        // each convolution readied, by its batch size, with the units loaded by then
+        let readied: Vec<(usize, usize)> = runtime
+            .prepared
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(shapes, units)| (shapes[0][0], *units))
+            .collect();
+        assert_eq!(readied, vec![(1, 3), (2, 3), (3, 3)]);
         // no manifest: nothing started
         start_from(
             rt,
             device,
             &manifest_under(&dir.0, "ResNet", "default", "H200"),
-            false,
         );
         wait();
         assert_eq!(runtime.prefetched.lock().unwrap().len(), 3);
@@ -450,59 +353,10 @@ mod tests {
             .iter()
             .map(|(id, names)| unit_line(id, names) + "\n")
             .collect();
-        assert_eq!(parse(&text), (units.clone(), vec![]));
+        assert_eq!(parse(&text), units);
         // damaged lines are skipped, the rest kept
         let text = "aa11 bb22\tk_1 kl_2\nno tab here\n\tk_9\ncc33 dd44\t\ncc33 dd44\tk_3\n";
-        assert_eq!(parse(text), (units.clone(), vec![]));
-        // the first graph's units, then the others'
-        let text = format!("aa11 bb22\tk_1 kl_2\n{GRAPH_END}\ncc33 dd44\tk_3\n");
-        assert_eq!(parse(&text), (units[..1].to_vec(), units[1..].to_vec()));
-        let text = format!("{GRAPH_END}\ncc33 dd44\tk_3\n");
-        assert_eq!(parse(&text), (vec![], units[1..].to_vec()));
-    }
-
-    /// A compile of several graphs remembers its first graph's units apart; the next start, in
-    /// stages, loads them first, readies the forward convolutions, then loads the other units
-    /// and readies the gradients' convolutions, and says it is staged. Unstaged, it loads the
-    /// units, then readies the convolutions, as a manifest without the split.
-    #[test]
-    fn a_staged_prefetch_loads_the_first_graph_and_its_convolutions_first() {
-        let dir = Folder::new("staged");
-        let path = manifest_under(&dir.0, "DenseNet", "default", "H200");
-        let (runtime, rt) = no_device();
-        let device = Device::Cuda(0);
-        let units = [
-            unit("src a", &["a0"]),
-            unit("src b", &["b0"]),
-            unit("src c", &["c0", "c1"]),
-        ];
-        remember(&path.units, &rt, device, &units, &[true, false, true]);
-        let forward = |n: usize| conv_warmup::Conv::of(&[&[n, 8, 8, 16], &[32, 3, 3, 16]], device);
-        let gradient =
-            conv_warmup::Conv::data_gradient_of(&[&[2, 8, 8, 32], &[32, 3, 3, 16]], device);
-        remember_convs(
-            &path.convs,
-            conv_warmup::encode(&[forward(1), gradient, forward(3)]),
-        );
-        start_from(rt.clone(), device, &path, true);
-        assert!(staged());
-        wait();
-        let got = runtime.prefetched.lock().unwrap().clone();
-        let want = vec![
-            unit("id:src a", &["a0"]),
-            unit("id:src c", &["c0", "c1"]),
-            unit("id:src b", &["b0"]),
-        ];
-        assert_eq!(got, want);
-        // the forward convolutions once the first graph's two units are loaded, the gradient
-        // once all three are
-        assert_eq!(readied(&runtime), vec![(1, 2), (3, 2), (2, 3)]);
-        // unstaged, the same manifest: every unit in its order, then every convolution
-        let (runtime, rt) = no_device();
-        start_from(rt, device, &path, false);
-        wait();
-        assert_eq!(*runtime.prefetched.lock().unwrap(), want);
-        assert_eq!(readied(&runtime), vec![(1, 3), (2, 3), (3, 3)]);
+        assert_eq!(parse(text), units);
     }
 
     #[test]

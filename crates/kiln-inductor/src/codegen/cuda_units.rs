@@ -121,15 +121,6 @@ pub(crate) fn load(
 ) -> Result<HashMap<String, Arc<dyn DeviceKernel>>> {
     // units a prefetch is loading are found loaded, not loaded twice
     super::cuda_prefetch::wait_units();
-    load_now(rt, device, units)
-}
-
-/// `load` without waiting for a prefetch: what it has not loaded yet is loaded here.
-pub(crate) fn load_now(
-    rt: &Arc<dyn DeviceRuntime>,
-    device: Device,
-    units: &[(String, Vec<String>)],
-) -> Result<HashMap<String, Arc<dyn DeviceKernel>>> {
     let mut out = HashMap::new();
     let mut to_build: Vec<&(String, Vec<String>)> = Vec::new();
     for (unit, built) in units.iter().zip(rt.load_built_units(device, units)?) {

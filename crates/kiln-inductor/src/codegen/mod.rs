@@ -24,7 +24,6 @@ pub(crate) mod c_trig;
 pub mod cuda;
 pub mod cuda_compile;
 pub mod cuda_literals;
-pub(crate) mod cuda_pending;
 pub(crate) mod cuda_prefetch;
 mod cuda_reduce;
 mod cuda_residues;

@@ -37,12 +37,6 @@ pub(crate) struct Conv {
 }
 
 impl Conv {
-    /// Whether this is a forward convolution (not a gradient): what a training step's first
-    /// graph runs.
-    pub(crate) fn is_forward(&self) -> bool {
-        matches!(self.prim, Prim::Conv2d(_) | Prim::Conv2dEpilogue { .. })
-    }
-
     /// Readies this convolution on `rt` (its device's runtime) without running it: true where
     /// it runs on kiln's generated kernels, whose module is now loaded; false where a run is
     /// what readies it (cuDNN loads its kernels at their first run).
@@ -171,39 +165,17 @@ pub(crate) fn decode<'a>(lines: impl IntoIterator<Item = &'a str>, device: Devic
 impl Conv {
     /// A stride-1, padding-1 channels-last convolution of operands `shapes` (f32) on `device`.
     pub(crate) fn of(shapes: &[&[usize]], device: Device) -> Conv {
-        Conv::test(Prim::Conv2d(Conv::test_params()), shapes, device)
-    }
-
-    /// The geometry of `of`'s convolutions.
-    fn test_params() -> kiln_core::prim::ConvParams {
-        kiln_core::prim::ConvParams {
-            stride: [1, 1],
-            padding: [1, 1],
-            dilation: [1, 1],
-            groups: 1,
-            channels_last: true,
-        }
-    }
-
-    /// `prim` on f32 operands of `shapes` on `device`.
-    fn test(prim: Prim, shapes: &[&[usize]], device: Device) -> Conv {
         Conv {
-            prim,
+            prim: Prim::Conv2d(kiln_core::prim::ConvParams {
+                stride: [1, 1],
+                padding: [1, 1],
+                dilation: [1, 1],
+                groups: 1,
+                channels_last: true,
+            }),
             operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
             device,
         }
-    }
-
-    /// The data gradient of such a convolution, of operands `shapes` (the output gradient and
-    /// the filter, f32) into an input of the gradient's pixels and the filter's channels, on
-    /// `device`.
-    pub(crate) fn data_gradient_of(shapes: &[&[usize]], device: Device) -> Conv {
-        let [n, h, w, _] = [0, 1, 2, 3].map(|i| shapes[0][i]);
-        let prim = Prim::Conv2dGradInput {
-            params: Conv::test_params(),
-            input_shape: [n, h, w, shapes[1][3]],
-        };
-        Conv::test(prim, shapes, device)
     }
 }
 
