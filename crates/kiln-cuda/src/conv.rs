@@ -605,19 +605,18 @@ fn channel_slice<'a>(dev: &Arc<CudaDevice>, t: &'a Tensor) -> Result<Operand<'a>
         return Ok(Operand::Borrowed(buf, layout.offset));
     }
     let (shape, strides) = (&layout.shape, &layout.strides);
+    if shape.len() != 4 || shape[3] < 2 || strides[3] != 1 {
+        return contiguous(dev, t);
+    }
     // the pixels' stride: the innermost pixel dim's of more than one element (pixel p of the
     // walk lies p * row elements in; a dim of one element may have any stride)
-    let row = (0..3)
-        .rev()
-        .find(|&d| shape.len() == 4 && shape[d] > 1)
-        .map(|d| strides[d]);
-    if let Some(row) = row.filter(|_| shape[3] > 1 && strides[3] == 1) {
-        let evenly = (0..3).all(|d| {
-            shape[d] == 1 || strides[d] == row * shape[d + 1..3].iter().product::<usize>()
-        });
-        if evenly && row >= shape[3] && row % 4 == 0 && buf.at(layout.offset) % 16 == 0 {
-            return Ok(Operand::Slice(buf, layout.offset, row));
-        }
+    let Some(row) = (0..3).rev().find(|&d| shape[d] > 1).map(|d| strides[d]) else {
+        return contiguous(dev, t);
+    };
+    let evenly = (0..3)
+        .all(|d| shape[d] == 1 || strides[d] == row * shape[d + 1..3].iter().product::<usize>());
+    if evenly && row >= shape[3] && row % 4 == 0 && buf.at(layout.offset) % 16 == 0 {
+        return Ok(Operand::Slice(buf, layout.offset, row));
     }
     contiguous(dev, t)
 }

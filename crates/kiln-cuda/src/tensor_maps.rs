@@ -28,10 +28,9 @@ pub(crate) fn im2col_fits(p: &ConvParams, w: [usize; 4]) -> bool {
 /// The input `x` (NCHW order of a channels-last tensor at `xp`, its pixels `row` elements apart:
 /// its channel count when packed, more for a channel slice of a wider tensor) as the im2col map
 /// walks it for filter `w` under `p`: dims (C, W, H, N) innermost first; each copy takes CHANNELS
-/// channels of
-/// `pixels` output pixels' window corners, which step by the stride through the box from
-/// (-padding) to (padding - reach) on each side, so one walk covers P x Q pixels per image and
-/// goes on into the next image; past the last one, and in the padding, it reads zeros.
+/// channels of `pixels` output pixels' window corners, which step by the stride through the box
+/// from (-padding) to (padding - reach) on each side, so one walk covers P x Q pixels per image
+/// and goes on into the next image; past the last one, and in the padding, it reads zeros.
 pub(crate) fn im2col(
     dev: &CudaDevice,
     p: &ConvParams,
