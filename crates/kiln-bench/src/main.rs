@@ -35,20 +35,29 @@ const WORKLOADS: &[&str] = &[
 
 /// The workloads that run with `--device cuda` so far.
 const GPU_WORKLOADS: &[&str] = &[
-    "sincos", "adam", "resnet18", "regional", "dynamic", "norms", "mlp", "convs",
+    "sincos",
+    "adam",
+    "resnet18",
+    "regional",
+    "dynamic",
+    "norms",
+    "mlp",
+    "convs",
+    "convs_resnet18",
 ];
 /// The model workloads, which run on CUDA too (a list of their own, so that GPU_WORKLOADS's line
 /// stays one edit for whoever moves the next workload over).
 const GPU_MODEL_WORKLOADS: &[&str] = &["bert", "train_resnet18", "train_densenet121"];
 /// Workloads with nothing to measure on the CPU (not in `all`).
-const GPU_ONLY_WORKLOADS: &[&str] = &["convs"];
+const GPU_ONLY_WORKLOADS: &[&str] = &["convs", "convs_resnet18"];
 
 const USAGE: &str = "usage: kiln-bench WORKLOAD [--device cpu|cuda[:N]] [--mode MODE] [--quick]
   WORKLOAD  regional | adam | sincos | numpy_fn | train_digits | resnet18 | dynamic | bert
             | train_resnet18 | train_densenet121 | norms | mlp | all
-            | convs (GPU only: DenseNet-121's convolutions on cuDNN and on kiln's kernels)
+            | convs, convs_resnet18 (GPU only: DenseNet-121's or ResNet-18's convolutions on
+            cuDNN and on kiln's kernels)
   --device  cpu (the default) or cuda / cuda:N (sincos, adam, regional, resnet18, dynamic,
-            norms, mlp, bert, train_*, convs)
+            norms, mlp, bert, train_*, convs*)
   --mode    eager | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
             (eager: the eager rows only)
   --quick   shorter runs (all --quick takes a few minutes on two cores)";
@@ -138,10 +147,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // `KILN_CONV=generated`: channels-last TF32 convolutions on kiln's generated kernels
-    // instead of cuDNN (`kiln::cuda::set_generated_conv`; a before/after pair in one build)
-    if std::env::var("KILN_CONV").as_deref() == Ok("generated") {
-        kiln::cuda::set_generated_conv(true);
+    // `KILN_CONV=generated` / `cudnn`: channels-last TF32 convolutions all on kiln's generated
+    // kernels, or all on cuDNN, where by default (`auto`) a compiled function chooses
+    // (`kiln::cuda::set_conv_engine`; pairs from one build)
+    match std::env::var("KILN_CONV").as_deref() {
+        Ok("generated") => kiln::cuda::set_conv_engine(kiln::cuda::ConvEngine::Generated),
+        Ok("cudnn") => kiln::cuda::set_conv_engine(kiln::cuda::ConvEngine::Cudnn),
+        _ => {}
     }
     if args.workload == WARM_CHILD {
         return match workloads::regional::warm_child(args.mode, dev) {
@@ -211,6 +223,7 @@ fn main() -> ExitCode {
             "norms" => workloads::norms::run(&mut ctx),
             "mlp" => workloads::mlp::run(&mut ctx),
             "convs" => workloads::convs::run(&mut ctx),
+            "convs_resnet18" => workloads::convs::run_resnet18(&mut ctx),
             "train_resnet18" => workloads::train::run(&mut ctx, workloads::train::Arch::ResNet18),
             "train_densenet121" => {
                 workloads::train::run(&mut ctx, workloads::train::Arch::DenseNet121)

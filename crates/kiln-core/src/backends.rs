@@ -1,8 +1,8 @@
 //! Process-wide switches that change what a device computes, as PyTorch's `torch.backends`
 //! holds them: TF32 for f32 matmuls (`torch.backends.cuda.matmul.allow_tf32`, off by default),
 //! TF32 for cuDNN's convolutions (`torch.backends.cudnn.allow_tf32`, on by default) and cuDNN's
-//! benchmark mode (`torch.backends.cudnn.benchmark`, off), and kiln's own: generated convolutions
-//! in place of cuDNN's (off). The CUDA runtime reads them at each call (`kiln_cuda::set_allow_tf32`
+//! benchmark mode (`torch.backends.cudnn.benchmark`, off), and kiln's own: which engine runs
+//! convolutions (neither bit: a compiled function chooses, eager runs cuDNN). The CUDA runtime reads them at each call (`kiln_cuda::set_allow_tf32`
 //! and friends set them here).
 //!
 //! A compiled function guards on them as Dynamo's global-state guard does (`fingerprint`, in
@@ -18,9 +18,12 @@ pub enum Switch {
     MatmulTf32,
     CudnnTf32,
     CudnnBenchmark,
-    /// Channels-last TF32 convolutions on kiln's generated kernels instead of cuDNN
-    /// (`kiln_cuda::set_generated_conv`; off by default).
+    /// Channels-last TF32 convolutions on kiln's generated kernels instead of cuDNN, eager and
+    /// compiled (`kiln_cuda::set_conv_engine`; off by default).
     GeneratedConv,
+    /// Every convolution on cuDNN, compiled functions' too (`kiln_cuda::set_conv_engine`; off by
+    /// default).
+    CudnnConv,
 }
 
 impl Switch {
@@ -55,6 +58,7 @@ pub fn describe(fingerprint: u64) -> String {
         Switch::CudnnTf32,
         Switch::CudnnBenchmark,
         Switch::GeneratedConv,
+        Switch::CudnnConv,
     ]
     .into_iter()
     .filter(|s| fingerprint & s.bit() != 0)

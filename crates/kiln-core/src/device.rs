@@ -14,6 +14,15 @@ use crate::shape::Layout;
 use crate::storage::CpuStorage;
 use crate::{DType, Error, Result, Tensor};
 
+/// A convolution of a compiled function, as `DeviceRuntime::generated_convs` weighs it: the
+/// prim, its operands' shapes and dtypes, and how many times the function runs it.
+#[derive(Clone, Debug)]
+pub struct ConvUse {
+    pub prim: Prim,
+    pub operands: Vec<(Vec<usize>, DType)>,
+    pub count: usize,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     #[default]
@@ -153,19 +162,46 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         self.execute(device, prim, inputs, meta)
     }
     /// Readies `prim` on `device` for operands of `shapes` and `dtypes` without running it:
-    /// loads what its first execution would. `true` when that is all a first execution would
-    /// load (kiln-cuda: a convolution on kiln's generated kernels, whose module it loads), so a
-    /// warm-up need not run it; `false` (the default) when only running it readies it (cuDNN
-    /// loads its engines' kernels at their first launch).
+    /// loads what its first execution would. `generated`: it will run as `execute_generated`
+    /// runs it. `true` when that is all a first execution would load (kiln-cuda: a convolution
+    /// on kiln's generated kernels, whose module it loads), so a warm-up need not run it; `false`
+    /// (the default) when only running it readies it (cuDNN loads its engines' kernels at their
+    /// first launch).
     fn prepare(
         &self,
         device: Device,
         prim: &Prim,
         shapes: &[&[usize]],
         dtypes: &[DType],
+        generated: bool,
     ) -> Result<bool> {
-        let _ = (device, prim, shapes, dtypes);
+        let _ = (device, prim, shapes, dtypes, generated);
         Ok(false)
+    }
+    /// Whether a compiled function whose convolutions are `convs` runs them on the runtime's
+    /// own generated kernels (`execute_generated`) rather than as `execute` does (the default:
+    /// `Some(false)`). kiln-cuda decides once per function and remembers it on disk; `time`:
+    /// whether it may time the convolutions now to decide (a compile may, a prefetch ahead of
+    /// the trace's end may not: `None` where nothing is decided yet).
+    fn generated_convs(
+        &self,
+        device: Device,
+        convs: &[ConvUse],
+        time: bool,
+    ) -> Result<Option<bool>> {
+        let _ = (device, convs, time);
+        Ok(Some(false))
+    }
+    /// `execute` as a compiled function whose convolutions run on the runtime's generated kernels
+    /// (`generated_convs`) runs a convolution.
+    fn execute_generated(
+        &self,
+        device: Device,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+    ) -> Result<Arc<dyn DeviceBuffer>> {
+        self.execute(device, prim, inputs, meta)
     }
     /// Writes `src`'s elements into the positions `dst` addresses (same device, shape, dtype).
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;

@@ -23,6 +23,7 @@ use kiln_core::prim::{ConvEpilogue, ConvParams, OutMeta, Prim};
 use kiln_core::{DType, Device, Error, Result, Tensor};
 
 use crate::buffer::CudaBuffer;
+use crate::conv_generated::ConvEngine;
 use crate::device::CudaDevice;
 
 static GRAPH_PLANS: AtomicUsize = AtomicUsize::new(0);
@@ -226,16 +227,34 @@ fn geometry<'p>(prim: &'p Prim, shapes: &[&[usize]], out: &[usize]) -> Option<Ge
     Some((kind, p, epilogue, xwy))
 }
 
+/// Whether kiln's generated kernels can run the convolution `prim` on operands of `shapes` and
+/// `dtypes` (`conv_generated::eligible`; an empty one runs on neither engine).
+pub(crate) fn generated_can_take(prim: &Prim, shapes: &[&[usize]], dtypes: &[DType]) -> bool {
+    let Ok(meta) = prim.infer(shapes, dtypes) else {
+        return false;
+    };
+    geometry(prim, shapes, &meta.shape).is_some_and(|(_, p, epilogue, xwy)| {
+        !xwy.iter().any(|s| s.contains(&0))
+            && crate::conv_generated::eligible(meta.dtype, p, xwy, epilogue.is_some())
+    })
+}
+
 /// Loads the generated kernel the convolution `prim` would run on, without running it (the
-/// runtime's `prepare`): `true` where it runs on kiln's generated kernels (`set_generated_conv`;
-/// max-autotune's choices are made by running), `false` where cuDNN would take it.
+/// runtime's `prepare`): `true` where it runs on kiln's generated kernels (`ConvEngine`, or
+/// `generated`: a compiled function chose them; max-autotune's choices are made by running),
+/// `false` where cuDNN would take it.
 pub(crate) fn prepare(
     dev: &Arc<CudaDevice>,
     prim: &Prim,
     shapes: &[&[usize]],
     dtypes: &[DType],
+    generated: bool,
 ) -> Result<bool> {
-    if !crate::conv_generated::generated_conv() {
+    let route = match generated {
+        true => Route::Generated,
+        false => Route::Eager,
+    };
+    if !route.takes_generated() {
         return Ok(false);
     }
     let meta = prim.infer(shapes, dtypes)?;
@@ -253,14 +272,40 @@ pub(crate) fn prepare(
     Ok(true)
 }
 
-/// Runs a conv prim through cuDNN. `Ok(None)`: cuDNN cannot take it here (not installed, an
-/// unsupported dtype or size, no algorithm); the caller takes the host path.
+/// How a convolution is asked to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// As eager execution runs it: on the engine `conv_engine` names (cuDNN under `Auto`).
+    Eager,
+    /// As max-autotune's steps run it: cuDNN's timed plans or kiln's generated kernel, whichever
+    /// ran faster (`conv_choice::generated_wins`).
+    Tuned,
+    /// As a compiled function that chose kiln's generated kernels runs it
+    /// (`conv_choice::function_choice`), unless `ConvEngine::Cudnn` holds.
+    Generated,
+}
+
+impl Route {
+    /// Whether a convolution asked to run this way runs on kiln's generated kernels where they
+    /// can take it (`Tuned`: where they also time faster).
+    fn takes_generated(self) -> bool {
+        match crate::conv_generated::conv_engine() {
+            ConvEngine::Generated => true,
+            ConvEngine::Cudnn => false,
+            ConvEngine::Auto => self == Route::Generated,
+        }
+    }
+}
+
+/// Runs a conv prim through cuDNN, or kiln's generated kernels where `route` takes them.
+/// `Ok(None)`: cuDNN cannot take it here (not installed, an unsupported dtype or size, no
+/// algorithm); the caller takes the host path.
 pub(crate) fn run(
     dev: &Arc<CudaDevice>,
     prim: &Prim,
     inputs: &[&Tensor],
     meta: &OutMeta,
-    tuned: bool,
+    route: Route,
 ) -> Result<Option<Arc<dyn DeviceBuffer>>> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let Some((kind, p, epilogue, [x, w, y])) = geometry(prim, &shapes, &meta.shape) else {
@@ -281,10 +326,12 @@ pub(crate) fn run(
         zero(dev, &out)?;
         return Ok(Some(Arc::new(out)));
     }
-    // kiln's generated kernel: where it is switched on, or where max-autotune times it faster
-    let eligible = (crate::conv_generated::generated_conv() || tuned)
+    // kiln's generated kernel: where the route takes it, or where max-autotune times it faster
+    let generated_route = route.takes_generated();
+    let tuned = route == Route::Tuned && crate::conv_generated::conv_engine() != ConvEngine::Cudnn;
+    let eligible = (generated_route || tuned)
         && crate::conv_generated::eligible(dtype, p, [x, w, y], epilogue.is_some());
-    if eligible && crate::conv_generated::generated_conv() {
+    if eligible && generated_route {
         generated(dev, kind, p, [x, w, y], inputs, &out)?;
         return Ok(Some(Arc::new(out)));
     }
@@ -322,7 +369,7 @@ pub(crate) fn run(
         groups: p.groups,
         tf32: cudnn_allow_tf32(),
         benchmark,
-        timed: tuned && !benchmark,
+        timed: route == Route::Tuned && !benchmark,
         alignment: alignment(&addresses),
         channels_last: p.channels_last,
         epilogue,

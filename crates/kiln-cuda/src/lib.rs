@@ -45,8 +45,10 @@ pub use conv::{
     set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
 pub use conv_choice::conv_engine_choices;
+pub use conv_choice::{function_choice_timings, function_choices};
 pub use conv_generated::{
-    generated_conv, generated_convs, hopper_convs, set_generated_conv, slices_read_in_place,
+    conv_engine, generated_conv, generated_convs, hopper_convs, set_conv_engine,
+    set_generated_conv, slices_read_in_place, ConvEngine,
 };
 pub use conv_graph::cudnn_plans_timed;
 pub use conv_plan_cache::cudnn_plan_disk_hits;

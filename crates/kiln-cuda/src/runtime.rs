@@ -4,13 +4,16 @@
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
-use kiln_core::device::{BuiltUnits, DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime};
+use kiln_core::device::{
+    BuiltUnits, ConvUse, DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime,
+};
 use kiln_core::prim::{OutMeta, Prim, ReduceOp};
 use kiln_core::shape::Layout;
 use kiln_core::storage::CpuStorage;
 use kiln_core::{DType, Device, Error, Result, Tensor};
 
 use crate::buffer::CudaBuffer;
+use crate::conv::Route;
 use crate::device::CudaDevice;
 use crate::generated::GeneratedKernel;
 use crate::kernels::elementwise::{self as ew, Scalars};
@@ -96,15 +99,17 @@ fn f64_moment_sums(
 
 impl CudaRuntime {
     /// `prim` on `device`, its GEMMs and convolutions as max-autotune's (`matmul_tune.rs`,
-    /// `conv_graph.rs`'s timed plans) when `tuned`.
+    /// `conv_graph.rs`'s timed plans) when `route` is `Tuned`, its convolutions on kiln's kernels
+    /// when it is `Generated` (`conv::Route`).
     fn run(
         &self,
         device: Device,
         prim: &Prim,
         inputs: &[&Tensor],
         meta: &OutMeta,
-        tuned: bool,
+        route: Route,
     ) -> Result<Arc<dyn DeviceBuffer>> {
+        let tuned = route == Route::Tuned;
         let name = prim.name();
         let dev = CudaDevice::get(ordinal(name, device)?)?;
         let n: usize = meta.shape.iter().product();
@@ -205,12 +210,12 @@ impl CudaRuntime {
                 Ok(Arc::new(out))
             }
             Prim::Conv2d(_) | Prim::Conv2dGradInput { .. } | Prim::Conv2dGradWeight { .. } => {
-                match crate::conv::run(&dev, prim, inputs, meta, tuned)? {
+                match crate::conv::run(&dev, prim, inputs, meta, route)? {
                     Some(out) => Ok(out),
                     None => crate::fallback::run(&dev, prim, inputs),
                 }
             }
-            Prim::Conv2dEpilogue { .. } => match crate::conv::run(&dev, prim, inputs, meta, tuned)?
+            Prim::Conv2dEpilogue { .. } => match crate::conv::run(&dev, prim, inputs, meta, route)?
             {
                 Some(out) => Ok(out),
                 None => epilogue_as_ops(prim, inputs),
@@ -263,7 +268,7 @@ impl DeviceRuntime for CudaRuntime {
         inputs: &[&Tensor],
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>> {
-        self.run(device, prim, inputs, meta, false)
+        self.run(device, prim, inputs, meta, Route::Eager)
     }
 
     /// A binary op's or `where`'s scalar operand, while no CUDA graph records on the device (a
@@ -290,9 +295,30 @@ impl DeviceRuntime for CudaRuntime {
         prim: &Prim,
         shapes: &[&[usize]],
         dtypes: &[DType],
+        generated: bool,
     ) -> Result<bool> {
         let dev = CudaDevice::get(ordinal("cuda", device)?)?;
-        crate::conv::prepare(&dev, prim, shapes, dtypes)
+        crate::conv::prepare(&dev, prim, shapes, dtypes, generated)
+    }
+
+    fn generated_convs(
+        &self,
+        device: Device,
+        convs: &[ConvUse],
+        time: bool,
+    ) -> Result<Option<bool>> {
+        let dev = CudaDevice::get(ordinal("conv2d", device)?)?;
+        crate::conv_choice::function_choice(&dev, convs, time)
+    }
+
+    fn execute_generated(
+        &self,
+        device: Device,
+        prim: &Prim,
+        inputs: &[&Tensor],
+        meta: &OutMeta,
+    ) -> Result<Arc<dyn DeviceBuffer>> {
+        self.run(device, prim, inputs, meta, Route::Generated)
     }
 
     fn execute_tuned(
@@ -302,7 +328,7 @@ impl DeviceRuntime for CudaRuntime {
         inputs: &[&Tensor],
         meta: &OutMeta,
     ) -> Result<Arc<dyn DeviceBuffer>> {
-        self.run(device, prim, inputs, meta, true)
+        self.run(device, prim, inputs, meta, Route::Tuned)
     }
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {

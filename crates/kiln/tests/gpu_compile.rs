@@ -10,6 +10,8 @@ use std::sync::Mutex;
 
 #[path = "gpu_compile/autotune.rs"]
 mod autotune;
+#[path = "gpu_compile/conv_engine.rs"]
+mod conv_engine;
 #[path = "gpu_compile/conv_epilogues.rs"]
 mod conv_epilogues;
 #[path = "gpu_compile/cudagraph_arguments.rs"]
@@ -36,6 +38,15 @@ use libtest_mimic::{Arguments, Failed, Trial};
 const CUDA: Device = Device::Cuda(0);
 type Outcome = std::result::Result<(), String>;
 type Check = fn() -> Outcome;
+
+/// Held by the tests that switch cuDNN's TF32 or the convolution engine (process-wide switches,
+/// `kiln_core::backends`) for as long as they count what ran on which engine, so that one does
+/// not switch them back under another running beside it.
+static CONV_SWITCHES: Mutex<()> = Mutex::new(());
+
+fn conv_switches() -> std::sync::MutexGuard<'static, ()> {
+    CONV_SWITCHES.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn err(e: kiln::Error) -> String {
     e.to_string()
@@ -817,7 +828,7 @@ fn main() {
                 .map_or_else(String::new, |e| e.to_string())
         });
     }
-    let tests: [(&str, Check); 37] = [
+    let tests: [(&str, Check); 38] = [
         (
             "linear_epilogues_run_in_the_gemm",
             linear_epilogues_run_in_the_gemm,
@@ -875,6 +886,10 @@ fn main() {
         (
             "generated_convolutions_are_loaded_not_run_by_the_warm_up",
             autotune::generated_convolutions_are_loaded_not_run_by_the_warm_up,
+        ),
+        (
+            "default_mode_chooses_one_convolution_engine_per_function",
+            conv_engine::default_mode_chooses_one_convolution_engine_per_function,
         ),
         (
             "conv_epilogues_in_max_autotune",

@@ -1,12 +1,13 @@
-//! DenseNet-121's convolutions one by one (batch 64, 224x224, channels-last f32 with TF32, as its
+//! A model's convolutions one by one (batch 64, 224x224, channels-last f32 with TF32, as its
 //! compiled training step runs them), forward, data gradient and weight gradient, on cuDNN and on
-//! kiln's generated kernels (`kiln::cuda::set_generated_conv`): where the generated kernels stand
+//! kiln's generated kernels (`kiln::cuda::set_conv_engine`): where the generated kernels stand
 //! against cuDNN's Hopper kernels, shape by shape, and the step's convolution time each would
-//! give (every shape weighted by its count in the step). GPU only.
+//! give (every shape weighted by its count in the step). `convs` runs DenseNet-121's,
+//! `convs_resnet18` ResNet-18's. GPU only.
 //!
-//! Rows: `convs_LABEL` / `KIND_ENGINE` / `call` (us) and `tflops`; `convs_step` / `KIND_ENGINE` /
-//! `weighted_total` (ms). The stem's data gradient is timed but left out of the totals (the
-//! step does not compute it: the images need no gradient).
+//! Rows: `convs_LABEL` / `KIND_ENGINE` / `call` (us) and `tflops`; `convs_step` (DenseNet-121) or
+//! `convs_resnet18_step` / `KIND_ENGINE` / `weighted_total` (ms). The stem's data gradient is
+//! timed but left out of the totals (the step does not compute it: the images need no gradient).
 
 use kiln::core::dispatch::apply;
 use kiln::core::prim::{ConvParams, Prim};
@@ -47,18 +48,45 @@ const SHAPES: &[Shape] = &[
     ("trans_14_1024_512", 1024, 14, 512, 1, 1, 0, 1),
 ];
 
+/// ResNet-18's: the stem, each stage's 3x3 convolutions, and the first block of stages 2-4 with
+/// its strided 3x3 and its 1x1 downsample.
+const RESNET18_SHAPES: &[Shape] = &[
+    ("r18_stem_7x7_s2", 3, 224, 64, 7, 2, 3, 1),
+    ("r18_3x3_56_c64", 64, 56, 64, 3, 1, 1, 4),
+    ("r18_3x3_s2_56_c64", 64, 56, 128, 3, 2, 1, 1),
+    ("r18_1x1_s2_56_c64", 64, 56, 128, 1, 2, 0, 1),
+    ("r18_3x3_28_c128", 128, 28, 128, 3, 1, 1, 3),
+    ("r18_3x3_s2_28_c128", 128, 28, 256, 3, 2, 1, 1),
+    ("r18_1x1_s2_28_c128", 128, 28, 256, 1, 2, 0, 1),
+    ("r18_3x3_14_c256", 256, 14, 256, 3, 1, 1, 3),
+    ("r18_3x3_s2_14_c256", 256, 14, 512, 3, 2, 1, 1),
+    ("r18_1x1_s2_14_c256", 256, 14, 512, 1, 2, 0, 1),
+    ("r18_3x3_7_c512", 512, 7, 512, 3, 1, 1, 3),
+];
+
 const KINDS: [&str; 3] = ["forward", "grad_input", "grad_weight"];
 
+/// DenseNet-121's convolutions.
 pub fn run(ctx: &mut Ctx) -> BenchResult {
+    run_shapes(ctx, SHAPES, "convs_step")
+}
+
+/// ResNet-18's convolutions.
+pub fn run_resnet18(ctx: &mut Ctx) -> BenchResult {
+    run_shapes(ctx, RESNET18_SHAPES, "convs_resnet18_step")
+}
+
+/// Times each of `shapes` on both engines; `step` names the weighted totals' rows.
+fn run_shapes(ctx: &mut Ctx, shapes: &[Shape], step: &str) -> BenchResult {
     if !ctx.on_gpu() {
         return Err("convs runs on a GPU (it compares cuDNN with kiln's generated kernels)".into());
     }
     let timer = ctx.timer();
-    let was = kiln::cuda::generated_conv();
+    let was = kiln::cuda::conv_engine();
     // [engine][kind] milliseconds over the step
     let mut totals = [[0.0f64; 3]; 2];
     let r = kiln::no_grad(|| -> BenchResult {
-        for &(label, c, h, k, r, stride, pad, count) in SHAPES {
+        for &(label, c, h, k, r, stride, pad, count) in shapes {
             let p = ConvParams {
                 stride: [stride; 2],
                 padding: [pad; 2],
@@ -73,7 +101,10 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
             let dy = Tensor::randn(&[BATCH, oh, oh, k], DType::F32)?.to(ctx.dev)?;
             let flops = 2.0 * (BATCH * oh * oh * k * r * r * c) as f64;
             for (e, engine) in ["cudnn", "generated"].into_iter().enumerate() {
-                kiln::cuda::set_generated_conv(e == 1);
+                kiln::cuda::set_conv_engine(match e {
+                    0 => kiln::cuda::ConvEngine::Cudnn,
+                    _ => kiln::cuda::ConvEngine::Generated,
+                });
                 for (kind_index, kind) in KINDS.into_iter().enumerate() {
                     let call = || match kind_index {
                         0 => apply(Prim::Conv2d(p), &[&x, &w]),
@@ -92,9 +123,16 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
                             &[&dy, &x],
                         ),
                     };
+                    let (ran, hopper) = (kiln::cuda::generated_convs(), kiln::cuda::hopper_convs());
                     let t = timer.time(&format!("{label} {kind} {engine}"), call)?;
                     let (w_name, variant) = (format!("convs_{label}"), format!("{kind}_{engine}"));
                     ctx.emit(&w_name, &variant, "call", t.us(), "us");
+                    if e == 1 {
+                        // which family ran it: 1 where Hopper's kernels did, 0 the mma.sync ones
+                        let hopper_share = (kiln::cuda::hopper_convs() - hopper) as f64
+                            / (kiln::cuda::generated_convs() - ran).max(1) as f64;
+                        ctx.emit(&w_name, &variant, "hopper_share", hopper_share, "ratio");
+                    }
                     ctx.emit(&w_name, &variant, "tflops", flops / t.s() / 1e12, "TFLOP/s");
                     // the step computes no gradient of the images
                     if !(c == 3 && kind_index == 1) {
@@ -105,12 +143,12 @@ pub fn run(ctx: &mut Ctx) -> BenchResult {
         }
         Ok(())
     });
-    kiln::cuda::set_generated_conv(was);
+    kiln::cuda::set_conv_engine(was);
     r?;
     for (e, engine) in ["cudnn", "generated"].into_iter().enumerate() {
         for (k, kind) in KINDS.into_iter().enumerate() {
             let variant = format!("{kind}_{engine}");
-            ctx.emit("convs_step", &variant, "weighted_total", totals[e][k], "ms");
+            ctx.emit(step, &variant, "weighted_total", totals[e][k], "ms");
         }
     }
     Ok(())

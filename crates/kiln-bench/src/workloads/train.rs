@@ -196,6 +196,9 @@ fn run_with<M: Module>(
         });
         let (loss, cold) = first?;
         ctx.emit(w, variant, "cold_compile", cold.secs, "s");
+        if ctx.on_gpu() {
+            emit_conv_engine(ctx, w, variant);
+        }
         let mut losses = vec![loss.item::<f32>()?];
         for _ in 1..n {
             losses.push(step(&compiled, &mut opt, &x, &y)?.item::<f32>()?);
@@ -328,6 +331,25 @@ fn compile_once_with<M: Module>(
         step(&c, &mut opt, &x, &y)
     })?;
     Ok(m)
+}
+
+/// The convolution engine the compile chose (`kiln::cuda::function_choices`): the functions on
+/// kiln's generated kernels so far, and the last timed choice's milliseconds over its
+/// convolutions on each engine.
+fn emit_conv_engine(ctx: &mut Ctx, w: &str, variant: &str) {
+    let (_, generated, _) = kiln::cuda::function_choices();
+    ctx.emit(
+        w,
+        variant,
+        "conv_functions_generated",
+        generated as f64,
+        "count",
+    );
+    if let Some(&(n, cudnn, kiln_ms)) = kiln::cuda::function_choice_timings().last() {
+        ctx.emit(w, variant, "conv_choice_distinct", n as f64, "count");
+        ctx.emit(w, variant, "conv_choice_cudnn", cudnn, "ms");
+        ctx.emit(w, variant, "conv_choice_generated", kiln_ms, "ms");
+    }
 }
 
 #[cfg(test)]

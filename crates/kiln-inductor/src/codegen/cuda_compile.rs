@@ -6,6 +6,7 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kiln_compile::graph::Graph;
@@ -89,7 +90,8 @@ impl Source<'_> {
 }
 
 /// `compile` for each graph (all on one device), their units built by one pool of threads.
-/// Meanwhile another thread runs each distinct convolution of the graphs once
+/// Meanwhile another thread chooses the engine of the graphs' convolutions (cuDNN or kiln's
+/// generated kernels, for all of them) and runs each distinct convolution once
 /// (`runtime/conv_warmup.rs`: cuDNN's kernels load at a convolution's first execution), from
 /// the start where the convolutions are already in their final (channels-last) form, else once
 /// the graphs are rewritten.
@@ -110,6 +112,8 @@ pub fn compile_many(
     let device_key = rt.device_key(device);
     // a symbolic graph's kernels are fitted across sizes, a tuned one's chosen when it runs
     let cache = (sizes.is_none() && !flags.autotune).then(|| format!("{target:?} {device_key:?}"));
+    // the convolutions' engine, chosen on the warm-up's thread before the graphs are handed back
+    let generated_convs = Arc::new(AtomicBool::new(false));
     std::thread::scope(|s| {
         // graphs whose convolutions are already in their final form (a training step's
         // halves: AOT autograd rewrote the joint graph) start the warm-up before their plans
@@ -170,10 +174,12 @@ pub fn compile_many(
             flags,
             sizes,
             memo.prefetch.as_ref().map(|m| &m.units),
+            &generated_convs,
         );
         // best effort: a failed warm-up leaves the first call to load what it needs
         if let Some(w) = warmup {
-            let _ = w.join();
+            let generated = w.join().unwrap_or(false);
+            generated_convs.store(generated, Ordering::Relaxed);
         }
         if compiled.is_ok() {
             plan_cache::remember(memo.plans.as_ref(), keys);
@@ -183,21 +189,24 @@ pub fn compile_many(
 }
 
 /// The warm-up (`runtime/conv_warmup.rs`) of the convolutions `list` gives, on a thread of the
-/// scope `s`: listing them walks the graphs, work kept off the compile's own thread. The list
-/// is remembered for the function's next warm start (`memo`; not under max-autotune, whose
-/// convolutions are tuned by running), written on a thread of its own.
+/// scope `s`: listing them walks the graphs, work kept off the compile's own thread. First their
+/// engine is chosen (`conv_warmup::choose`; not under max-autotune, which chooses per
+/// convolution by running them): the thread's result, `true` for kiln's generated kernels. The
+/// list is remembered with it for the function's next warm start (`memo`; not under
+/// max-autotune), written on a thread of its own.
 fn spawn_warmup<'scope>(
     s: &'scope std::thread::Scope<'scope, '_>,
     list: impl FnOnce() -> Vec<conv_warmup::Conv> + Send + 'scope,
     flags: CudaFlags,
     memo: &Memo,
-) -> std::thread::ScopedJoinHandle<'scope, Result<()>> {
+) -> std::thread::ScopedJoinHandle<'scope, bool> {
     let manifest = memo.prefetch.as_ref().map(|m| m.convs.clone());
     s.spawn(move || {
-        let convs = list();
+        let mut convs = list();
         if convs.is_empty() {
-            return Ok(());
+            return false;
         }
+        let generated = !flags.autotune && conv_warmup::choose(&mut convs);
         if let Some(manifest) = manifest.filter(|_| !flags.autotune) {
             let lines = conv_warmup::encode(&convs);
             super::cuda_prefetch::off_the_path(move || {
@@ -206,7 +215,9 @@ fn spawn_warmup<'scope>(
         }
         // after the units' prefetch: its module loads and the warm-up's would take turns
         super::cuda_prefetch::wait();
-        conv_warmup::run(&convs, flags.autotune)
+        // best effort: a failed warm-up leaves the first call to load what it needs
+        let _ = conv_warmup::run(&convs, flags.autotune);
+        generated
     })
 }
 
@@ -229,6 +240,7 @@ fn target(
     })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn compile_graphs(
     rt: &Arc<dyn DeviceRuntime>,
     target: &Cuda,
@@ -237,6 +249,7 @@ fn compile_graphs(
     flags: CudaFlags,
     sizes: Option<symbolic::context::SizeContext>,
     manifest: Option<&Manifest>,
+    generated_convs: &Arc<AtomicBool>,
 ) -> Result<Vec<Arc<dyn CompiledGraph>>> {
     let Some(first) = sources.first() else {
         return Ok(Vec::new());
@@ -305,9 +318,11 @@ fn compile_graphs(
     let _span = profiler::span(profiler::Category::Compile, || {
         "inductor: executors made".into()
     });
-    crate::parallel::map_threads(prepared, |p| finish(p, &loaded, device, device_key, &flags))
-        .into_iter()
-        .collect()
+    crate::parallel::map_threads(prepared, |p| {
+        finish(p, &loaded, device, device_key, &flags, generated_convs)
+    })
+    .into_iter()
+    .collect()
 }
 
 /// Plans `graph` (rewritten for the code generators) and generates its kernels as translation
@@ -385,6 +400,7 @@ fn finish(
     device: Device,
     device_key: Option<&str>,
     flags: &CudaFlags,
+    generated_convs: &Arc<AtomicBool>,
 ) -> Result<Arc<dyn CompiledGraph>> {
     let handle = |name: &str| {
         loaded.get(name).cloned().ok_or_else(|| {
@@ -438,7 +454,11 @@ fn finish(
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let compiled = Arc::new(CompiledCpu::new(graph, steps).with_tuned_externs(flags.autotune));
+    let compiled = Arc::new(
+        CompiledCpu::new(graph, steps)
+            .with_tuned_externs(flags.autotune)
+            .with_generated_convs(generated_convs.clone()),
+    );
     Ok(match flags.cuda_graphs {
         true => Arc::new(CudaGraphed::new(compiled.clone(), &compiled.graph)),
         false => compiled,

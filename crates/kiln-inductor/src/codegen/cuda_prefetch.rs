@@ -311,7 +311,8 @@ mod tests {
         );
         let conv = |n: usize| conv_warmup::Conv::of(&[&[n, 8, 8, 16], &[32, 3, 3, 16]], device);
         remember_convs(&path.convs, conv_warmup::encode(&[conv(1), conv(2)]));
-        remember_convs(&path.convs, conv_warmup::encode(&[conv(2), conv(3)]));
+        let on_generated = conv(3).on_generated();
+        remember_convs(&path.convs, conv_warmup::encode(&[conv(2), on_generated]));
         start_from(rt.clone(), device, &path);
         wait();
         let got = runtime.prefetched.lock().unwrap().clone();
@@ -321,15 +322,16 @@ mod tests {
             unit("id:src c", &["c0"]),
         ];
         assert_eq!(got, want);
-        // each convolution readied, by its batch size, with the units loaded by then
-        let readied: Vec<(usize, usize)> = runtime
+        // each convolution readied, by its batch size, with the units loaded by then and the
+        // engine its function chose
+        let readied: Vec<(usize, usize, bool)> = runtime
             .prepared
             .lock()
             .unwrap()
             .iter()
-            .map(|(shapes, units)| (shapes[0][0], *units))
+            .map(|(shapes, units, generated)| (shapes[0][0], *units, *generated))
             .collect();
-        assert_eq!(readied, vec![(1, 3), (2, 3), (3, 3)]);
+        assert_eq!(readied, vec![(1, 3, false), (2, 3, false), (3, 3, true)]);
         // no manifest: nothing started
         start_from(
             rt,

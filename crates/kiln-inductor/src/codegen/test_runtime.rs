@@ -12,15 +12,18 @@ use kiln_core::{DType, Device, Result, Tensor};
 /// A runtime whose units with "BUILT" in their source are built already; `load_kernels`
 /// notes each unit it is asked to build and fails on a source with "BROKEN" in it; a unit's id
 /// is "id:" and its source, and `prefetch_units` notes what it is asked to load.
+/// A convolution `prepare` readied: its operands' shapes, the units prefetched by then, and
+/// whether it was to run on generated kernels.
+pub(crate) type Readied = (Vec<Vec<usize>>, usize, bool);
+
 #[derive(Default)]
 pub(crate) struct Units {
     pub built_asked: Mutex<usize>,
     pub compiled: Mutex<Vec<String>>,
     /// What `prefetch_units` was asked to load.
     pub prefetched: Mutex<Vec<(String, Vec<String>)>>,
-    /// The operand shapes of each convolution `prepare` was asked to ready, and how many units
-    /// had been prefetched by then.
-    pub prepared: Mutex<Vec<(Vec<Vec<usize>>, usize)>>,
+    /// Each convolution `prepare` was asked to ready.
+    pub prepared: Mutex<Vec<Readied>>,
 }
 
 struct NoOp;
@@ -95,10 +98,20 @@ impl DeviceRuntime for Units {
         self.prefetched.lock().unwrap().extend_from_slice(ids);
         Ok(())
     }
-    fn prepare(&self, _: Device, _: &Prim, shapes: &[&[usize]], _: &[DType]) -> Result<bool> {
+    fn prepare(
+        &self,
+        _: Device,
+        _: &Prim,
+        shapes: &[&[usize]],
+        _: &[DType],
+        generated: bool,
+    ) -> Result<bool> {
         let prefetched = self.prefetched.lock().unwrap().len();
         let shapes = shapes.iter().map(|s| s.to_vec()).collect();
-        self.prepared.lock().unwrap().push((shapes, prefetched));
+        self.prepared
+            .lock()
+            .unwrap()
+            .push((shapes, prefetched, generated));
         Ok(true)
     }
     fn multiprocessors(&self, _: Device) -> Result<u32> {

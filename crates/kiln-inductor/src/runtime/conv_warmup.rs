@@ -6,10 +6,13 @@
 //! same cuDNN plans (cached in memory and on disk) the compiled graph's extern steps then find,
 //! their kernels already loaded.
 //!
-//! A convolution on kiln's generated kernels (`kiln_cuda::set_generated_conv`) is only readied
-//! (`DeviceRuntime::prepare` loads its module): nothing of it loads at its first launch. A
-//! function's convolutions are also remembered (`encode`), and its next process readies them
-//! while the function is still traced, after its units (`codegen/cuda_prefetch.rs`).
+//! First the compiled function's engine is chosen (`DeviceRuntime::generated_convs`: kiln-cuda
+//! times its generated kernels against cuDNN once per function, where it has many distinct
+//! convolutions, and remembers the choice on disk). A convolution on kiln's generated kernels is
+//! only readied (`DeviceRuntime::prepare` loads its module): nothing of it loads at its first
+//! launch. A function's convolutions are also remembered (`encode`, with the engine chosen), and
+//! its next process readies those on kiln's kernels while the function is still traced, after
+//! its units (`codegen/cuda_prefetch.rs`).
 //!
 //! In max-autotune the convolutions run tuned (`exec::execute_tuned`), as the graph's steps
 //! will: each shape's cuDNN engines are timed here, off the compile's critical path, and the
@@ -21,19 +24,21 @@
 //! on the device's stream ahead of the graph's first call, and takes there what the
 //! convolutions take in a step.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use kiln_compile::codec::{self, Reader, Writer};
 use kiln_compile::graph::{Graph, Op};
-use kiln_core::device::{runtime_for, DeviceRuntime};
+use kiln_core::device::{runtime_for, ConvUse, DeviceRuntime};
 use kiln_core::prim::Prim;
 use kiln_core::{DType, Device, Result, Tensor};
 
-/// One convolution to run: the prim, its operands' shapes and dtypes, and the device.
+/// One convolution to run: the prim, its operands' shapes and dtypes and how many times the
+/// graphs run it, the device, and whether it runs on the runtime's generated kernels.
 pub(crate) struct Conv {
-    prim: Prim,
-    operands: Vec<(Vec<usize>, DType)>,
+    conv: ConvUse,
     device: Device,
+    /// The compiled function's choice (`choose`); what a remembered line says (`encode`).
+    generated: bool,
 }
 
 impl Conv {
@@ -41,16 +46,28 @@ impl Conv {
     /// it runs on kiln's generated kernels, whose module is now loaded; false where a run is
     /// what readies it (cuDNN loads its kernels at their first run).
     fn ready(&self, rt: &dyn DeviceRuntime) -> Result<bool> {
-        let shapes: Vec<&[usize]> = self.operands.iter().map(|(s, _)| s.as_slice()).collect();
-        let dtypes: Vec<DType> = self.operands.iter().map(|&(_, d)| d).collect();
-        rt.prepare(self.device, &self.prim, &shapes, &dtypes)
+        let shapes: Vec<&[usize]> = self
+            .conv
+            .operands
+            .iter()
+            .map(|(s, _)| s.as_slice())
+            .collect();
+        let dtypes: Vec<DType> = self.conv.operands.iter().map(|&(_, d)| d).collect();
+        rt.prepare(
+            self.device,
+            &self.conv.prim,
+            &shapes,
+            &dtypes,
+            self.generated,
+        )
     }
 }
 
-/// The distinct convolutions (prim and operand shapes) `graphs` run on a device, in graph order.
+/// The distinct convolutions (prim and operand shapes) `graphs` run on a device, in graph order,
+/// each with how many times the graphs run it.
 pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
-    let mut seen: HashSet<String> = HashSet::new();
-    let mut out = Vec::new();
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut out: Vec<Conv> = Vec::new();
     for g in graphs {
         let device = g.device();
         if device == Device::Cpu {
@@ -66,16 +83,40 @@ pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
                 .iter()
                 .map(|&a| (g.nodes[a].shape.clone(), g.nodes[a].dtype))
                 .collect();
-            if seen.insert(format!("{p:?}{operands:?}")) {
+            let at = *seen.entry(format!("{p:?}{operands:?}")).or_insert_with(|| {
                 out.push(Conv {
-                    prim: p.clone(),
-                    operands,
+                    conv: ConvUse {
+                        prim: p.clone(),
+                        operands,
+                        count: 0,
+                    },
                     device,
+                    generated: false,
                 });
-            }
+                out.len() - 1
+            });
+            out[at].conv.count += 1;
         }
     }
     out
+}
+
+/// The compiled function's engine for `convs` (all on one device; not under max-autotune, which
+/// chooses per convolution by running them), marked on each: `true` where they run on the
+/// runtime's generated kernels. Decided by the runtime (`DeviceRuntime::generated_convs`,
+/// timing them if nothing was decided before); best effort: an error leaves cuDNN's.
+pub(crate) fn choose(convs: &mut [Conv]) -> bool {
+    let Some(device) = convs.first().map(|c| c.device) else {
+        return false;
+    };
+    let uses: Vec<ConvUse> = convs.iter().map(|c| c.conv.clone()).collect();
+    let generated = runtime_for("conv2d", device)
+        .and_then(|rt| rt.generated_convs(device, &uses, true))
+        .is_ok_and(|g| g == Some(true));
+    for c in convs.iter_mut() {
+        c.generated = generated;
+    }
+    generated
 }
 
 /// Runs each of `convs` once on zeros (`tuned`: as max-autotune's steps run them), stopping
@@ -95,14 +136,15 @@ pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
             continue;
         }
         let operands = c
+            .conv
             .operands
             .iter()
             .map(|(shape, dtype)| Tensor::full_on(shape, 0.0, *dtype, c.device))
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = operands.iter().collect();
         drop(match tuned {
-            true => super::exec::execute_tuned(&c.prim, &refs, c.device)?,
-            false => kiln_core::dispatch::apply_on(c.prim.clone(), &refs, c.device)?,
+            true => super::exec::execute_tuned(&c.conv.prim, &refs, c.device)?,
+            false => kiln_core::dispatch::apply_on(c.conv.prim.clone(), &refs, c.device)?,
         });
     }
     Ok(())
@@ -117,19 +159,21 @@ pub(crate) fn prepare(rt: &dyn DeviceRuntime, convs: &[Conv]) {
     }
 }
 
-/// `convs` as text, one line each: the prim and its operands' shapes and dtypes (`codec`), in
-/// hex. The device is not written: a manifest names it.
+/// `convs` as text, one line each: the prim, its operands' shapes and dtypes, and whether it
+/// runs on the runtime's generated kernels (`codec`), in hex. The device is not written: a
+/// manifest names it; nor the count, which only the choice weighs.
 pub(crate) fn encode(convs: &[Conv]) -> Vec<String> {
     convs
         .iter()
         .map(|c| {
             let mut w = Writer::default();
-            codec::prim(&mut w, &c.prim, codec::Seeds::Zero);
-            w.usize(c.operands.len());
-            for (shape, dtype) in &c.operands {
+            codec::prim(&mut w, &c.conv.prim, codec::Seeds::Zero);
+            w.usize(c.conv.operands.len());
+            for (shape, dtype) in &c.conv.operands {
                 w.usizes(shape);
                 codec::dtype(&mut w, *dtype);
             }
+            w.usize(c.generated as usize);
             w.bytes.iter().map(|b| format!("{b:02x}")).collect()
         })
         .collect()
@@ -152,10 +196,19 @@ pub(crate) fn decode<'a>(lines: impl IntoIterator<Item = &'a str>, device: Devic
         let operands = (0..n)
             .map(|_| Some((r.usizes()?, codec::read_dtype(&mut r)?)))
             .collect::<Option<Vec<_>>>()?;
+        let generated = match r.usize()? {
+            0 => false,
+            1 => true,
+            _ => return None,
+        };
         r.done().then_some(Conv {
-            prim,
-            operands,
+            conv: ConvUse {
+                prim,
+                operands,
+                count: 1,
+            },
             device,
+            generated,
         })
     };
     lines.into_iter().filter_map(one).collect()
@@ -166,16 +219,29 @@ impl Conv {
     /// A stride-1, padding-1 channels-last convolution of operands `shapes` (f32) on `device`.
     pub(crate) fn of(shapes: &[&[usize]], device: Device) -> Conv {
         Conv {
-            prim: Prim::Conv2d(kiln_core::prim::ConvParams {
-                stride: [1, 1],
-                padding: [1, 1],
-                dilation: [1, 1],
-                groups: 1,
-                channels_last: true,
-            }),
-            operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
+            conv: ConvUse {
+                prim: Prim::Conv2d(kiln_core::prim::ConvParams {
+                    stride: [1, 1],
+                    padding: [1, 1],
+                    dilation: [1, 1],
+                    groups: 1,
+                    channels_last: true,
+                }),
+                operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
+                count: 1,
+            },
             device,
+            generated: false,
         }
+    }
+}
+
+#[cfg(test)]
+impl Conv {
+    /// This convolution as a function that chose kiln's generated kernels runs it.
+    pub(crate) fn on_generated(mut self) -> Conv {
+        self.generated = true;
+        self
     }
 }
 
@@ -183,14 +249,15 @@ impl Conv {
 mod tests {
     use super::*;
 
-    /// Convolutions written as lines read back as written, on the device the reader names;
-    /// damaged lines are skipped.
+    /// Convolutions written as lines read back as written, the engine chosen with them, on the
+    /// device the reader names; damaged lines are skipped.
     #[test]
     fn remembered_convolutions_read_back() {
-        let convs = [
+        let mut convs = [
             Conv::of(&[&[2, 8, 8, 16], &[32, 3, 3, 16]], Device::Cuda(0)),
             Conv::of(&[&[4, 7, 7, 64], &[64, 1, 1, 64]], Device::Cuda(0)),
         ];
+        convs[1] = Conv::of(&[&[4, 7, 7, 64], &[64, 1, 1, 64]], Device::Cuda(0)).on_generated();
         let mut lines = encode(&convs);
         lines.insert(1, "zz".into());
         lines.push(lines[0][..lines[0].len() - 2].to_string());
@@ -198,9 +265,63 @@ mod tests {
         let back = decode(lines.iter().map(String::as_str), Device::Cuda(1));
         assert_eq!(back.len(), 2);
         for (b, c) in back.iter().zip(&convs) {
-            assert_eq!(format!("{:?}", b.prim), format!("{:?}", c.prim));
-            assert_eq!(b.operands, c.operands);
+            assert_eq!(format!("{:?}", b.conv.prim), format!("{:?}", c.conv.prim));
+            assert_eq!(b.conv.operands, c.conv.operands);
             assert_eq!(b.device, Device::Cuda(1));
+            assert_eq!(b.generated, c.generated);
         }
+    }
+
+    /// A graph's convolutions are listed once per prim and operand shapes, each with how many
+    /// times the graphs run it: what the function's choice weighs them by.
+    #[test]
+    fn distinct_convolutions_are_counted() {
+        use kiln_compile::graph::Node;
+        let params = kiln_core::prim::ConvParams {
+            stride: [1, 1],
+            padding: [1, 1],
+            dilation: [1, 1],
+            groups: 1,
+            channels_last: true,
+        };
+        let device = Device::Cuda(0);
+        let input = |shape: &[usize]| Node {
+            op: Op::Input(0),
+            args: vec![],
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            grad_enabled: false,
+            requires_grad: false,
+            device,
+        };
+        let conv = |args: Vec<usize>, shape: &[usize]| Node {
+            op: Op::Prim(Prim::Conv2d(params)),
+            args,
+            shape: shape.to_vec(),
+            dtype: DType::F32,
+            grad_enabled: false,
+            requires_grad: false,
+            device,
+        };
+        let g = Graph {
+            nodes: vec![
+                input(&[2, 8, 8, 16]),
+                input(&[16, 3, 3, 16]),
+                input(&[32, 3, 3, 16]),
+                conv(vec![0, 1], &[2, 8, 8, 16]),
+                conv(vec![3, 1], &[2, 8, 8, 16]),
+                conv(vec![0, 2], &[2, 8, 8, 32]),
+                conv(vec![4, 1], &[2, 8, 8, 16]),
+            ],
+            ..Graph::default()
+        };
+        let convs = distinct(&[&g, &g]);
+        let counts: Vec<(usize, usize)> = convs
+            .iter()
+            .map(|c| (c.conv.operands[1].0[0], c.conv.count))
+            .collect();
+        // three 16-filter convolutions of one input shape, one 32-filter one, in each graph
+        assert_eq!(counts, [(16, 6), (32, 2)]);
+        assert!(convs.iter().all(|c| c.device == device && !c.generated));
     }
 }

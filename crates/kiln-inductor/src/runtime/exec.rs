@@ -4,6 +4,7 @@
 
 use std::cell::OnceCell;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kiln_compile::graph::{rand_at, Graph, NodeId, Op};
@@ -67,6 +68,10 @@ pub struct CompiledCpu {
     /// Whether extern matmuls and convolutions run by the runtime's `execute_tuned`
     /// (max-autotune's: the fastest algorithm) rather than as eager execution runs them.
     tuned: bool,
+    /// Whether convolutions run on the runtime's generated kernels (`execute_generated`): the
+    /// compiled function's choice (`DeviceRuntime::generated_convs`), shared by the graphs
+    /// compiled together and set once their compile has made it.
+    generated_convs: Arc<AtomicBool>,
 }
 
 impl CompiledCpu {
@@ -105,6 +110,7 @@ impl CompiledCpu {
             free_after,
             pool: BufferPool::default(),
             tuned: false,
+            generated_convs: Arc::default(),
         }
     }
 
@@ -112,6 +118,13 @@ impl CompiledCpu {
     /// (`DeviceRuntime::execute_tuned`) when `on`.
     pub fn with_tuned_externs(mut self, on: bool) -> Self {
         self.tuned = on;
+        self
+    }
+
+    /// The graph with its convolutions on the runtime's generated kernels when `on` holds
+    /// (read at each call; see the field).
+    pub fn with_generated_convs(mut self, on: Arc<AtomicBool>) -> Self {
+        self.generated_convs = on;
         self
     }
 
@@ -236,6 +249,11 @@ impl CompiledCpu {
                     // a device graph computes everything on its device (see `Graph::device`)
                     vals[*node] = Some(match p {
                         _ if self.tuned && tunable(&p) => execute_tuned(&p, &refs, self.device)?,
+                        _ if p.conv_params().is_some()
+                            && self.generated_convs.load(Ordering::Relaxed) =>
+                        {
+                            execute_generated(&p, &refs, self.device)?
+                        }
                         _ => apply_on(p, &refs, self.device)?,
                     });
                 }
@@ -270,10 +288,25 @@ fn tunable(p: &Prim) -> bool {
 /// `p` on `device` as its runtime runs it tuned (`DeviceRuntime::execute_tuned`). A compiled
 /// graph's step: no autograd, no interceptor, every operand already on the device.
 pub(crate) fn execute_tuned(p: &Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
+    execute_extern(p, inputs, device, true)
+}
+
+/// `execute_tuned`'s sibling: `p` (a convolution) on its runtime's generated kernels
+/// (`DeviceRuntime::execute_generated`).
+pub(crate) fn execute_generated(p: &Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
+    execute_extern(p, inputs, device, false)
+}
+
+/// `p` on `device`'s runtime, tuned or on its generated kernels.
+fn execute_extern(p: &Prim, inputs: &[&Tensor], device: Device, tuned: bool) -> Result<Tensor> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = p.infer(&shapes, &dtypes)?;
-    let buf = runtime_for(p.name(), device)?.execute_tuned(device, p, inputs, &meta)?;
+    let rt = runtime_for(p.name(), device)?;
+    let buf = match tuned {
+        true => rt.execute_tuned(device, p, inputs, &meta)?,
+        false => rt.execute_generated(device, p, inputs, &meta)?,
+    };
     Ok(Tensor::from_device_buffer(
         buf,
         Layout::contiguous(&meta.shape),

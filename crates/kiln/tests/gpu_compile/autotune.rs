@@ -13,7 +13,8 @@ use kiln::nn::{Conv2d, Conv2dConfig, Flatten, Linear, Module, ReLU, Sequential};
 use kiln::prelude::*;
 
 use super::{
-    compiled_step, cuda_randn, err, params_with_grads, randn, same, same_outputs, Outcome, CUDA,
+    compiled_step, conv_switches, cuda_randn, err, params_with_grads, randn, same, same_outputs,
+    Outcome, CUDA,
 };
 
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
@@ -294,6 +295,7 @@ pub fn max_autotune_times_convolution_engines() -> Outcome {
 /// eager within TF32's rounding whichever wins; a later scope over the same cache folder reads
 /// the five choices instead of timing.
 pub fn max_autotune_chooses_generated_or_cudnn_convolutions() -> Outcome {
+    let _switches = conv_switches();
     use kiln::cuda::conv_engine_choices;
     kiln::cuda::set_cudnn_allow_tf32(true);
     let r = (|| -> Outcome {
@@ -343,6 +345,7 @@ pub fn max_autotune_chooses_generated_or_cudnn_convolutions() -> Outcome {
 /// launches as many generated convolutions as the second (two forwards, two weight gradients,
 /// the second convolution's data gradient), none run ahead of it.
 pub fn generated_convolutions_are_loaded_not_run_by_the_warm_up() -> Outcome {
+    let _switches = conv_switches();
     use kiln::cuda::generated_convs;
     kiln::cuda::set_cudnn_allow_tf32(true);
     let r = (|| -> Outcome {
