@@ -62,14 +62,8 @@ pub(crate) fn generated_wins(
     plan: &mut dyn FnMut() -> Result<()>,
     generated: &mut dyn FnMut() -> Result<()>,
 ) -> Result<bool> {
-    let (path, sum_path) = entry(dev, spec);
-    let stored = crate::nvrtc::read_verified(&path, &sum_path);
-    let chosen = match stored.as_deref() {
-        Some(b"generated") => Some(true),
-        Some(b"cudnn") => Some(false),
-        _ => None,
-    };
-    let chosen = match chosen {
+    let entry = entry(dev, spec);
+    let chosen = match read_choice(&entry) {
         Some(g) => {
             DISK_HITS.fetch_add(1, Ordering::Relaxed);
             g
@@ -80,9 +74,7 @@ pub(crate) fn generated_wins(
             let t_plan = crate::event::time_cold(dev, TIMED_REPS, plan)?;
             let t_generated = crate::event::time_cold(dev, TIMED_REPS, generated)?;
             let g = t_generated < t_plan;
-            let word: &[u8] = if g { b"generated" } else { b"cudnn" };
-            // a folder that cannot be written only costs the next process the timing
-            let _ = crate::nvrtc::store(&path, &sum_path, word);
+            store_choice(&entry, g);
             g
         }
     };
@@ -93,6 +85,24 @@ pub(crate) fn generated_wins(
     Ok(chosen)
 }
 
+/// A choice read from its entry (`entry`): `true` for kiln's kernels; `None` where there is none,
+/// or it does not read back whole.
+fn read_choice((path, sum_path): &(PathBuf, PathBuf)) -> Option<bool> {
+    match crate::nvrtc::read_verified(path, sum_path).as_deref() {
+        Some(b"generated") => Some(true),
+        Some(b"cudnn") => Some(false),
+        _ => None,
+    }
+}
+
+/// Writes a choice to its entry; a folder that cannot be written only costs the next process the
+/// timing.
+fn store_choice((path, sum_path): &(PathBuf, PathBuf), generated: bool) {
+    let word: &[u8] = if generated { b"generated" } else { b"cudnn" };
+    let _ = crate::nvrtc::store(path, sum_path, word);
+}
+
+/// Where the choice for `spec` lives (a path and its checksum's).
 fn entry(dev: &CudaDevice, spec: &str) -> (PathBuf, PathBuf) {
     let key = crate::nvrtc::checksum(
         format!(
@@ -172,23 +182,18 @@ pub(crate) fn function_choice(
         .collect();
     lines.sort();
     let spec = format!("function\n{}", lines.join("\n"));
-    let (path, sum_path) = entry(dev, &spec);
+    let entry = entry(dev, &spec);
     // a cache scope of its own (a cold-compile measurement's) reads the disk as a new process
     let key = format!(
         "{} {}",
         kiln_core::cache::scope_id(),
-        path.to_string_lossy()
+        entry.0.to_string_lossy()
     );
-    let mut memo = FUNCTIONS.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(&g) = memo.get_or_insert_with(HashMap::new).get(&key) {
+    let memo = || FUNCTIONS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&g) = memo().get_or_insert_with(HashMap::new).get(&key) {
         return Ok(Some(g));
     }
-    let stored = match crate::nvrtc::read_verified(&path, &sum_path).as_deref() {
-        Some(b"generated") => Some(true),
-        Some(b"cudnn") => Some(false),
-        _ => None,
-    };
-    let chosen = match stored {
+    let chosen = match read_choice(&entry) {
         Some(g) => {
             FUNCTIONS_FROM_DISK.fetch_add(1, Ordering::Relaxed);
             g
@@ -212,16 +217,14 @@ pub(crate) fn function_choice(
                 .unwrap_or_else(|e| e.into_inner())
                 .push((takes.len(), cudnn, generated));
             FUNCTIONS_TIMED.fetch_add(1, Ordering::Relaxed);
-            let word: &[u8] = if g { b"generated" } else { b"cudnn" };
-            // a folder that cannot be written only costs the next process the timing
-            let _ = crate::nvrtc::store(&path, &sum_path, word);
+            store_choice(&entry, g);
             g
         }
     };
     if chosen {
         FUNCTIONS_GENERATED.fetch_add(1, Ordering::Relaxed);
     }
-    memo.get_or_insert_with(HashMap::new).insert(key, chosen);
+    memo().get_or_insert_with(HashMap::new).insert(key, chosen);
     Ok(Some(chosen))
 }
 

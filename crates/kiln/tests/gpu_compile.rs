@@ -48,6 +48,27 @@ fn conv_switches() -> std::sync::MutexGuard<'static, ()> {
     CONV_SWITCHES.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Each output of `got` within `tol` of `want`'s, relative to `want`'s largest element: a tuned
+/// GEMM sums in its algorithm's order, and an element whose terms cancel carries the rounding of
+/// the largest terms.
+fn close_to_largest(what: &str, got: &[Tensor], want: &[Tensor], tol: f64) -> Outcome {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.to_vec_f64().map_err(err)?, w.to_vec_f64().map_err(err)?);
+        let largest = w.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let worst = g
+            .iter()
+            .zip(&w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f64, f64::max);
+        if g.len() != w.len() || worst > tol * largest {
+            return Err(format!(
+                "{what} output {i}: differs by {worst:e} (largest {largest:e}, tolerance {tol:e})"
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn err(e: kiln::Error) -> String {
     e.to_string()
 }

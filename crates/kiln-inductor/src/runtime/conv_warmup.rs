@@ -276,7 +276,7 @@ mod tests {
     /// times the graphs run it: what the function's choice weighs them by.
     #[test]
     fn distinct_convolutions_are_counted() {
-        use kiln_compile::graph::Node;
+        use crate::test_graphs::{input, push};
         let params = kiln_core::prim::ConvParams {
             stride: [1, 1],
             padding: [1, 1],
@@ -284,37 +284,17 @@ mod tests {
             groups: 1,
             channels_last: true,
         };
-        let device = Device::Cuda(0);
-        let input = |shape: &[usize]| Node {
-            op: Op::Input(0),
-            args: vec![],
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device,
-        };
-        let conv = |args: Vec<usize>, shape: &[usize]| Node {
-            op: Op::Prim(Prim::Conv2d(params)),
-            args,
-            shape: shape.to_vec(),
-            dtype: DType::F32,
-            grad_enabled: false,
-            requires_grad: false,
-            device,
-        };
-        let g = Graph {
-            nodes: vec![
-                input(&[2, 8, 8, 16]),
-                input(&[16, 3, 3, 16]),
-                input(&[32, 3, 3, 16]),
-                conv(vec![0, 1], &[2, 8, 8, 16]),
-                conv(vec![3, 1], &[2, 8, 8, 16]),
-                conv(vec![0, 2], &[2, 8, 8, 32]),
-                conv(vec![4, 1], &[2, 8, 8, 16]),
-            ],
-            ..Graph::default()
-        };
+        let conv = Op::Prim(Prim::Conv2d(params));
+        let mut g = Graph::default();
+        let x = input(&mut g, &[2, 8, 8, 16]);
+        let (w16, w32) = (
+            input(&mut g, &[16, 3, 3, 16]),
+            input(&mut g, &[32, 3, 3, 16]),
+        );
+        let y = push(&mut g, conv.clone(), vec![x, w16], &[2, 8, 8, 16]);
+        let z = push(&mut g, conv.clone(), vec![y, w16], &[2, 8, 8, 16]);
+        push(&mut g, conv.clone(), vec![x, w32], &[2, 8, 8, 32]);
+        push(&mut g, conv, vec![z, w16], &[2, 8, 8, 16]);
         let convs = distinct(&[&g, &g]);
         let counts: Vec<(usize, usize)> = convs
             .iter()
@@ -322,6 +302,8 @@ mod tests {
             .collect();
         // three 16-filter convolutions of one input shape, one 32-filter one, in each graph
         assert_eq!(counts, [(16, 6), (32, 2)]);
-        assert!(convs.iter().all(|c| c.device == device && !c.generated));
+        assert!(convs
+            .iter()
+            .all(|c| c.device == Device::Cuda(0) && !c.generated));
     }
 }

@@ -13,8 +13,8 @@ use kiln::nn::{Conv2d, Conv2dConfig, Flatten, Linear, Module, ReLU, Sequential};
 use kiln::prelude::*;
 
 use super::{
-    compiled_step, conv_switches, cuda_randn, err, params_with_grads, randn, same, same_outputs,
-    Outcome, CUDA,
+    close_to_largest, compiled_step, conv_switches, cuda_randn, err, params_with_grads, randn,
+    same, same_outputs, Outcome, CUDA,
 };
 
 fn chain(x: &[Tensor]) -> Result<Vec<Tensor>> {
@@ -138,27 +138,6 @@ fn gemms(x: &[Tensor]) -> Result<Vec<Tensor>> {
     let y = h.matmul(&x[2].t()?)?;
     let z = x[3].matmul(&x[4].transpose(-1, -2)?)?;
     Ok(vec![y, z])
-}
-
-/// Each output of `got` within `tol` of `want`'s, relative to `want`'s largest element: a tuned
-/// GEMM sums in its algorithm's order, and an element whose terms cancel carries the rounding of
-/// the largest terms.
-fn close_to_largest(what: &str, got: &[Tensor], want: &[Tensor], tol: f64) -> Outcome {
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let (g, w) = (g.to_vec_f64().map_err(err)?, w.to_vec_f64().map_err(err)?);
-        let largest = w.iter().fold(0f64, |m, v| m.max(v.abs()));
-        let worst = g
-            .iter()
-            .zip(&w)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f64, f64::max);
-        if g.len() != w.len() || worst > tol * largest {
-            return Err(format!(
-                "{what} output {i}: differs by {worst:e} (largest {largest:e}, tolerance {tol:e})"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// Three calls of `gemms` compiled in `mode` against eager, to rounding (`close_to_largest`).

@@ -8,7 +8,7 @@ use kiln::cuda::{function_choices, generated_convs};
 use kiln::inductor::{cache_dir, with_fresh_cache};
 use kiln::prelude::*;
 
-use super::{conv_switches, err, randn, Outcome, CUDA};
+use super::{close_to_largest, conv_switches, err, randn, Outcome, CUDA};
 
 /// How many convolutions `many_convs` runs: each of its own input channels, so all distinct,
 /// more than the fewest a function's choice times (64).
@@ -51,25 +51,6 @@ fn launched(compiled: &kiln::CompiledFn<'_>, x: &[Tensor]) -> Result<(usize, Vec
     Ok((generated_convs() - before, out))
 }
 
-/// Every output within `tol` of eager's, relative to eager's largest magnitude.
-fn near(what: &str, got: &[Tensor], want: &[Tensor], tol: f64) -> Outcome {
-    for (g, w) in got.iter().zip(want) {
-        let (g, w) = (g.to_vec_f64().map_err(err)?, w.to_vec_f64().map_err(err)?);
-        let largest = w.iter().fold(0f64, |m, v| m.max(v.abs()));
-        let worst = g
-            .iter()
-            .zip(&w)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f64, f64::max);
-        if g.len() != w.len() || worst > tol * largest {
-            return Err(format!(
-                "{what}: differs by {worst:e} (largest {largest:e}, tolerance {tol:e})"
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// A function of 66 distinct convolutions is timed once on both engines at its compile and runs
 /// all of them on the engine chosen (66 generated launches a call, or none), equal to eager
 /// within TF32's rounding; a new scope over the same cache folder reads the choice back and
@@ -87,7 +68,7 @@ pub fn default_mode_chooses_one_convolution_engine_per_function() -> Outcome {
             let (timed, chose, read) = function_choices();
             let compiled = kiln::compile_fn(many_convs, opts()).map_err(err)?;
             let (_, first) = launched(&compiled, &x).map_err(err)?;
-            near("first call", &first, &want, 5e-3)?;
+            close_to_largest("first call", &first, &want, 5e-3)?;
             let (timed_now, chose_now, _) = function_choices();
             if timed_now != timed + 1 {
                 return Err(format!(
@@ -97,7 +78,7 @@ pub fn default_mode_chooses_one_convolution_engine_per_function() -> Outcome {
             }
             let generated = chose_now == chose + 1;
             let (n, second) = launched(&compiled, &x).map_err(err)?;
-            near("second call", &second, &want, 5e-3)?;
+            close_to_largest("second call", &second, &want, 5e-3)?;
             let want_n = if generated { CONVS } else { 0 };
             eprintln!(
                 "conv engine: {} ({:?} ms on cuDNN and kiln's)",
@@ -115,7 +96,7 @@ pub fn default_mode_chooses_one_convolution_engine_per_function() -> Outcome {
                 launched(&compiled, &x)
             });
             let (n, out) = again.map_err(err)?;
-            near("new scope", &out, &want, 5e-3)?;
+            close_to_largest("new scope", &out, &want, 5e-3)?;
             let (timed_after, _, read_after) = function_choices();
             if timed_after != timed_now || read_after != read + 1 || n != want_n {
                 return Err(format!(
