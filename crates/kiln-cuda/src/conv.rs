@@ -711,3 +711,68 @@ fn new_handle(dev: &CudaDevice) -> Result<Dnn> {
         generated: HashMap::new(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conv_generated::{conv_engine, set_conv_engine, set_generated_conv};
+
+    /// Which routes take kiln's kernels under each engine: a forced engine holds for every route
+    /// (cuDNN's over a compiled function's choice), `Auto` takes them only where a compiled
+    /// function chose them; `set_generated_conv(false)` is `Auto`.
+    #[test]
+    fn each_engine_routes_convolutions() {
+        let routes = [Route::Eager, Route::Tuned, Route::Generated];
+        for (engine, takes) in [
+            (ConvEngine::Auto, [false, false, true]),
+            (ConvEngine::Cudnn, [false; 3]),
+            (ConvEngine::Generated, [true; 3]),
+        ] {
+            set_conv_engine(engine);
+            assert_eq!(conv_engine(), engine);
+            assert_eq!(routes.map(Route::takes_generated), takes, "{engine:?}");
+        }
+        set_generated_conv(true);
+        assert_eq!(conv_engine(), ConvEngine::Generated);
+        set_generated_conv(false);
+        assert_eq!(conv_engine(), ConvEngine::Auto);
+    }
+
+    /// What a compiled function's choice counts (`generated_can_take`): channels-last f32
+    /// convolutions with TF32 allowed (the default), forward and both gradients; not f64, not an
+    /// empty one, not NCHW.
+    #[test]
+    fn generated_kernels_take_channels_last_f32_convolutions() {
+        let p = |channels_last| ConvParams {
+            stride: [1, 1],
+            padding: [1, 1],
+            dilation: [1, 1],
+            groups: 1,
+            channels_last,
+        };
+        // channels-last operands in NHWC order: x [2, 8, 8, 16], w [32, 3, 3, 16]
+        let (x, w, y): (&[usize], &[usize], &[usize]) =
+            (&[2, 8, 8, 16], &[32, 3, 3, 16], &[2, 8, 8, 32]);
+        let f32s = [DType::F32; 2];
+        let forward = Prim::Conv2d(p(true));
+        let data = Prim::Conv2dGradInput {
+            params: p(true),
+            input_shape: [2, 8, 8, 16],
+        };
+        let weight = Prim::Conv2dGradWeight {
+            params: p(true),
+            weight_shape: [32, 3, 3, 16],
+        };
+        assert!(generated_can_take(&forward, &[x, w], &f32s));
+        assert!(generated_can_take(&data, &[y, w], &f32s));
+        assert!(generated_can_take(&weight, &[y, x], &f32s));
+        assert!(!generated_can_take(&forward, &[x, w], &[DType::F64; 2]));
+        assert!(!generated_can_take(&forward, &[&[0, 8, 8, 16], w], &f32s));
+        let nchw: (&[usize], &[usize]) = (&[2, 16, 8, 8], &[32, 16, 3, 3]);
+        assert!(!generated_can_take(
+            &Prim::Conv2d(p(false)),
+            &[nchw.0, nchw.1],
+            &f32s
+        ));
+    }
+}
