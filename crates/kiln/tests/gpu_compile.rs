@@ -40,8 +40,8 @@ type Outcome = std::result::Result<(), String>;
 type Check = fn() -> Outcome;
 
 /// Held by the tests that switch cuDNN's TF32 or the convolution engine (process-wide switches,
-/// `kiln_core::backends`) for as long as they count what ran on which engine, so that one does
-/// not switch them back under another running beside it.
+/// `kiln_core::backends`) or count what ran on which engine, so that one does not switch them
+/// back, or launch generated convolutions, under another running beside it.
 static CONV_SWITCHES: Mutex<()> = Mutex::new(());
 
 fn conv_switches() -> std::sync::MutexGuard<'static, ()> {

@@ -232,6 +232,8 @@ fn conv_step(m: &Sequential, mode: Option<Mode>, x: &Tensor) -> Result<Vec<Tenso
 /// rounding, writes the chosen plans, and a later scope over the same cache folder (a new
 /// process's view) reads them instead of timing.
 pub fn max_autotune_times_convolution_engines() -> Outcome {
+    // TF32 off throughout: its five timed plans are the strict-f32 ones, its tolerance 1e-5
+    let _switches = conv_switches();
     use kiln::cuda::{cudnn_plan_disk_hits, cudnn_plans_timed};
     let m = conv_net().map_err(err)?;
     let x = randn(&[4, 3, 8, 8], 77)

@@ -7,7 +7,7 @@
 use kiln::core::RunningStats;
 use kiln::prelude::*;
 
-use super::{close, err, randn, Outcome, CUDA};
+use super::{close, conv_switches, err, randn, Outcome, CUDA};
 
 /// `relu(bn(conv(relu(bn(conv(x))))) + x)`, eval mode; `p`: x, two weights, two batch norms'
 /// mean, var, weight and bias.
@@ -46,6 +46,7 @@ fn inputs(seed: u64, dtype: DType) -> Result<Vec<Tensor>> {
 /// The block in max-autotune makes fused cuDNN plans (two per distinct block) and equals eager;
 /// the default mode makes none.
 pub fn conv_epilogues_in_max_autotune() -> Outcome {
+    let _switches = conv_switches();
     // (mode, dtype, TF32, fused plans expected, tolerance)
     let cases = [
         (Mode::MaxAutotune, DType::F32, true, true, 5e-3),

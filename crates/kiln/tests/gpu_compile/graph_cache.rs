@@ -8,7 +8,7 @@ use kiln::compiler::disk_cache;
 use kiln::nn::{BatchNorm2d, Conv2d, Conv2dConfig, Flatten, Linear, Module, ReLU, Sequential};
 use kiln::prelude::*;
 
-use super::{err, randn, Outcome, CUDA};
+use super::{conv_switches, err, randn, Outcome, CUDA};
 
 fn model() -> Result<Sequential> {
     let mut m = Sequential::new()
@@ -50,6 +50,8 @@ pub fn plans_read_back_from_disk() -> Outcome {
     if !disk_cache::enabled() {
         return Ok(());
     }
+    // its two steps compare bit for bit: cuDNN's TF32 must not change between them
+    let _switches = conv_switches();
     let m = model().map_err(err)?;
     let mut state = kiln::nn::StateDict::new();
     for (k, t) in m.state_dict().iter() {
