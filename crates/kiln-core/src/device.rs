@@ -23,6 +23,22 @@ pub struct ConvUse {
     pub count: usize,
 }
 
+/// How a compiled graph's extern step asks its runtime to run a prim
+/// (`DeviceRuntime::execute_routed`, `prepare`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// As eager execution runs it (`execute`).
+    Eager,
+    /// As max-autotune's steps run their GEMMs and convolutions: the runtime may time its
+    /// implementations of the prim at a shape's first call and keep the fastest (kiln-cuda:
+    /// cuBLAS's and cuBLASLt's GEMM algorithms, cuDNN's engines, kiln's generated
+    /// convolutions). The result may then differ from `execute`'s by rounding.
+    Tuned,
+    /// A convolution of a compiled function that chose the runtime's own generated kernels
+    /// (`DeviceRuntime::generated_convs`).
+    Generated,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     #[default]
@@ -148,38 +164,39 @@ pub trait DeviceRuntime: Send + Sync + 'static {
         let _ = (device, prim, operand);
         false
     }
-    /// `execute` as a graph compiled in max-autotune runs it (kiln-inductor's executor calls it
-    /// for its GEMMs and convolutions): a runtime may time its implementations of the prim at
-    /// the first call of a shape and keep the fastest (kiln-cuda: cuBLAS's and cuBLASLt's GEMM
-    /// algorithms, cuDNN's engines). The result may then differ from `execute`'s by rounding.
-    fn execute_tuned(
+    /// `execute` as a compiled graph's extern step asks for it (`Route`): tuned, as max-autotune
+    /// runs its GEMMs and convolutions, or a convolution on the runtime's generated kernels.
+    /// The default runs it as `execute` does.
+    fn execute_routed(
         &self,
         device: Device,
         prim: &Prim,
         inputs: &[&Tensor],
         meta: &OutMeta,
+        route: Route,
     ) -> Result<Arc<dyn DeviceBuffer>> {
+        let _ = route;
         self.execute(device, prim, inputs, meta)
     }
-    /// Readies `prim` on `device` for operands of `shapes` and `dtypes` without running it:
-    /// loads what its first execution would. `generated`: it will run as `execute_generated`
-    /// runs it. `true` when that is all a first execution would load (kiln-cuda: a convolution
-    /// on kiln's generated kernels, whose module it loads), so a warm-up need not run it; `false`
-    /// (the default) when only running it readies it (cuDNN loads its engines' kernels at their
-    /// first launch).
+    /// Readies `prim` on `device` for operands of `shapes` and `dtypes` without running it, as
+    /// `execute_routed` will run it by `route`: loads what its first execution would. `true`
+    /// when that is all a first execution would load (kiln-cuda: a convolution on kiln's
+    /// generated kernels, whose module it loads), so a warm-up need not run it; `false` (the
+    /// default) when only running it readies it (cuDNN loads its engines' kernels at their first
+    /// launch).
     fn prepare(
         &self,
         device: Device,
         prim: &Prim,
         shapes: &[&[usize]],
         dtypes: &[DType],
-        generated: bool,
+        route: Route,
     ) -> Result<bool> {
-        let _ = (device, prim, shapes, dtypes, generated);
+        let _ = (device, prim, shapes, dtypes, route);
         Ok(false)
     }
     /// Whether a compiled function whose convolutions are `convs` runs them on the runtime's
-    /// own generated kernels (`execute_generated`) rather than as `execute` does (the default:
+    /// own generated kernels (`Route::Generated`) rather than as `execute` does (the default:
     /// `Some(false)`). kiln-cuda decides once per function and remembers it on disk; `time`:
     /// whether it may time the convolutions now to decide (a compile may, a prefetch ahead of
     /// the trace's end may not: `None` where nothing is decided yet).
@@ -191,17 +208,6 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     ) -> Result<Option<bool>> {
         let _ = (device, convs, time);
         Ok(Some(false))
-    }
-    /// `execute` as a compiled function whose convolutions run on the runtime's generated kernels
-    /// (`generated_convs`) runs a convolution.
-    fn execute_generated(
-        &self,
-        device: Device,
-        prim: &Prim,
-        inputs: &[&Tensor],
-        meta: &OutMeta,
-    ) -> Result<Arc<dyn DeviceBuffer>> {
-        self.execute(device, prim, inputs, meta)
     }
     /// Writes `src`'s elements into the positions `dst` addresses (same device, shape, dtype).
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, Once};
 
 use cudarc::cudnn::{result as dnn, sys as dsys};
 use kiln_core::backends::{self, Switch};
-use kiln_core::device::DeviceBuffer;
+use kiln_core::device::{DeviceBuffer, Route};
 use kiln_core::prim::{ConvEpilogue, ConvParams, OutMeta, Prim};
 use kiln_core::{DType, Device, Error, Result, Tensor};
 
@@ -240,21 +240,16 @@ pub(crate) fn generated_can_take(prim: &Prim, shapes: &[&[usize]], dtypes: &[DTy
 }
 
 /// Loads the generated kernel the convolution `prim` would run on, without running it (the
-/// runtime's `prepare`): `true` where it runs on kiln's generated kernels (`ConvEngine`, or
-/// `generated`: a compiled function chose them; max-autotune's choices are made by running),
-/// `false` where cuDNN would take it.
+/// runtime's `prepare`): `true` where `route` sends it to kiln's generated kernels (`take`;
+/// max-autotune's choices are made by running), `false` where cuDNN would take it.
 pub(crate) fn prepare(
     dev: &Arc<CudaDevice>,
     prim: &Prim,
     shapes: &[&[usize]],
     dtypes: &[DType],
-    generated: bool,
+    route: Route,
 ) -> Result<bool> {
-    let route = match generated {
-        true => Route::Generated,
-        false => Route::Eager,
-    };
-    if !route.takes_generated() {
+    if take(route) != Take::Generated {
         return Ok(false);
     }
     let meta = prim.infer(shapes, dtypes)?;
@@ -272,28 +267,24 @@ pub(crate) fn prepare(
     Ok(true)
 }
 
-/// How a convolution is asked to run.
+/// Which engine takes a convolution (where kiln's generated kernels can run it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Route {
-    /// As eager execution runs it: on the engine `conv_engine` names (cuDNN under `Auto`).
-    Eager,
-    /// As max-autotune's steps run it: cuDNN's timed plans or kiln's generated kernel, whichever
-    /// ran faster (`conv_choice::generated_wins`).
-    Tuned,
-    /// As a compiled function that chose kiln's generated kernels runs it
-    /// (`conv_choice::function_choice`), unless `ConvEngine::Cudnn` holds.
+enum Take {
+    Cudnn,
     Generated,
+    /// The faster of cuDNN's plan and kiln's kernel (`conv_choice::generated_wins`).
+    Faster,
 }
 
-impl Route {
-    /// Whether a convolution asked to run this way runs on kiln's generated kernels where they
-    /// can take it (`Tuned`: where they also time faster).
-    fn takes_generated(self) -> bool {
-        match crate::conv_generated::conv_engine() {
-            ConvEngine::Generated => true,
-            ConvEngine::Cudnn => false,
-            ConvEngine::Auto => self == Route::Generated,
-        }
+/// Which engine takes a convolution asked to run by `route`, under the engine `conv_engine`
+/// names: a forced engine holds for every route (cuDNN's over a compiled function's choice);
+/// under `Auto` eager convolutions run on cuDNN, max-autotune's on the faster, and a compiled
+/// function's on kiln's kernels where it chose them.
+fn take(route: Route) -> Take {
+    match (crate::conv_generated::conv_engine(), route) {
+        (ConvEngine::Generated, _) | (ConvEngine::Auto, Route::Generated) => Take::Generated,
+        (ConvEngine::Cudnn, _) | (ConvEngine::Auto, Route::Eager) => Take::Cudnn,
+        (ConvEngine::Auto, Route::Tuned) => Take::Faster,
     }
 }
 
@@ -326,12 +317,12 @@ pub(crate) fn run(
         zero(dev, &out)?;
         return Ok(Some(Arc::new(out)));
     }
-    // kiln's generated kernel: where the route takes it, or where max-autotune times it faster
-    let generated_route = route.takes_generated();
-    let tuned = route == Route::Tuned && crate::conv_generated::conv_engine() != ConvEngine::Cudnn;
-    let eligible = (generated_route || tuned)
+    // kiln's generated kernel: where the route sends it there, or where max-autotune times it
+    // faster
+    let take = take(route);
+    let eligible = take != Take::Cudnn
         && crate::conv_generated::eligible(dtype, p, [x, w, y], epilogue.is_some());
-    if eligible && generated_route {
+    if eligible && take == Take::Generated {
         generated(dev, kind, p, [x, w, y], inputs, &out)?;
         return Ok(Some(Arc::new(out)));
     }
@@ -717,20 +708,23 @@ mod tests {
     use super::*;
     use crate::conv_generated::{conv_engine, set_conv_engine, set_generated_conv};
 
-    /// Which routes take kiln's kernels under each engine: a forced engine holds for every route
-    /// (cuDNN's over a compiled function's choice), `Auto` takes them only where a compiled
-    /// function chose them; `set_generated_conv(false)` is `Auto`.
+    /// Which engine takes each route's convolutions under each engine setting: a forced engine
+    /// holds for every route (cuDNN's over a compiled function's choice), `Auto` takes kiln's
+    /// kernels only where a compiled function chose them; `set_generated_conv(false)` is `Auto`.
     #[test]
     fn each_engine_routes_convolutions() {
         let routes = [Route::Eager, Route::Tuned, Route::Generated];
         for (engine, takes) in [
-            (ConvEngine::Auto, [false, false, true]),
-            (ConvEngine::Cudnn, [false; 3]),
-            (ConvEngine::Generated, [true; 3]),
+            (
+                ConvEngine::Auto,
+                [Take::Cudnn, Take::Faster, Take::Generated],
+            ),
+            (ConvEngine::Cudnn, [Take::Cudnn; 3]),
+            (ConvEngine::Generated, [Take::Generated; 3]),
         ] {
             set_conv_engine(engine);
             assert_eq!(conv_engine(), engine);
-            assert_eq!(routes.map(Route::takes_generated), takes, "{engine:?}");
+            assert_eq!(routes.map(take), takes, "{engine:?}");
         }
         set_generated_conv(true);
         assert_eq!(conv_engine(), ConvEngine::Generated);

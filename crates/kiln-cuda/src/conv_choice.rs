@@ -30,10 +30,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kiln_core::device::ConvUse;
+use kiln_core::device::{ConvUse, Route};
 use kiln_core::{profiler, DType, Result, Tensor};
 
-use crate::conv::Route;
 use crate::conv_generated::ConvEngine;
 use crate::device::CudaDevice;
 

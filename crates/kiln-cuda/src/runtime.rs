@@ -5,7 +5,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
 use kiln_core::device::{
-    BuiltUnits, ConvUse, DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime,
+    BuiltUnits, ConvUse, DeviceBuffer, DeviceGraph, DeviceKernel, DeviceRuntime, Route,
 };
 use kiln_core::prim::{OutMeta, Prim, ReduceOp};
 use kiln_core::shape::Layout;
@@ -13,7 +13,6 @@ use kiln_core::storage::CpuStorage;
 use kiln_core::{DType, Device, Error, Result, Tensor};
 
 use crate::buffer::CudaBuffer;
-use crate::conv::Route;
 use crate::device::CudaDevice;
 use crate::generated::GeneratedKernel;
 use crate::kernels::elementwise::{self as ew, Scalars};
@@ -100,7 +99,7 @@ fn f64_moment_sums(
 impl CudaRuntime {
     /// `prim` on `device`, its GEMMs and convolutions as max-autotune's (`matmul_tune.rs`,
     /// `conv_graph.rs`'s timed plans) when `route` is `Tuned`, its convolutions on kiln's kernels
-    /// when it is `Generated` (`conv::Route`).
+    /// when it is `Generated` (`conv::run`).
     fn run(
         &self,
         device: Device,
@@ -295,10 +294,10 @@ impl DeviceRuntime for CudaRuntime {
         prim: &Prim,
         shapes: &[&[usize]],
         dtypes: &[DType],
-        generated: bool,
+        route: Route,
     ) -> Result<bool> {
         let dev = CudaDevice::get(ordinal("cuda", device)?)?;
-        crate::conv::prepare(&dev, prim, shapes, dtypes, generated)
+        crate::conv::prepare(&dev, prim, shapes, dtypes, route)
     }
 
     fn generated_convs(
@@ -311,24 +310,15 @@ impl DeviceRuntime for CudaRuntime {
         crate::conv_choice::function_choice(&dev, convs, time)
     }
 
-    fn execute_generated(
+    fn execute_routed(
         &self,
         device: Device,
         prim: &Prim,
         inputs: &[&Tensor],
         meta: &OutMeta,
+        route: Route,
     ) -> Result<Arc<dyn DeviceBuffer>> {
-        self.run(device, prim, inputs, meta, Route::Generated)
-    }
-
-    fn execute_tuned(
-        &self,
-        device: Device,
-        prim: &Prim,
-        inputs: &[&Tensor],
-        meta: &OutMeta,
-    ) -> Result<Arc<dyn DeviceBuffer>> {
-        self.run(device, prim, inputs, meta, Route::Tuned)
+        self.run(device, prim, inputs, meta, route)
     }
 
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()> {

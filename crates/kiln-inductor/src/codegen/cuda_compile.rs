@@ -393,7 +393,7 @@ fn prepare(
 
 /// The executor of a prepared graph on `device`, its kernels taken from `loaded` (by name);
 /// recorded as a CUDA graph with `flags.cuda_graphs`; with `flags.autotune` its GEMMs run tuned
-/// (`DeviceRuntime::execute_tuned`: the fastest of cuBLAS's and cuBLASLt's algorithms).
+/// (`Route::Tuned`: the fastest of cuBLAS's and cuBLASLt's algorithms).
 fn finish(
     p: Prepared,
     loaded: &HashMap<String, Arc<dyn DeviceKernel>>,

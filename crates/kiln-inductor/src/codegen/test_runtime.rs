@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use kiln_core::device::{BuiltUnits, DeviceBuffer, DeviceKernel, DeviceRuntime};
+use kiln_core::device::{BuiltUnits, DeviceBuffer, DeviceKernel, DeviceRuntime, Route};
 use kiln_core::prim::{OutMeta, Prim};
 use kiln_core::shape::Layout;
 use kiln_core::storage::CpuStorage;
@@ -104,8 +104,9 @@ impl DeviceRuntime for Units {
         _: &Prim,
         shapes: &[&[usize]],
         _: &[DType],
-        generated: bool,
+        route: Route,
     ) -> Result<bool> {
+        let generated = route == Route::Generated;
         let prefetched = self.prefetched.lock().unwrap().len();
         let shapes = shapes.iter().map(|s| s.to_vec()).collect();
         self.prepared

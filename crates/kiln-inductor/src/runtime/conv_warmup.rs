@@ -14,7 +14,7 @@
 //! its next process readies those on kiln's kernels while the function is still traced, after
 //! its units (`codegen/cuda_prefetch.rs`).
 //!
-//! In max-autotune the convolutions run tuned (`exec::execute_tuned`), as the graph's steps
+//! In max-autotune the convolutions run tuned (`exec::execute_routed`, `Route::Tuned`), as the graph's steps
 //! will: each shape's cuDNN engines are timed here, off the compile's critical path, and the
 //! graph's first call (or its CUDA graph's recording, when nothing can be timed) finds the
 //! fastest plan chosen.
@@ -28,7 +28,7 @@ use std::collections::HashMap;
 
 use kiln_compile::codec::{self, Reader, Writer};
 use kiln_compile::graph::{Graph, Op};
-use kiln_core::device::{runtime_for, ConvUse, DeviceRuntime};
+use kiln_core::device::{runtime_for, ConvUse, DeviceRuntime, Route};
 use kiln_core::prim::Prim;
 use kiln_core::{DType, Device, Result, Tensor};
 
@@ -53,13 +53,11 @@ impl Conv {
             .map(|(s, _)| s.as_slice())
             .collect();
         let dtypes: Vec<DType> = self.conv.operands.iter().map(|&(_, d)| d).collect();
-        rt.prepare(
-            self.device,
-            &self.conv.prim,
-            &shapes,
-            &dtypes,
-            self.generated,
-        )
+        let route = match self.generated {
+            true => Route::Generated,
+            false => Route::Eager,
+        };
+        rt.prepare(self.device, &self.conv.prim, &shapes, &dtypes, route)
     }
 }
 
@@ -143,7 +141,7 @@ pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
             .collect::<Result<Vec<_>>>()?;
         let refs: Vec<&Tensor> = operands.iter().collect();
         drop(match tuned {
-            true => super::exec::execute_tuned(&c.conv.prim, &refs, c.device)?,
+            true => super::exec::execute_routed(&c.conv.prim, &refs, c.device, Route::Tuned)?,
             false => kiln_core::dispatch::apply_on(c.conv.prim.clone(), &refs, c.device)?,
         });
     }

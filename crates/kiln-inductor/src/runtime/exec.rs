@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use kiln_compile::graph::{rand_at, Graph, NodeId, Op};
 use kiln_compile::CompiledGraph;
-use kiln_core::device::{runtime_for, DeviceKernel};
+use kiln_core::device::{runtime_for, DeviceKernel, Route};
 use kiln_core::dispatch::apply_on;
 use kiln_core::ops::default_draw;
 use kiln_core::prim::Prim;
@@ -65,10 +65,10 @@ pub struct CompiledCpu {
     /// For each step, the values no later step reads.
     pub free_after: Vec<Vec<NodeId>>,
     pool: BufferPool,
-    /// Whether extern matmuls and convolutions run by the runtime's `execute_tuned`
-    /// (max-autotune's: the fastest algorithm) rather than as eager execution runs them.
+    /// Whether extern matmuls and convolutions run tuned (`Route::Tuned`: max-autotune's, the
+    /// fastest algorithm) rather than as eager execution runs them.
     tuned: bool,
-    /// Whether convolutions run on the runtime's generated kernels (`execute_generated`): the
+    /// Whether convolutions run on the runtime's generated kernels (`Route::Generated`): the
     /// compiled function's choice (`DeviceRuntime::generated_convs`), shared by the graphs
     /// compiled together and set once their compile has made it.
     generated_convs: Arc<AtomicBool>,
@@ -114,8 +114,7 @@ impl CompiledCpu {
         }
     }
 
-    /// The graph with its extern matmuls and convolutions run tuned
-    /// (`DeviceRuntime::execute_tuned`) when `on`.
+    /// The graph with its extern matmuls and convolutions run tuned (`Route::Tuned`) when `on`.
     pub fn with_tuned_externs(mut self, on: bool) -> Self {
         self.tuned = on;
         self
@@ -126,6 +125,17 @@ impl CompiledCpu {
     pub fn with_generated_convs(mut self, on: Arc<AtomicBool>) -> Self {
         self.generated_convs = on;
         self
+    }
+
+    /// How extern step `p` runs: tuned, on generated kernels, or as eager execution runs it.
+    fn route(&self, p: &Prim) -> Route {
+        if self.tuned && tunable(p) {
+            Route::Tuned
+        } else if p.conv_params().is_some() && self.generated_convs.load(Ordering::Relaxed) {
+            Route::Generated
+        } else {
+            Route::Eager
+        }
     }
 
     /// The buffer kernel step `node` writes.
@@ -247,14 +257,9 @@ impl CompiledCpu {
                     let refs: Vec<&Tensor> = args.iter().collect();
                     let p = rand_at(p, seed, base);
                     // a device graph computes everything on its device (see `Graph::device`)
-                    vals[*node] = Some(match p {
-                        _ if self.tuned && tunable(&p) => execute_tuned(&p, &refs, self.device)?,
-                        _ if p.conv_params().is_some()
-                            && self.generated_convs.load(Ordering::Relaxed) =>
-                        {
-                            execute_generated(&p, &refs, self.device)?
-                        }
-                        _ => apply_on(p, &refs, self.device)?,
+                    vals[*node] = Some(match self.route(&p) {
+                        Route::Eager => apply_on(p, &refs, self.device)?,
+                        route => execute_routed(&p, &refs, self.device, route)?,
                     });
                 }
             }
@@ -285,28 +290,18 @@ fn tunable(p: &Prim) -> bool {
     ) || p.conv_params().is_some()
 }
 
-/// `p` on `device` as its runtime runs it tuned (`DeviceRuntime::execute_tuned`). A compiled
-/// graph's step: no autograd, no interceptor, every operand already on the device.
-pub(crate) fn execute_tuned(p: &Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
-    execute_extern(p, inputs, device, true)
-}
-
-/// `execute_tuned`'s sibling: `p` (a convolution) on its runtime's generated kernels
-/// (`DeviceRuntime::execute_generated`).
-pub(crate) fn execute_generated(p: &Prim, inputs: &[&Tensor], device: Device) -> Result<Tensor> {
-    execute_extern(p, inputs, device, false)
-}
-
-/// `p` on `device`'s runtime, tuned or on its generated kernels.
-fn execute_extern(p: &Prim, inputs: &[&Tensor], device: Device, tuned: bool) -> Result<Tensor> {
+/// `p` on `device` as its runtime runs it by `route` (`DeviceRuntime::execute_routed`). A
+/// compiled graph's step: no autograd, no interceptor, every operand already on the device.
+pub(crate) fn execute_routed(
+    p: &Prim,
+    inputs: &[&Tensor],
+    device: Device,
+    route: Route,
+) -> Result<Tensor> {
     let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape()).collect();
     let dtypes: Vec<DType> = inputs.iter().map(|t| t.dtype()).collect();
     let meta = p.infer(&shapes, &dtypes)?;
-    let rt = runtime_for(p.name(), device)?;
-    let buf = match tuned {
-        true => rt.execute_tuned(device, p, inputs, &meta)?,
-        false => rt.execute_generated(device, p, inputs, &meta)?,
-    };
+    let buf = runtime_for(p.name(), device)?.execute_routed(device, p, inputs, &meta, route)?;
     Ok(Tensor::from_device_buffer(
         buf,
         Layout::contiguous(&meta.shape),
