@@ -23,6 +23,27 @@ pub struct ConvUse {
     pub count: usize,
 }
 
+impl ConvUse {
+    /// Its operands' shapes, in order.
+    pub fn shapes(&self) -> Vec<&[usize]> {
+        self.operands.iter().map(|(s, _)| s.as_slice()).collect()
+    }
+
+    /// Its operands' dtypes, in order.
+    pub fn dtypes(&self) -> Vec<DType> {
+        self.operands.iter().map(|&(_, d)| d).collect()
+    }
+
+    /// Zeros of its operands' shapes and dtypes on `device`: what a warm-up or a timing runs it
+    /// on.
+    pub fn zeros_on(&self, device: Device) -> Result<Vec<Tensor>> {
+        self.operands
+            .iter()
+            .map(|(shape, dtype)| Tensor::zeros_on(shape, *dtype, device))
+            .collect()
+    }
+}
+
 /// How a compiled graph's extern step asks its runtime to run a prim
 /// (`DeviceRuntime::execute_routed`, `prepare`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -197,17 +218,11 @@ pub trait DeviceRuntime: Send + Sync + 'static {
     }
     /// Whether a compiled function whose convolutions are `convs` runs them on the runtime's
     /// own generated kernels (`Route::Generated`) rather than as `execute` does (the default:
-    /// `Some(false)`). kiln-cuda decides once per function and remembers it on disk; `time`:
-    /// whether it may time the convolutions now to decide (a compile may, a prefetch ahead of
-    /// the trace's end may not: `None` where nothing is decided yet).
-    fn generated_convs(
-        &self,
-        device: Device,
-        convs: &[ConvUse],
-        time: bool,
-    ) -> Result<Option<bool>> {
-        let _ = (device, convs, time);
-        Ok(Some(false))
+    /// `false`). kiln-cuda decides once per function, timing them if need be, and remembers it
+    /// on disk.
+    fn generated_convs(&self, device: Device, convs: &[&ConvUse]) -> Result<bool> {
+        let _ = (device, convs);
+        Ok(false)
     }
     /// Writes `src`'s elements into the positions `dst` addresses (same device, shape, dtype).
     fn assign(&self, dst: &Tensor, src: &Tensor) -> Result<()>;

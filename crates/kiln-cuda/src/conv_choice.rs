@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_core::device::{ConvUse, Route};
-use kiln_core::{profiler, DType, Result, Tensor};
+use kiln_core::{profiler, Result, Tensor};
 
 use crate::conv_generated::ConvEngine;
 use crate::device::CudaDevice;
@@ -121,7 +121,7 @@ fn entry(dev: &CudaDevice, spec: &str) -> (PathBuf, PathBuf) {
 /// step: 32, inference: 11; the whole warm start 4-11 ms on the H200), and a cold compile would
 /// spend more building kiln's kernels to time them (ResNet-18 inference's: 0.6 → 1.9 s) than a
 /// warm start could win.
-pub(crate) const MIN_DISTINCT: usize = 64;
+const MIN_DISTINCT: usize = 64;
 
 /// How much longer than cuDNN's kiln's kernels may take over a function's convolutions, timed
 /// one by one, and still take them. The timing leaves out what a step spends around them: an
@@ -132,13 +132,16 @@ pub(crate) const MIN_DISTINCT: usize = 64;
 /// 167-174 ms medians).
 const SLACK: f64 = 1.10;
 
-/// Functions decided in this process, by cache scope and entry: kiln's kernels or not.
+/// Functions decided in this process, by cache scope and entry: kiln's kernels or not. Beside
+/// the disk's entries: a cache folder that cannot be written would otherwise have every compile
+/// of the function time its convolutions again.
 static FUNCTIONS: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
 static FUNCTIONS_TIMED: AtomicUsize = AtomicUsize::new(0);
 static FUNCTIONS_GENERATED: AtomicUsize = AtomicUsize::new(0);
 static FUNCTIONS_FROM_DISK: AtomicUsize = AtomicUsize::new(0);
-/// Each timed function's distinct convolutions and milliseconds over it on cuDNN and on kiln's.
-static TIMINGS: Mutex<Vec<(usize, f64, f64)>> = Mutex::new(Vec::new());
+/// The last timed function's distinct convolutions and milliseconds over it on cuDNN and on
+/// kiln's kernels.
+static LAST_TIMING: Mutex<Option<(usize, f64, f64)>> = Mutex::new(None);
 
 /// Compiled functions' choices in this process (`function_choice`): those timed, those that
 /// took kiln's kernels (timed or read back), and those read from disk.
@@ -150,30 +153,29 @@ pub fn function_choices() -> (usize, usize, usize) {
     )
 }
 
-/// The functions this process timed (`function_choice`): each one's distinct convolutions kiln's
+/// The last function this process timed (`function_choice`): its distinct convolutions kiln's
 /// kernels can take, and milliseconds over the function on cuDNN and on kiln's kernels.
-pub fn function_choice_timings() -> Vec<(usize, f64, f64)> {
-    TIMINGS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+pub fn last_function_timing() -> Option<(usize, f64, f64)> {
+    *LAST_TIMING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Whether a compiled function whose convolutions are `convs` runs them on kiln's generated
 /// kernels (`Route::Generated`): what `ConvEngine` forces, else (`Auto`) what was decided for
-/// the same convolutions before (in this process, or on disk), else — where `time` allows —
-/// decided now by timing each convolution kiln's kernels can take on both engines (the module
-/// doc). `None`: not decided and `time` is false.
-pub(crate) fn function_choice(
-    dev: &Arc<CudaDevice>,
-    convs: &[ConvUse],
-    time: bool,
-) -> Result<Option<bool>> {
+/// the same convolutions before (in this process, or on disk), else decided now by timing each
+/// convolution kiln's kernels can take on both engines (the module doc).
+pub(crate) fn function_choice(dev: &Arc<CudaDevice>, convs: &[&ConvUse]) -> Result<bool> {
     match crate::conv_generated::conv_engine() {
-        ConvEngine::Generated => return Ok(Some(true)),
-        ConvEngine::Cudnn => return Ok(Some(false)),
+        ConvEngine::Generated => return Ok(true),
+        ConvEngine::Cudnn => return Ok(false),
         ConvEngine::Auto => {}
     }
-    let takes: Vec<&ConvUse> = convs.iter().filter(|c| generated_can_take(c)).collect();
+    let takes: Vec<&ConvUse> = convs
+        .iter()
+        .copied()
+        .filter(|c| crate::conv::generated_can_take(&c.prim, &c.shapes(), &c.dtypes()))
+        .collect();
     if takes.len() < MIN_DISTINCT {
-        return Ok(Some(false));
+        return Ok(false);
     }
     let mut lines: Vec<String> = takes
         .iter()
@@ -190,14 +192,13 @@ pub(crate) fn function_choice(
     );
     let memo = || FUNCTIONS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(&g) = memo().get_or_insert_with(HashMap::new).get(&key) {
-        return Ok(Some(g));
+        return Ok(g);
     }
     let chosen = match read_choice(&entry) {
         Some(g) => {
             FUNCTIONS_FROM_DISK.fetch_add(1, Ordering::Relaxed);
             g
         }
-        None if !time => return Ok(None),
         None => {
             let (cudnn, generated) = {
                 let _span = profiler::span(profiler::Category::Compile, || {
@@ -211,10 +212,8 @@ pub(crate) fn function_choice(
                 time_both(dev, &takes)?
             };
             let g = generated <= SLACK * cudnn;
-            TIMINGS
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((takes.len(), cudnn, generated));
+            *LAST_TIMING.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((takes.len(), cudnn, generated));
             FUNCTIONS_TIMED.fetch_add(1, Ordering::Relaxed);
             store_choice(&entry, g);
             g
@@ -224,14 +223,7 @@ pub(crate) fn function_choice(
         FUNCTIONS_GENERATED.fetch_add(1, Ordering::Relaxed);
     }
     memo().get_or_insert_with(HashMap::new).insert(key, chosen);
-    Ok(Some(chosen))
-}
-
-/// Whether kiln's kernels can run the convolution `c`.
-fn generated_can_take(c: &ConvUse) -> bool {
-    let shapes: Vec<&[usize]> = c.operands.iter().map(|(s, _)| s.as_slice()).collect();
-    let dtypes: Vec<DType> = c.operands.iter().map(|&(_, d)| d).collect();
-    crate::conv::generated_can_take(&c.prim, &shapes, &dtypes)
+    Ok(chosen)
 }
 
 /// `convs` on cuDNN and on kiln's kernels, each on zeros of its operands' shapes: milliseconds
@@ -241,15 +233,9 @@ fn time_both(dev: &Arc<CudaDevice>, convs: &[&ConvUse]) -> Result<(f64, f64)> {
     let device = kiln_core::Device::Cuda(dev.ordinal);
     let (mut cudnn, mut generated) = (0.0, 0.0);
     for c in convs {
-        let operands = c
-            .operands
-            .iter()
-            .map(|(shape, dtype)| Tensor::zeros_on(shape, *dtype, device))
-            .collect::<Result<Vec<_>>>()?;
+        let operands = c.zeros_on(device)?;
         let refs: Vec<&Tensor> = operands.iter().collect();
-        let shapes: Vec<&[usize]> = refs.iter().map(|t| t.shape()).collect();
-        let dtypes: Vec<DType> = refs.iter().map(|t| t.dtype()).collect();
-        let meta = c.prim.infer(&shapes, &dtypes)?;
+        let meta = c.prim.infer(&c.shapes(), &c.dtypes())?;
         let on = |route: Route| -> Result<bool> {
             Ok(crate::conv::run(dev, &c.prim, &refs, &meta, route)?.is_some())
         };

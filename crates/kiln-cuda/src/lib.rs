@@ -45,7 +45,7 @@ pub use conv::{
     set_cudnn_allow_tf32, set_cudnn_benchmark,
 };
 pub use conv_choice::conv_engine_choices;
-pub use conv_choice::{function_choice_timings, function_choices};
+pub use conv_choice::{function_choices, last_function_timing};
 pub use conv_generated::{
     conv_engine, generated_conv, generated_convs, hopper_convs, set_conv_engine,
     set_generated_conv, slices_read_in_place, ConvEngine,

@@ -300,14 +300,9 @@ impl DeviceRuntime for CudaRuntime {
         crate::conv::prepare(&dev, prim, shapes, dtypes, route)
     }
 
-    fn generated_convs(
-        &self,
-        device: Device,
-        convs: &[ConvUse],
-        time: bool,
-    ) -> Result<Option<bool>> {
+    fn generated_convs(&self, device: Device, convs: &[&ConvUse]) -> Result<bool> {
         let dev = CudaDevice::get(ordinal("conv2d", device)?)?;
-        crate::conv_choice::function_choice(&dev, convs, time)
+        crate::conv_choice::function_choice(&dev, convs)
     }
 
     fn execute_routed(

@@ -345,7 +345,7 @@ fn emit_conv_engine(ctx: &mut Ctx, w: &str, variant: &str) {
         generated as f64,
         "count",
     );
-    if let Some(&(n, cudnn, kiln_ms)) = kiln::cuda::function_choice_timings().last() {
+    if let Some((n, cudnn, kiln_ms)) = kiln::cuda::last_function_timing() {
         ctx.emit(w, variant, "conv_choice_distinct", n as f64, "count");
         ctx.emit(w, variant, "conv_choice_cudnn", cudnn, "ms");
         ctx.emit(w, variant, "conv_choice_generated", kiln_ms, "ms");

@@ -46,17 +46,11 @@ impl Conv {
     /// it runs on kiln's generated kernels, whose module is now loaded; false where a run is
     /// what readies it (cuDNN loads its kernels at their first run).
     fn ready(&self, rt: &dyn DeviceRuntime) -> Result<bool> {
-        let shapes: Vec<&[usize]> = self
-            .conv
-            .operands
-            .iter()
-            .map(|(s, _)| s.as_slice())
-            .collect();
-        let dtypes: Vec<DType> = self.conv.operands.iter().map(|&(_, d)| d).collect();
         let route = match self.generated {
             true => Route::Generated,
             false => Route::Eager,
         };
+        let (shapes, dtypes) = (self.conv.shapes(), self.conv.dtypes());
         rt.prepare(self.device, &self.conv.prim, &shapes, &dtypes, route)
     }
 }
@@ -102,15 +96,15 @@ pub(crate) fn distinct(graphs: &[&Graph]) -> Vec<Conv> {
 /// The compiled function's engine for `convs` (all on one device; not under max-autotune, which
 /// chooses per convolution by running them), marked on each: `true` where they run on the
 /// runtime's generated kernels. Decided by the runtime (`DeviceRuntime::generated_convs`,
-/// timing them if nothing was decided before); best effort: an error leaves cuDNN's.
+/// timing them if nothing was decided before); best effort: an error leaves the default's.
 pub(crate) fn choose(convs: &mut [Conv]) -> bool {
     let Some(device) = convs.first().map(|c| c.device) else {
         return false;
     };
-    let uses: Vec<ConvUse> = convs.iter().map(|c| c.conv.clone()).collect();
+    let uses: Vec<&ConvUse> = convs.iter().map(|c| &c.conv).collect();
     let generated = runtime_for("conv2d", device)
-        .and_then(|rt| rt.generated_convs(device, &uses, true))
-        .is_ok_and(|g| g == Some(true));
+        .and_then(|rt| rt.generated_convs(device, &uses))
+        .unwrap_or(false);
     for c in convs.iter_mut() {
         c.generated = generated;
     }
@@ -133,12 +127,7 @@ pub(crate) fn run(convs: &[Conv], tuned: bool) -> Result<()> {
         if !tuned && c.ready(runtime_for("conv2d", c.device)?.as_ref())? {
             continue;
         }
-        let operands = c
-            .conv
-            .operands
-            .iter()
-            .map(|(shape, dtype)| Tensor::full_on(shape, 0.0, *dtype, c.device))
-            .collect::<Result<Vec<_>>>()?;
+        let operands = c.conv.zeros_on(c.device)?;
         let refs: Vec<&Tensor> = operands.iter().collect();
         drop(match tuned {
             true => super::exec::execute_routed(&c.conv.prim, &refs, c.device, Route::Tuned)?,
@@ -251,11 +240,10 @@ mod tests {
     /// device the reader names; damaged lines are skipped.
     #[test]
     fn remembered_convolutions_read_back() {
-        let mut convs = [
+        let convs = [
             Conv::of(&[&[2, 8, 8, 16], &[32, 3, 3, 16]], Device::Cuda(0)),
-            Conv::of(&[&[4, 7, 7, 64], &[64, 1, 1, 64]], Device::Cuda(0)),
+            Conv::of(&[&[4, 7, 7, 64], &[64, 1, 1, 64]], Device::Cuda(0)).on_generated(),
         ];
-        convs[1] = Conv::of(&[&[4, 7, 7, 64], &[64, 1, 1, 64]], Device::Cuda(0)).on_generated();
         let mut lines = encode(&convs);
         lines.insert(1, "zz".into());
         lines.push(lines[0][..lines[0].len() - 2].to_string());

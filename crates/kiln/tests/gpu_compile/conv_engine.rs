@@ -83,7 +83,7 @@ pub fn default_mode_chooses_one_convolution_engine_per_function() -> Outcome {
             eprintln!(
                 "conv engine: {} ({:?} ms on cuDNN and kiln's)",
                 if generated { "kiln's" } else { "cuDNN" },
-                kiln::cuda::function_choice_timings().last()
+                kiln::cuda::last_function_timing()
             );
             if n != want_n {
                 return Err(format!("{n} generated convolutions a call, want {want_n}"));
