@@ -2,8 +2,9 @@
 //! holds them: TF32 for f32 matmuls (`torch.backends.cuda.matmul.allow_tf32`, off by default),
 //! TF32 for cuDNN's convolutions (`torch.backends.cudnn.allow_tf32`, on by default) and cuDNN's
 //! benchmark mode (`torch.backends.cudnn.benchmark`, off), and kiln's own: which engine runs
-//! convolutions (neither bit: a compiled function chooses, eager runs cuDNN). The CUDA runtime reads them at each call (`kiln_cuda::set_allow_tf32`
-//! and friends set them here).
+//! convolutions (`GeneratedConv` or `CudnnConv` forces one; with neither, a compiled function
+//! chooses and eager runs cuDNN). The CUDA runtime reads them at each call
+//! (`kiln_cuda::set_allow_tf32` and friends set them here).
 //!
 //! A compiled function guards on them as Dynamo's global-state guard does (`fingerprint`, in
 //! `kiln-compile/src/guards.rs`): a graph recorded for replay (reduce-overhead, max-autotune)

@@ -14,10 +14,10 @@
 //! its next process readies those on kiln's kernels while the function is still traced, after
 //! its units (`codegen/cuda_prefetch.rs`).
 //!
-//! In max-autotune the convolutions run tuned (`exec::execute_routed`, `Route::Tuned`), as the graph's steps
-//! will: each shape's cuDNN engines are timed here, off the compile's critical path, and the
-//! graph's first call (or its CUDA graph's recording, when nothing can be timed) finds the
-//! fastest plan chosen.
+//! In max-autotune the convolutions run tuned (`exec::execute_routed`, `Route::Tuned`), as the
+//! graph's steps will: each shape's cuDNN engines are timed here, off the compile's critical
+//! path, and the graph's first call (or its CUDA graph's recording, when nothing can be timed)
+//! finds the fastest plan chosen.
 //!
 //! Best effort: results are dropped, and an error (memory, an unsupported layout) only ends the
 //! warm-up; the compiled graph's own call reports whatever is really wrong. The work is queued
