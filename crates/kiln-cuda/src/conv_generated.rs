@@ -93,11 +93,6 @@ pub fn set_generated_conv(on: bool) {
     });
 }
 
-/// Whether every eligible convolution runs on kiln's generated kernels (`ConvEngine::Generated`).
-pub fn generated_conv() -> bool {
-    conv_engine() == ConvEngine::Generated
-}
-
 /// Both families' templates' hash: what a choice made by timing these kernels was made for.
 pub(crate) fn template_version() -> String {
     let (mma, hopper, wgrad) = (
@@ -109,8 +104,8 @@ pub(crate) fn template_version() -> String {
 }
 
 /// Whether the generated kernels can run a convolution of `dtype` with `p` (`x`, `w`, `y` its
-/// input, filter and output shapes in NCHW order): they do where `generated_conv` is on or a
-/// compiled function chose them, and max-autotune times them against cuDNN's plan
+/// input, filter and output shapes in NCHW order): they do where `ConvEngine::Generated` is set
+/// or a compiled function chose them, and max-autotune times them against cuDNN's plan
 /// (`conv_choice.rs`).
 pub(crate) fn eligible(
     dtype: DType,

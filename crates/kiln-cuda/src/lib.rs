@@ -47,8 +47,8 @@ pub use conv::{
 pub use conv_choice::conv_engine_choices;
 pub use conv_choice::{function_choices, last_function_timing};
 pub use conv_generated::{
-    conv_engine, generated_conv, generated_convs, hopper_convs, set_conv_engine,
-    set_generated_conv, slices_read_in_place, ConvEngine,
+    conv_engine, generated_convs, hopper_convs, set_conv_engine, set_generated_conv,
+    slices_read_in_place, ConvEngine,
 };
 pub use conv_graph::cudnn_plans_timed;
 pub use conv_plan_cache::cudnn_plan_disk_hits;
