@@ -27,6 +27,9 @@ static NEXT_TID: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     static TID: Cell<u64> = const { Cell::new(0) };
+    /// Profiles running on this thread: a profile inside another records into the outer one's
+    /// list (it would wait for its own session forever).
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
 }
 
 fn epoch() -> Instant {
@@ -161,8 +164,9 @@ pub fn prim_label(p: &Prim) -> Cow<'static, str> {
     }
 }
 
-/// Runs `f` with the profiler on and returns its result with what was recorded. Profiles do not
-/// nest: a second one waits for the first.
+/// Runs `f` with the profiler on and returns its result with what was recorded. A profile inside
+/// another on the same thread returns the spans that began within it (the outer one keeps them
+/// too); a profile on another thread waits for the running one to end.
 pub fn profile<R>(f: impl FnOnce() -> R) -> (R, Profile) {
     record(false, f)
 }
@@ -176,6 +180,9 @@ pub fn profile_synchronized<R>(f: impl FnOnce() -> R) -> (R, Profile) {
 }
 
 fn record<R>(synchronized: bool, f: impl FnOnce() -> R) -> (R, Profile) {
+    if DEPTH.get() > 0 {
+        return nested(synchronized, f);
+    }
     let _session = SESSION.lock().unwrap_or_else(|e| e.into_inner());
     epoch();
     EVENTS.lock().unwrap_or_else(|e| e.into_inner()).clear();
@@ -187,15 +194,51 @@ fn record<R>(synchronized: bool, f: impl FnOnce() -> R) -> (R, Profile) {
         fn drop(&mut self) {
             ACTIVE.store(false, Ordering::SeqCst);
             SYNCHRONIZED.store(false, Ordering::SeqCst);
+            DEPTH.set(0);
         }
     }
     let r = {
         let _stop = Stop;
+        DEPTH.set(1);
         f()
     };
     let mut events = std::mem::take(&mut *EVENTS.lock().unwrap_or_else(|e| e.into_inner()));
-    events.sort_by_key(|e| (e.thread, e.start_ns, std::cmp::Reverse(e.dur_ns)));
+    sort(&mut events);
     (r, Profile { events })
+}
+
+/// A profile inside a running one (same thread): `f` runs with spans synchronized if either
+/// asks, and the profile is the spans that began during it, which stay in the outer list.
+fn nested<R>(synchronized: bool, f: impl FnOnce() -> R) -> (R, Profile) {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SYNCHRONIZED.store(self.0, Ordering::SeqCst);
+            DEPTH.set(DEPTH.get() - 1);
+        }
+    }
+    let was = SYNCHRONIZED.load(Ordering::SeqCst);
+    let start_ns = Instant::now().saturating_duration_since(epoch()).as_nanos() as u64;
+    let r = {
+        let _restore = Restore(was);
+        SYNCHRONIZED.store(was || synchronized, Ordering::SeqCst);
+        DEPTH.set(DEPTH.get() + 1);
+        f()
+    };
+    let mut events: Vec<Event> = EVENTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .filter(|e| e.start_ns >= start_ns)
+        .cloned()
+        .collect();
+    sort(&mut events);
+    (r, Profile { events })
+}
+
+/// Per thread, by start time, an enclosing span before the spans it contains.
+fn sort(events: &mut [Event]) {
+    events.sort_by_key(|e| (e.thread, e.start_ns, std::cmp::Reverse(e.dur_ns)));
 }
 
 /// A row of the profile table: every span of one name and category.
@@ -383,6 +426,41 @@ mod tests {
         assert_eq!(rows["inner"].self_ns, 10);
         assert_eq!(rows["other thread"].self_ns, 500);
         assert_eq!(p.rows()[0].name, "other thread");
+    }
+
+    fn names(p: &Profile) -> Vec<&str> {
+        p.events.iter().map(|e| e.name.as_ref()).collect()
+    }
+
+    /// A profile inside another on one thread returns what began within it, the outer one gets
+    /// everything, and both end (it used to wait for the outer session forever); the profiler
+    /// is off after both, and a panic inside the inner one leaves it off too.
+    #[test]
+    fn a_profile_inside_another_returns_its_own_spans() {
+        let ((), outer) = profile(|| {
+            drop(span(Category::Compile, || "before".into()));
+            let ((), inner) = profile_synchronized(|| {
+                assert!(SYNCHRONIZED.load(Ordering::SeqCst));
+                drop(span(Category::Compile, || "within".into()));
+            });
+            assert!(
+                !SYNCHRONIZED.load(Ordering::SeqCst),
+                "the outer one's setting is back"
+            );
+            assert!(names(&inner).contains(&"within"));
+            assert!(!names(&inner).contains(&"before"));
+            drop(span(Category::Compile, || "after".into()));
+        });
+        for n in ["before", "within", "after"] {
+            assert!(names(&outer).contains(&n), "{n}: {:?}", names(&outer));
+        }
+        assert!(!enabled());
+        let panicked = std::panic::catch_unwind(|| {
+            profile(|| profile(|| panic!("inside")));
+        });
+        assert!(panicked.is_err());
+        assert!(!enabled());
+        assert_eq!(DEPTH.get(), 0);
     }
 
     #[test]
