@@ -3,6 +3,7 @@
 
 use kiln::prelude::*;
 use kiln::profiler::Category;
+use kiln::Profile;
 use std::sync::Mutex;
 
 /// A profile records every thread: the tests of this binary must not run side by side.
@@ -114,5 +115,41 @@ fn generated_kernels_get_their_own_rows() -> Result<()> {
         .find(|r| r.category == Category::CompiledRegion)
         .expect("a compiled-region row");
     assert!(region.total_ns >= kernel.total_ns);
+    Ok(())
+}
+
+/// A profile inside another (a library profiling its own step inside a user's profile) returns
+/// the ops run within it; the outer one sees those and its own. It used to hang: both took one
+/// session lock on the same thread.
+#[test]
+fn a_profile_inside_a_profile_sees_its_own_ops() -> Result<()> {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let x = Tensor::randn(&[8, 8], DType::F32)?;
+    let (r, outer) = kiln::profile(|| -> Result<Profile> {
+        let _ = x.exp()?;
+        let (r, inner) = kiln::profile(|| x.matmul(&x));
+        r?;
+        let _ = x.tanh()?;
+        Ok(inner)
+    });
+    let inner = r?;
+    let ops = |p: &Profile| -> Vec<String> {
+        p.rows()
+            .into_iter()
+            .filter(|r| r.category == Category::Op)
+            .map(|r| r.name)
+            .collect()
+    };
+    // (matmul runs a reshape of its own)
+    let inner = ops(&inner);
+    assert!(inner.contains(&"matmul".into()), "{inner:?}");
+    assert!(
+        !inner.contains(&"exp".into()) && !inner.contains(&"tanh".into()),
+        "{inner:?}"
+    );
+    let outer = ops(&outer);
+    for op in ["exp", "matmul", "tanh"] {
+        assert!(outer.contains(&op.into()), "{op}: {outer:?}");
+    }
     Ok(())
 }
