@@ -275,13 +275,17 @@ fn run_compiled_optimizer<M: Module>(
             .forward(x)?
             .cross_entropy(y, None, 0.0, Reduction::Mean)?;
         loss.backward()?;
-        let builds = kiln::cuda::kernel_cache_stats().0;
-        let t = std::time::Instant::now();
-        opt_step.call(&[])?;
-        if let Some(timed) = timed {
-            let built = kiln::cuda::kernel_cache_stats().0 - builds;
-            timed.set((t.elapsed().as_secs_f64(), built));
-        }
+        match timed {
+            None => opt_step.call(&[])?,
+            Some(timed) => {
+                let builds = kiln::cuda::kernel_cache_stats().0;
+                let t = std::time::Instant::now();
+                let out = opt_step.call(&[])?;
+                let built = kiln::cuda::kernel_cache_stats().0 - builds;
+                timed.set((t.elapsed().as_secs_f64(), built));
+                out
+            }
+        };
         Ok(loss)
     };
     let one = || run(None);
