@@ -203,17 +203,22 @@ pub(crate) fn decode<'a>(lines: impl IntoIterator<Item = &'a str>, device: Devic
 
 #[cfg(test)]
 impl Conv {
-    /// A stride-1, padding-1 channels-last convolution of operands `shapes` (f32) on `device`.
+    /// The geometry of the tests' convolutions: stride 1, padding 1, channels-last.
+    pub(crate) fn same_padding() -> kiln_core::prim::ConvParams {
+        kiln_core::prim::ConvParams {
+            stride: [1, 1],
+            padding: [1, 1],
+            dilation: [1, 1],
+            groups: 1,
+            channels_last: true,
+        }
+    }
+
+    /// A `same_padding` convolution of operands `shapes` (f32) on `device`.
     pub(crate) fn of(shapes: &[&[usize]], device: Device) -> Conv {
         Conv {
             conv: ConvUse {
-                prim: Prim::Conv2d(kiln_core::prim::ConvParams {
-                    stride: [1, 1],
-                    padding: [1, 1],
-                    dilation: [1, 1],
-                    groups: 1,
-                    channels_last: true,
-                }),
+                prim: Prim::Conv2d(Conv::same_padding()),
                 operands: shapes.iter().map(|s| (s.to_vec(), DType::F32)).collect(),
                 count: 1,
             },
@@ -263,14 +268,7 @@ mod tests {
     #[test]
     fn distinct_convolutions_are_counted() {
         use crate::test_graphs::{input, push};
-        let params = kiln_core::prim::ConvParams {
-            stride: [1, 1],
-            padding: [1, 1],
-            dilation: [1, 1],
-            groups: 1,
-            channels_last: true,
-        };
-        let conv = Op::Prim(Prim::Conv2d(params));
+        let conv = Op::Prim(Prim::Conv2d(Conv::same_padding()));
         let mut g = Graph::default();
         let x = input(&mut g, &[2, 8, 8, 16]);
         let (w16, w32) = (
