@@ -73,6 +73,7 @@ pub fn set_conv_engine(engine: ConvEngine) {
     backends::set(Switch::CudnnConv, engine == ConvEngine::Cudnn);
 }
 
+/// The convolution engine set (`set_conv_engine`; `Auto` unless one was forced).
 pub fn conv_engine() -> ConvEngine {
     match (
         backends::get(Switch::GeneratedConv),

@@ -11,6 +11,7 @@
 
 use kiln::core::dispatch::apply;
 use kiln::core::prim::{ConvParams, Prim};
+use kiln::cuda::ConvEngine;
 use kiln::{DType, Tensor};
 
 use super::BenchResult;
@@ -66,6 +67,12 @@ const RESNET18_SHAPES: &[Shape] = &[
 
 const KINDS: [&str; 3] = ["forward", "grad_input", "grad_weight"];
 
+/// The engines compared, by the name their rows carry (`totals`' first index).
+const ENGINES: [(&str, ConvEngine); 2] = [
+    ("cudnn", ConvEngine::Cudnn),
+    ("generated", ConvEngine::Generated),
+];
+
 /// DenseNet-121's convolutions.
 pub fn run(ctx: &mut Ctx) -> BenchResult {
     run_shapes(ctx, SHAPES, "convs_step")
@@ -100,11 +107,8 @@ fn run_shapes(ctx: &mut Ctx, shapes: &[Shape], step: &str) -> BenchResult {
             let w = Tensor::randn(&ws, DType::F32)?.to(ctx.dev)?;
             let dy = Tensor::randn(&[BATCH, oh, oh, k], DType::F32)?.to(ctx.dev)?;
             let flops = 2.0 * (BATCH * oh * oh * k * r * r * c) as f64;
-            for (e, engine) in ["cudnn", "generated"].into_iter().enumerate() {
-                kiln::cuda::set_conv_engine(match e {
-                    0 => kiln::cuda::ConvEngine::Cudnn,
-                    _ => kiln::cuda::ConvEngine::Generated,
-                });
+            for (e, (engine, setting)) in ENGINES.into_iter().enumerate() {
+                kiln::cuda::set_conv_engine(setting);
                 for (kind_index, kind) in KINDS.into_iter().enumerate() {
                     let call = || match kind_index {
                         0 => apply(Prim::Conv2d(p), &[&x, &w]),
@@ -127,7 +131,7 @@ fn run_shapes(ctx: &mut Ctx, shapes: &[Shape], step: &str) -> BenchResult {
                     let t = timer.time(&format!("{label} {kind} {engine}"), call)?;
                     let (w_name, variant) = (format!("convs_{label}"), format!("{kind}_{engine}"));
                     ctx.emit(&w_name, &variant, "call", t.us(), "us");
-                    if e == 1 {
+                    if setting == ConvEngine::Generated {
                         // which family ran it: 1 where Hopper's kernels did, 0 the mma.sync ones
                         let hopper_share = (kiln::cuda::hopper_convs() - hopper) as f64
                             / (kiln::cuda::generated_convs() - ran).max(1) as f64;
@@ -145,7 +149,7 @@ fn run_shapes(ctx: &mut Ctx, shapes: &[Shape], step: &str) -> BenchResult {
     });
     kiln::cuda::set_conv_engine(was);
     r?;
-    for (e, engine) in ["cudnn", "generated"].into_iter().enumerate() {
+    for (e, (engine, _)) in ENGINES.into_iter().enumerate() {
         for (k, kind) in KINDS.into_iter().enumerate() {
             let variant = format!("{kind}_{engine}");
             ctx.emit(step, &variant, "weighted_total", totals[e][k], "ms");
